@@ -1,0 +1,29 @@
+"""Every FLASHRT_* environment variable, typed, in one place.
+
+Values are read at call time, so a test or a long-running process can change
+them without re-importing flashrt.
+"""
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def cache_dir() -> str | None:
+    """FLASHRT_CACHE_DIR: where compiled cubins live (default: the platformdirs user cache dir)."""
+    value = os.environ.get("FLASHRT_CACHE_DIR", "").strip()
+    return value or None
+
+
+def no_compile() -> bool:
+    """FLASHRT_NO_COMPILE=1: a cache miss is an error instead of a compile (proves a prewarm covered everything)."""
+    return _flag("FLASHRT_NO_COMPILE")
+
+
+VARIABLES = {
+    "FLASHRT_CACHE_DIR": cache_dir.__doc__,
+    "FLASHRT_NO_COMPILE": no_compile.__doc__,
+}

@@ -1,0 +1,284 @@
+"""On-disk cache of compiled cubins.
+
+Location: FLASHRT_CACHE_DIR, else the platformdirs user cache dir.
+
+An entry is one file, `<variant name>-<key prefix>.cubin`: a magic line, a JSON
+header line (key, payload sha256 and size, NVRTC version, options, timing) and
+the cubin. The key hashes the flashrt version, every file in kernels_cu/, the
+variant's parameters, the NVRTC options, the NVRTC version and the arch, so any
+change to any of them is a miss, never a stale hit.
+
+Life cycle of a lookup (as FlashInfer's JIT does it): memory -> disk -> lock ->
+disk again -> compile -> atomic write (temp file in the same folder, then
+os.replace). An entry that fails its checksum is recompiled with a warning and
+never loaded. Several processes may compile the same variant at once: each
+either waits on the entry's lock or writes an identical file atomically. A
+cache folder that cannot be written falls back to compiling in memory, with
+one warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+from . import _env, nvrtc
+from ._version import __version__
+from .spec import KernelSpec
+
+log = logging.getLogger("flashrt")
+
+_MAGIC = b"FLASHRT-CUBIN 1\n"
+_SUFFIX = ".cubin"
+
+
+class CacheMiss(RuntimeError):
+    """A kernel is not cached and FLASHRT_NO_COMPILE=1 forbids compiling it."""
+
+
+class CacheWarning(UserWarning):
+    pass
+
+
+# ---------------------------------------------------------------------------
+# Kernel sources
+# ---------------------------------------------------------------------------
+def kernels_dir() -> Path:
+    """kernels_cu/ inside the installed package, or beside it in a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"flashrt's kernel sources (kernels_cu/) are missing next to {here}; reinstall flashrt")
+
+
+@lru_cache(maxsize=None)
+def kernel_sources() -> dict[str, str]:
+    """Every kernel source file by name; passed to NVRTC as in-memory headers."""
+    d = kernels_dir()
+    return {p.name: p.read_text() for p in sorted(d.iterdir()) if p.suffix in (".cu", ".cuh")}
+
+
+@lru_cache(maxsize=None)
+def sources_hash() -> str:
+    h = hashlib.sha256()
+    for name, text in kernel_sources().items():
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# Keys and paths
+# ---------------------------------------------------------------------------
+def cache_dir() -> Path:
+    override = _env.cache_dir()
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("flashrt", appauthor=False))
+
+
+def entry_key(spec: KernelSpec) -> str:
+    fields = {
+        "flashrt": __version__,
+        "sources": sources_hash(),
+        "spec": spec.key_fields(),
+        "options": spec.options(),
+        "nvrtc": list(nvrtc.version()),
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def entry_path(spec: KernelSpec, key: str) -> Path:
+    return cache_dir() / f"{spec.name}-{key[:16]}{_SUFFIX}"
+
+
+# ---------------------------------------------------------------------------
+# Entry encoding
+# ---------------------------------------------------------------------------
+def encode_entry(key: str, cubin: bytes, meta: dict) -> bytes:
+    header = dict(meta, key=key, sha256=hashlib.sha256(cubin).hexdigest(), size=len(cubin))
+    return _MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + cubin
+
+
+def decode_entry(raw: bytes, key: str | None = None) -> tuple[dict, bytes]:
+    """(header, cubin) of a cache file; ValueError says why an entry is unusable."""
+    if not raw.startswith(_MAGIC):
+        raise ValueError("bad magic")
+    end = raw.find(b"\n", len(_MAGIC))
+    if end < 0:
+        raise ValueError("truncated header")
+    try:
+        header = json.loads(raw[len(_MAGIC):end])
+    except ValueError as exc:
+        raise ValueError(f"corrupt header ({exc})") from None
+    cubin = raw[end + 1:]
+    if not isinstance(header, dict) or len(cubin) != header.get("size"):
+        raise ValueError(f"truncated payload ({len(cubin)} bytes, header says {header.get('size')})")
+    if hashlib.sha256(cubin).hexdigest() != header.get("sha256"):
+        raise ValueError("checksum mismatch")
+    if key is not None and header.get("key") != key:
+        raise ValueError("key mismatch")
+    return header, cubin
+
+
+# ---------------------------------------------------------------------------
+# Lookup
+# ---------------------------------------------------------------------------
+_memory: dict[str, bytes] = {}
+_key_locks: dict[str, threading.Lock] = {}
+_guard = threading.Lock()
+_warned: set[str] = set()
+
+
+def _warn_once(tag: str, message: str) -> None:
+    with _guard:
+        if tag in _warned:
+            return
+        _warned.add(tag)
+    warnings.warn(message, CacheWarning, stacklevel=3)
+
+
+def _read(path: Path, key: str) -> bytes | None:
+    try:
+        raw = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        _warn_once(f"read:{path}", f"flashrt: cannot read cache entry {path} ({exc}); recompiling")
+        return None
+    try:
+        return decode_entry(raw, key)[1]
+    except ValueError as exc:
+        _warn_once(f"corrupt:{path}", f"flashrt: cache entry {path} is unusable ({exc}); recompiling it")
+        return None
+
+
+def prewarm_command(spec: KernelSpec) -> str:
+    return (f"flashrt prewarm --arch {spec.arch} --head-dims {spec.head_dim} --dtypes {spec.dtype}")
+
+
+def get_cubin(spec: KernelSpec) -> bytes:
+    return lookup(spec)[0]
+
+
+def lookup(spec: KernelSpec) -> tuple[bytes, str]:
+    """(cubin, where it came from: 'memory' | 'disk' | 'compiled')."""
+    key = entry_key(spec)
+    cubin = _memory.get(key)
+    if cubin is not None:
+        return cubin, "memory"
+    with _guard:
+        key_lock = _key_locks.setdefault(key, threading.Lock())
+    with key_lock:
+        cubin = _memory.get(key)
+        if cubin is not None:
+            return cubin, "memory"
+        path = entry_path(spec, key)
+        cubin = _read(path, key)
+        status = "disk"
+        if cubin is None:
+            if _env.no_compile():
+                raise CacheMiss(f"flashrt: kernel {spec.name} is not in the cache ({cache_dir()}) and "
+                                f"FLASHRT_NO_COMPILE=1 forbids compiling it; fill the cache with: "
+                                f"{prewarm_command(spec)}")
+            cubin, status = _compile_and_store(spec, key, path)
+        _memory[key] = cubin
+        return cubin, status
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Exclusive lock on `path`.lock across processes; yields False when the folder is not writable."""
+    try:
+        import fcntl
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _compile(spec: KernelSpec) -> tuple[bytes, dict]:
+    t0 = time.perf_counter()
+    cubin, compile_log = nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options(), kernel_sources())
+    seconds = time.perf_counter() - t0
+    log.info("flashrt: compiled %s in %.2fs", spec.name, seconds)
+    meta = {"name": spec.name, "arch": spec.arch, "options": spec.options(), "nvrtc": list(nvrtc.version()),
+            "flashrt": __version__, "compile_s": round(seconds, 3), "created": time.time(), "log": compile_log}
+    return cubin, meta
+
+
+def _compile_and_store(spec: KernelSpec, key: str, path: Path) -> tuple[bytes, str]:
+    with _file_lock(path) as writable:
+        if writable:
+            cubin = _read(path, key)  # another process may have finished it while we waited
+            if cubin is not None:
+                return cubin, "disk"
+        cubin, meta = _compile(spec)
+        if not writable:
+            _warn_once("readonly", f"flashrt: cache folder {path.parent} is not writable; compiling in memory "
+                                   f"(set FLASHRT_CACHE_DIR to a writable folder to keep compiled kernels)")
+            return cubin, "compiled"
+        try:
+            _atomic_write(path, encode_entry(key, cubin, meta))
+        except OSError as exc:
+            _warn_once("write", f"flashrt: could not write cache entry {path} ({exc}); using it from memory")
+        return cubin, "compiled"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------
+# Inspection (CLI: flashrt cache info / clear)
+# ---------------------------------------------------------------------------
+def entries() -> list[tuple[Path, dict | None]]:
+    """Every cache file with its header, or None for an unusable one."""
+    d = cache_dir()
+    out = []
+    for path in sorted(d.glob(f"*{_SUFFIX}")) if d.is_dir() else []:
+        try:
+            header = decode_entry(path.read_bytes())[0]
+        except (OSError, ValueError):
+            header = None
+        out.append((path, header))
+    return out
+
+
+def clear() -> int:
+    """Remove every flashrt file from the cache folder; returns how many were removed."""
+    d = cache_dir()
+    removed = 0
+    if d.is_dir():
+        for path in d.iterdir():
+            if path.name.startswith("flashrt_") and (path.suffix in (_SUFFIX, ".lock", ".tmp")):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed += 1
+    _memory.clear()
+    return removed

@@ -1,0 +1,85 @@
+"""torch tensors and CuPy arrays -> one descriptor; outputs and streams in the caller's library.
+
+No data is converted or copied: kernels read the caller's memory through its
+pointer and strides, outputs are allocated by the caller's own library (torch's
+caching allocator or CuPy's memory pool), and kernels run on that library's
+current stream, so no host synchronisation is needed. (torch <-> CuPy exchange,
+where a user wants it, goes through DLPack; CuPy reads bf16 only with
+ml_dtypes installed, and torch exports a tensor that requires grad only
+after .detach().)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    obj: object
+    lib: str                 # "torch" | "cupy"
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str               # "bf16" | "fp16" | the library's own name for anything else
+    device: int              # CUDA device index; -1 for host memory
+    itemsize: int
+
+
+def _lib_of(x) -> str | None:
+    mod = type(x).__module__.split(".")[0]
+    return mod if mod in ("torch", "cupy") else None
+
+
+def describe(x, name: str) -> Array:
+    """Descriptor of a torch tensor or CuPy array; TypeError names the argument otherwise."""
+    lib = _lib_of(x)
+    if lib == "torch":
+        dtype = str(x.dtype).replace("torch.", "")
+        device = x.device.index if x.is_cuda else -1
+        if x.is_cuda and device is None:
+            device = 0
+        return Array(x, lib, x.data_ptr(), tuple(x.shape), tuple(x.stride()), DTYPE_NAMES.get(dtype, dtype),
+                     device, x.element_size())
+    if lib == "cupy":
+        import cupy
+        if isinstance(x, cupy.ndarray):
+            itemsize = x.dtype.itemsize
+            dtype = x.dtype.name
+            return Array(x, lib, x.data.ptr, tuple(x.shape), tuple(s // itemsize for s in x.strides),
+                         DTYPE_NAMES.get(dtype, dtype), x.device.id, itemsize)
+    raise TypeError(f"{name} must be a torch CUDA tensor or a CuPy array, got {type(x).__module__}.{type(x).__name__}")
+
+
+def empty(like: Array, shape: tuple[int, ...], float32: bool = False):
+    """Uninitialised array in like's library and device; like's dtype, or fp32."""
+    if like.lib == "torch":
+        import torch
+        return torch.empty(shape, dtype=torch.float32 if float32 else like.obj.dtype, device=like.obj.device)
+    import cupy
+    with cupy.cuda.Device(like.device):
+        return cupy.empty(shape, dtype=cupy.float32 if float32 else like.obj.dtype)
+
+
+def full(like: Array, shape: tuple[int, ...], value: float, float32: bool = False):
+    out = empty(like, shape, float32)
+    out.fill_(value) if like.lib == "torch" else out.fill(value)
+    return out
+
+
+_external_streams: dict[tuple[int, int], object] = {}
+
+
+def stream(like: Array):
+    """The stream to launch on: the caller's library's current stream on like's device."""
+    import cupy
+    if like.lib == "cupy":
+        with cupy.cuda.Device(like.device):
+            return cupy.cuda.get_current_stream()
+    import torch
+    ptr = torch.cuda.current_stream(like.device).cuda_stream
+    s = _external_streams.get((like.device, ptr))
+    if s is None:
+        s = _external_streams[(like.device, ptr)] = cupy.cuda.ExternalStream(ptr, like.device)
+    return s

@@ -1,0 +1,146 @@
+"""Everything that touches the GPU: device limits, module loading, grids, launches.
+
+Kernels are loaded once per (variant, device) from cubin bytes that cache.py
+has checksummed. Grids and dynamic shared memory are computed here from the
+KernelSpec (whose smem formula the kernel static_asserts) and checked against
+the device before launch, so a misfit is a clear error, not a failed launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from functools import lru_cache
+
+import numpy as np
+
+from . import cache, tiles
+from .spec import KernelSpec
+
+_DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel gets without opting in
+_MAX_GRID_YZ = 65535
+
+
+class LaunchError(RuntimeError):
+    """A kernel cannot be launched on this device as configured."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    index: int
+    name: str
+    arch: str          # the arch flashrt compiles for: sm_90a on Hopper, else sm_<major><minor>
+    sm_count: int
+    smem_optin: int    # max dynamic + static shared memory per block after opting in
+
+
+def arch_for(major: int, minor: int) -> str:
+    # sm_90a unlocks Hopper-only instructions; its cubins run only on compute capability 9.0.
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+@lru_cache(maxsize=None)
+def device(index: int) -> Device:
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(index)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return Device(index, name, arch_for(props["major"], props["minor"]), props["multiProcessorCount"],
+                  props["sharedMemPerBlockOptin"])
+
+
+@lru_cache(maxsize=None)
+def pick(family: str, head_dim: int, dtype: str, causal: bool, dev: Device) -> KernelSpec:
+    return tiles.pick_nw(family, head_dim, dtype, causal, dev.arch, dev.smem_optin)
+
+
+# ---------------------------------------------------------------------------
+# Grids
+# ---------------------------------------------------------------------------
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132) -> tuple[int, int, int]:
+    """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu."""
+    if spec.family in ("fwd", "bwd_dq"):
+        g = (_cdiv(Sq, spec.block_m), H, B)
+    elif spec.family == "bwd_dkdv":
+        g = (_cdiv(Sk, spec.block_n), Hkv, B)
+    elif spec.family == "bwd_preprocess":
+        # grid-stride over B*H*Sq rows, one warp per row; enough blocks to fill the device
+        rows = B * H * Sq
+        g = (max(1, min(_cdiv(rows, spec.warps), 32 * sm_count)), 1, 1)
+    else:
+        raise ValueError(spec.family)
+    if g[1] > _MAX_GRID_YZ or g[2] > _MAX_GRID_YZ:
+        raise LaunchError(f"{spec.name}: grid {g} exceeds the CUDA limit of {_MAX_GRID_YZ} on its y/z axes "
+                          f"(heads={H}, batch={B}); split the batch into chunks of at most {_MAX_GRID_YZ}")
+    return g
+
+
+# ---------------------------------------------------------------------------
+# Loading and launching
+# ---------------------------------------------------------------------------
+_functions: dict[tuple[str, int], object] = {}
+_load_lock = threading.Lock()
+
+
+def check_fits(spec: KernelSpec, dev: Device) -> None:
+    if spec.smem_bytes > dev.smem_optin:
+        raise LaunchError(f"{spec.name} needs {spec.smem_bytes} bytes of shared memory per block but "
+                          f"{dev.name} allows at most {dev.smem_optin}; use a smaller tiling "
+                          f"(tiles.pick_nw chooses one that fits)")
+
+
+def function(spec: KernelSpec, dev: Device):
+    """The loaded kernel of `spec` on `dev` (compiled or read from cache on first use)."""
+    fn = _functions.get((spec.name, dev.index))
+    if fn is not None:
+        return fn
+    check_fits(spec, dev)
+    cubin = cache.get_cubin(spec)
+    import cupy
+    from cupy_backends.cuda.api import driver
+    with _load_lock, cupy.cuda.Device(dev.index):
+        fn = _functions.get((spec.name, dev.index))
+        if fn is None:
+            module = cupy.cuda.function.Module()
+            module.load(cubin)
+            fn = module.get_function(spec.name)
+            static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn.ptr)
+            max_threads = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn.ptr)
+            if spec.threads > max_threads:
+                regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn.ptr)
+                raise LaunchError(f"{spec.name} uses {regs} registers per thread, so at most {max_threads} "
+                                  f"threads per block fit on {dev.name}, but it needs {spec.threads}")
+            if static + spec.smem_bytes > dev.smem_optin:
+                raise LaunchError(f"{spec.name} needs {static + spec.smem_bytes} bytes of shared memory "
+                                  f"({spec.smem_bytes} dynamic + {static} static) but {dev.name} allows "
+                                  f"{dev.smem_optin}")
+            if spec.smem_bytes > _DEFAULT_SMEM:
+                driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        spec.smem_bytes)
+            _functions[(spec.name, dev.index)] = fn
+    return fn
+
+
+def function_attributes(spec: KernelSpec, dev: Device) -> dict:
+    """Registers, spills (local bytes) and shared memory of a loaded kernel."""
+    from cupy_backends.cuda.api import driver
+    fn = function(spec, dev)
+    get = lambda attr: driver.funcGetAttribute(attr, fn.ptr)  # noqa: E731
+    return {"num_regs": get(driver.CU_FUNC_ATTRIBUTE_NUM_REGS),
+            "local_size_bytes": get(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+            "shared_size_bytes": get(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
+            "max_dynamic_shared_size_bytes": get(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)}
+
+
+def launch(spec: KernelSpec, dev: Device, grid_dims: tuple[int, int, int], args: np.ndarray, stream) -> None:
+    """Launch `spec` with its params struct `args` (a one-element structured array) on `stream`."""
+    import cupy
+    fn = function(spec, dev)
+    with cupy.cuda.Device(dev.index):
+        try:
+            fn(grid_dims, (spec.threads, 1, 1), (args,), shared_mem=spec.smem_bytes, stream=stream)
+        except Exception as exc:
+            raise LaunchError(f"launch of {spec.name} failed (grid={grid_dims}, block={spec.threads}, "
+                              f"dynamic smem={spec.smem_bytes} B): {exc}") from exc

@@ -1,0 +1,39 @@
+"""Host mirrors of the kernel argument structs in kernels_cu/params.cuh.
+
+A struct is passed to a kernel by value as a one-element numpy structured
+array. Every compiled variant includes `static_asserts`, a check of the
+struct's size; tests/test_spec.py compares the field lists with the header.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_PTR, _I64, _I32, _F32 = np.uint64, np.int64, np.int32, np.float32
+
+
+def _strides(*tensors: str) -> list[tuple[str, type]]:
+    return [(f"{t}_{axis}", _I64) for t in tensors for axis in ("sb", "ss", "sh")]
+
+
+FWD = np.dtype(
+    [(n, _PTR) for n in ("q", "k", "v", "o", "lse")]
+    + _strides("q", "k", "v", "o")
+    + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk")]
+    + [("scale_log2", _F32)],
+    align=True,
+)
+
+BWD = np.dtype(
+    [(n, _PTR) for n in ("q", "k", "v", "o", "dout", "lse", "lse2", "delta", "dq", "dk", "dv")]
+    + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
+    + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk")]
+    + [("scale_log2", _F32), ("scale", _F32)],
+    align=True,
+)
+
+C_NAMES = {FWD: "frt::FwdParams", BWD: "frt::BwdParams"}
+
+
+def static_asserts(dtype: np.dtype) -> str:
+    c = C_NAMES[dtype]
+    return f'static_assert(sizeof({c}) == {dtype.itemsize}, "flashrt/params.py disagrees on sizeof({c})");\n'

@@ -1,0 +1,132 @@
+"""KernelSpec: one compiled kernel variant.
+
+A spec fixes everything that is baked in at compile time (family, head_dim,
+dtype, tiles, warps, mask mode, arch). It derives the variant's name (used for
+the kernel symbol, the cache file, log lines and errors), its NVRTC options,
+its translation unit, and its dynamic shared memory, computed by the same
+formula as the kernel's traits struct (the kernel static_asserts the two agree).
+Sequence lengths, batch, heads and strides are run-time arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from . import params
+
+FAMILIES = {
+    # family: (source file, params struct)
+    "fwd": ("fwd.cu", params.FWD),
+    "bwd_preprocess": ("bwd_preprocess.cu", params.BWD),
+    "bwd_dq": ("bwd_dq.cu", params.BWD),
+    "bwd_dkdv": ("bwd_dkdv.cu", params.BWD),
+}
+DTYPES = ("bf16", "fp16")
+ARCH_RE = re.compile(r"sm_(\d+)(a?)")
+HEAD_DIMS = tuple(range(8, 257, 8))
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _pitch(cols: int) -> int:
+    """Bytes per row of a padded shared tile of `cols` 16-bit elements (common.cuh: Pitch)."""
+    return (cols + 8) * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    family: str
+    head_dim: int
+    dtype: str
+    block_m: int
+    block_n: int
+    warps: int
+    causal: bool
+    arch: str
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown kernel family {self.family!r}; expected one of {sorted(FAMILIES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be a multiple of 8 in [8, 256], got {self.head_dim}")
+        if not ARCH_RE.fullmatch(self.arch):
+            raise ValueError(f"arch must look like sm_80 or sm_90a, got {self.arch!r}")
+        problem = self.layout_problem()
+        if problem:
+            raise ValueError(f"invalid tiling for {self.name}: {problem}")
+
+    # -- identity -----------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        if self.family == "bwd_preprocess":
+            return f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_w{self.warps}_{self.arch}"
+        mask = "causal" if self.causal else "full"
+        return (f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_{mask}"
+                f"_m{self.block_m}n{self.block_n}w{self.warps}_{self.arch}")
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    # -- geometry (mirrors the traits structs in kernels_cu/*.cu) ------------------
+    def layout_problem(self) -> str | None:
+        """Why the kernel's static_asserts would reject this tiling, or None."""
+        bm, bn, nw = self.block_m, self.block_n, self.warps
+        if nw < 1 or nw > 16:
+            return "warps must be in [1, 16]"
+        if self.family == "bwd_preprocess":
+            return None
+        if bn % 16 or bm % 16 or bm <= 0 or bn <= 0:
+            return "block_m and block_n must be positive multiples of 16"
+        if self.family in ("fwd", "bwd_dq"):
+            return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
+        wn = min(nw, bn // 16)
+        if nw % wn:
+            return "warps must split evenly over the key tile (block_n / 16)"
+        wq = nw // wn
+        if bm % (8 * wq):
+            return "block_m must split evenly over the query warps"
+        if _round_up(self.head_dim, 16) % (8 * wq):
+            return "head_dim must split evenly over the head_dim warps"
+        return None
+
+    @property
+    def smem_bytes(self) -> int:
+        bm, bn = self.block_m, self.block_n
+        ld = _pitch(_round_up(self.head_dim, 16))
+        if self.family == "fwd":  # Q + 2 stages of (K, V)
+            return bm * ld + 2 * 2 * bn * ld
+        if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
+            return 2 * bm * ld + 2 * 2 * bn * ld
+        if self.family == "bwd_dkdv":  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)
+            return 2 * bn * ld + 2 * 2 * bm * ld + 2 * bn * _pitch(bm) + 2 * 2 * bm * 4
+        return 0
+
+    # -- compilation ----------------------------------------------------------------
+    @property
+    def source_file(self) -> str:
+        return FAMILIES[self.family][0]
+
+    def options(self) -> list[str]:
+        defines = {
+            "FRT_KERNEL_NAME": self.name,
+            "FRT_HEAD_DIM": self.head_dim,
+            "FRT_BLOCK_M": self.block_m,
+            "FRT_BLOCK_N": self.block_n,
+            "FRT_WARPS": self.warps,
+            "FRT_BF16": int(self.dtype == "bf16"),
+            "FRT_CAUSAL": int(self.causal),
+            "FRT_SMEM_BYTES": self.smem_bytes,
+        }
+        return [*NVRTC_OPTIONS, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in defines.items())]
+
+    def translation_unit(self) -> str:
+        return f'#include "{self.source_file}"\n' + params.static_asserts(FAMILIES[self.family][1])
+
+    def key_fields(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,65 @@
+"""The one place that chooses tile sizes and warps for a kernel variant.
+
+`pick_nw` walks a preference list for (family, head_dim) and returns the first
+tiling whose dynamic shared memory fits the device's opt-in limit. The lists
+come from the register/shared-memory budget of each kernel (no register spills
+on sm_90a with NVRTC 12.9/13.0, checked by tests/test_compile.py) and are the
+starting point for tuning by measurement (docs/perf-notes.md).
+"""
+from __future__ import annotations
+
+from .spec import KernelSpec
+
+# family -> [(max head_dim, [(block_m, block_n, warps), ...] in order of preference)]
+_PREFERENCES = {
+    "fwd": [
+        (128, [(128, 64, 8), (64, 64, 4)]),
+        (192, [(64, 64, 4)]),
+        (256, [(64, 32, 4)]),
+    ],
+    "bwd_dq": [
+        (128, [(64, 64, 4)]),
+        (224, [(64, 32, 4)]),
+        (248, [(64, 16, 4)]),  # block_n 32 spills at head_dim 232 (NVRTC 12.9)
+        (256, [(64, 32, 4)]),
+    ],
+    "bwd_dkdv": [
+        (128, [(64, 64, 8)]),
+        (256, [(64, 32, 8), (32, 64, 8)]),
+    ],
+    "bwd_preprocess": [(256, [(0, 0, 8)])],
+}
+# Smaller tilings, tried in order when none of the preferred ones fits.
+_FALLBACKS = {
+    "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
+    "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
+    "bwd_dkdv": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
+    "bwd_preprocess": [],
+}
+
+
+class TilingError(RuntimeError):
+    """No tiling of a kernel fits the device."""
+
+
+def candidates(family: str, head_dim: int) -> list[tuple[int, int, int]]:
+    for max_d, prefs in _PREFERENCES[family]:
+        if head_dim <= max_d:
+            return prefs + [f for f in _FALLBACKS[family] if f not in prefs]
+    raise ValueError(f"head_dim must be at most 256, got {head_dim}")
+
+
+def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int) -> KernelSpec:
+    """Tiles and warps for one kernel: the first preferred tiling that fits `smem_limit` bytes."""
+    tried = []
+    for bm, bn, nw in candidates(family, head_dim):
+        try:
+            spec = KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and family != "bwd_preprocess", arch)
+        except ValueError as exc:  # this tiling does not divide this head_dim; try the next
+            tried.append(str(exc))
+            continue
+        if spec.smem_bytes <= smem_limit:
+            return spec
+        tried.append(f"{spec.name}: {spec.smem_bytes} B")
+    raise TilingError(f"no tiling of {family} for head_dim={head_dim} fits the device's shared memory limit of "
+                      f"{smem_limit} bytes per block; required: " + ", ".join(tried))

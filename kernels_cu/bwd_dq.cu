@@ -1,0 +1,131 @@
+// Attention backward, dQ = scale * dS K with dS = P o (dO V^T - delta).
+//
+// Grid (ceil(Sq / BM), H, B): one block owns a query tile and loops over the
+// key tiles it can see, so every dQ element is written by exactly one thread
+// (no atomics: bitwise deterministic). P is recomputed from lse2 (see
+// bwd_preprocess.cu). K/V tiles use a two-stage cp.async pipeline.
+#include "params.cuh"
+
+namespace frt {
+
+template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
+struct DqTraits {
+    static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
+    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
+    static constexpr int DP = round_up(D, 16);
+    static constexpr int NTHREADS = NW * 32;
+    static constexpr int MT = BM / (16 * NW);
+    static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+    static_assert(BM % (16 * NW) == 0, "block_m must be a multiple of 16 * warps");
+    static_assert(BN % 16 == 0, "block_n must be a multiple of 16");
+    static constexpr int LD = Pitch<DP>::bytes;
+    static constexpr int SMEM_Q = BM * LD;            // Q, then dO right after
+    static constexpr int SMEM_KV_STAGE = 2 * BN * LD;  // K, then V
+    static constexpr int SMEM = 2 * SMEM_Q + 2 * SMEM_KV_STAGE;
+};
+
+template <class T>
+__device__ void bwd_dq(const BwdParams& p) {
+    constexpr int BM = T::BM, BN = T::BN, DP = T::DP, MT = T::MT, LD = T::LD;
+    constexpr int NT_S = BN / 8, NT_D = DP / 8, KS_D = DP / 16, KS_N = BN / 16;
+    extern __shared__ __align__(16) unsigned char smem[];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int m_block = T::CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (p.H / p.Hkv);
+    const int m0 = m_block * BM;
+    const int rows_q = min(BM, p.Sq - m0);
+    const int shift = causal_offset(p.Sq, p.Sk);
+
+    const u16* gk = p.k + b * p.k_sb + hk * p.k_sh;
+    const u16* gv = p.v + b * p.v_sb + hk * p.v_sh;
+    const int key_end = T::CAUSAL ? min(p.Sk, m0 + BM + shift) : p.Sk;
+    const int n_blocks = key_end > 0 ? ceil_div(key_end, BN) : 0;
+
+    const u32 sQ = smem_u32(smem), sdO = sQ + T::SMEM_Q;
+    const u32 sKV = sdO + T::SMEM_Q;
+    const int wrow = warp * MT * 16;
+
+    auto load_kv = [&](int j, int stage) {
+        const int n0 = j * BN;
+        const u32 sK = sKV + stage * T::SMEM_KV_STAGE;
+        load_tile<BN, T::D, T::NTHREADS>(sK, gk + (i64)n0 * p.k_ss, p.k_ss, p.Sk - n0, tid);
+        load_tile<BN, T::D, T::NTHREADS>(sK + BN * LD, gv + (i64)n0 * p.v_ss, p.v_ss, p.Sk - n0, tid);
+    };
+
+    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + (i64)m0 * p.q_ss + h * p.q_sh, p.q_ss, rows_q, tid);
+    load_tile<BM, T::D, T::NTHREADS>(sdO, p.dout + b * p.do_sb + (i64)m0 * p.do_ss + h * p.do_sh, p.do_ss, rows_q,
+                                     tid);
+    if (n_blocks > 0) load_kv(0, 0);
+    cp_async_commit();
+
+    // Per-row statistics of the two rows each thread holds per m-tile.
+    const i64 stat0 = ((i64)b * p.H + h) * p.Sq + m0;
+    float lse2[MT][2], delta[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = wrow + mt * 16 + g + 8 * hh;
+            lse2[mt][hh] = r < rows_q ? p.lse2[stat0 + r] : FRT_INF;
+            delta[mt][hh] = r < rows_q ? p.delta[stat0 + r] : 0.f;
+        }
+
+    float dq[MT][NT_D][4];
+    zero(dq);
+    for (int j = 0; j < n_blocks; ++j) {
+        const int n0 = j * BN, stage = j & 1;
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);
+        cp_async_commit();
+        const u32 sK = sKV + stage * T::SMEM_KV_STAGE, sV = sK + BN * LD;
+
+        float s[MT][NT_S][4];
+        zero(s);
+        gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(s, sQ + wrow * LD, LD, sK, LD, lane);
+        float dp[MT][NT_S][4];
+        zero(dp);
+        gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(dp, sdO + wrow * LD, LD, sV, LD, lane);
+
+        const bool need_mask = n0 + BN > p.Sk || (T::CAUSAL && n0 + BN - 1 > m0 + shift);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int hh = c >> 1;
+                    float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -lse2[mt][hh]));
+                    if (need_mask) {
+                        const int row = m0 + wrow + mt * 16 + g + 8 * hh;
+                        const int col = n0 + nt * 8 + 2 * t + (c & 1);
+                        if (col >= p.Sk || (T::CAUSAL && col > row + shift)) pr = 0.f;
+                    }
+                    s[mt][nt][c] = pr * (dp[mt][nt][c] - delta[mt][hh]);  // dS
+                }
+        u32 dsf[KS_N][MT][4];
+        acc_to_a<T::BF16, MT, KS_N>(s, dsf);
+        gemm_rs<T::BF16, MT, NT_D, KS_N, B_KN>(dq, dsf, sK, LD, lane);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    u16* sO = reinterpret_cast<u16*>(smem);
+    acc_to_smem<T::BF16, MT, NT_D>(sO + wrow * Pitch<DP>::elems, Pitch<DP>::elems, dq, p.scale, lane);
+    __syncthreads();
+    store_tile<BM, T::D, T::NTHREADS>(p.dq + b * p.dq_sb + (i64)m0 * p.dq_ss + h * p.dq_sh, p.dq_ss, sO, rows_q, tid);
+}
+
+}  // namespace frt
+
+#ifdef FRT_KERNEL_NAME
+typedef frt::DqTraits<FRT_HEAD_DIM, FRT_BLOCK_M, FRT_BLOCK_N, FRT_WARPS, FRT_BF16, FRT_CAUSAL> FrtTraits;
+static_assert(FrtTraits::SMEM == FRT_SMEM_BYTES, "launcher and kernel disagree on dynamic shared memory");
+// min 1 block/SM: without it ptxas may cap registers to raise occupancy, and spill.
+extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, 1) FRT_KERNEL_NAME(const frt::BwdParams p) {
+    frt::bwd_dq<FrtTraits>(p);
+}
+#endif

@@ -1,0 +1,55 @@
+// Attention backward, preprocess: per query row,
+//   delta = rowsum(dO o O)                          (fp32)
+//   lse2  = lse * log2(e), or +inf where lse = -inf (the row saw no key, so P = 0)
+// One warp per (b, h, i) row; each lane reads 16 bytes of O and dO.
+#include "params.cuh"
+
+namespace frt {
+
+template <int D_, int NW_, bool BF16_>
+struct PreTraits {
+    static constexpr int D = D_, NW = NW_;
+    static constexpr bool BF16 = BF16_;
+    static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+    static constexpr int SMEM = 0;
+};
+
+template <class T>
+__device__ void bwd_preprocess(const BwdParams& p) {
+    const int lane = threadIdx.x & 31;
+    const i64 rows = (i64)p.B * p.H * p.Sq;
+    const i64 stride = (i64)gridDim.x * T::NW;
+    for (i64 r = (i64)blockIdx.x * T::NW + (threadIdx.x >> 5); r < rows; r += stride) {
+        const int i = (int)(r % p.Sq);
+        const i64 bh = r / p.Sq;
+        const int h = (int)(bh % p.H), b = (int)(bh / p.H);
+        float acc = 0.f;
+        for (int c = lane * 8; c < T::D; c += 32 * 8) {
+            const uint4 ov = *reinterpret_cast<const uint4*>(p.o + b * p.o_sb + (i64)i * p.o_ss + h * p.o_sh + c);
+            const uint4 dv =
+                *reinterpret_cast<const uint4*>(p.dout + b * p.do_sb + (i64)i * p.do_ss + h * p.do_sh + c);
+            const u16* o8 = reinterpret_cast<const u16*>(&ov);
+            const u16* d8 = reinterpret_cast<const u16*>(&dv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(Elem<T::BF16>::to_float(o8[e]), Elem<T::BF16>::to_float(d8[e]), acc);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) {
+            const float l = p.lse[r];
+            p.delta[r] = acc;
+            p.lse2[r] = l == -FRT_INF ? FRT_INF : l * kLog2e;
+        }
+    }
+}
+
+}  // namespace frt
+
+#ifdef FRT_KERNEL_NAME
+typedef frt::PreTraits<FRT_HEAD_DIM, FRT_WARPS, FRT_BF16> FrtTraits;
+static_assert(FrtTraits::SMEM == FRT_SMEM_BYTES, "launcher and kernel disagree on dynamic shared memory");
+// min 1 block/SM: without it ptxas may cap registers to raise occupancy, and spill.
+extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, 1) FRT_KERNEL_NAME(const frt::BwdParams p) {
+    frt::bwd_preprocess<FrtTraits>(p);
+}
+#endif

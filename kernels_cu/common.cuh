@@ -1,0 +1,292 @@
+// Device helpers shared by every kernel family.
+//
+// No CUDA header is included anywhere under kernels_cu/: everything below is
+// inline PTX or an NVRTC builtin, so a kernel compiles the same way with any
+// NVRTC 12.x/13.x and no runtime-header version can disagree with the compiler.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define FRT_INF __int_as_float(0x7f800000)
+#define FRT_DEVICE __device__ __forceinline__
+
+namespace frt {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------
+// Shared-memory tile geometry. Rows are padded by 16 bytes: with a payload that
+// is a multiple of 32 bytes, the row pitch is an odd multiple of 16 bytes, so
+// the 8 row addresses of every ldmatrix phase and every 16-byte cp.async phase
+// fall into 8 distinct 16-byte bank groups (no bank conflicts, for any head_dim).
+// ---------------------------------------------------------------------------
+template <int COLS>
+struct Pitch {
+    static_assert(COLS % 16 == 0, "tile columns must be a multiple of 16");
+    static constexpr int elems = COLS + 8;
+    static constexpr int bytes = elems * 2;
+};
+
+FRT_DEVICE u32 smem_u32(const void* p) {
+    u32 r;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// ---------------------------------------------------------------------------
+// Element types: bf16 and fp16 are carried as raw 16-bit words.
+// ---------------------------------------------------------------------------
+template <bool BF16>
+struct Elem;
+
+template <>
+struct Elem<true> {
+    static FRT_DEVICE u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static FRT_DEVICE float to_float(u16 x) { return __int_as_float(((u32)x) << 16); }
+    static FRT_DEVICE void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+template <>
+struct Elem<false> {
+    static FRT_DEVICE u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static FRT_DEVICE float to_float(u16 x) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+        return f;
+    }
+    static FRT_DEVICE void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+FRT_DEVICE float fast_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
+FRT_DEVICE float warp_max4(float x) {  // max over the 4 lanes that share a fragment row
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+FRT_DEVICE float warp_sum4(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------------------------------------
+// ldmatrix / cp.async
+// ---------------------------------------------------------------------------
+FRT_DEVICE void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+FRT_DEVICE void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+FRT_DEVICE void ldsm_x2(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+FRT_DEVICE void ldsm_x2_t(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+// 16-byte global->shared copy; when !valid nothing is read and the 16 bytes are zeroed.
+FRT_DEVICE void cp_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+FRT_DEVICE void cp_async4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
+FRT_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+FRT_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+// Copy a ROWS x D tile (row stride g_stride elements, contiguous columns) into a
+// padded shared tile of ROWS x DP. Rows >= rows_valid and columns >= D are zero.
+template <int ROWS, int D, int NTHREADS>
+FRT_DEVICE void load_tile(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int tid) {
+    constexpr int DP = round_up(D, 16);
+    constexpr int CPR = DP / 8;  // 16-byte chunks per row
+    constexpr int TOTAL = ROWS * CPR;
+#pragma unroll
+    for (int i = 0; i < ceil_div(TOTAL, NTHREADS); ++i) {
+        const int idx = tid + i * NTHREADS;
+        if (TOTAL % NTHREADS == 0 || idx < TOTAL) {
+            const int r = idx / CPR, c = idx % CPR;
+            const bool ok = r < rows_valid && c * 8 < D;
+            const u16* src = ok ? g + (i64)r * g_stride + c * 8 : g;
+            cp_async16(s_tile + r * Pitch<DP>::bytes + c * 16, src, ok);
+        }
+    }
+}
+
+// Store a ROWS x D shared tile (padded pitch) to global with 16-byte stores.
+template <int ROWS, int D, int NTHREADS>
+FRT_DEVICE void store_tile(u16* g, i64 g_stride, const u16* s_tile, int rows_valid, int tid) {
+    constexpr int DP = round_up(D, 16);
+    constexpr int CPR = DP / 8;
+    constexpr int TOTAL = ROWS * CPR;
+#pragma unroll
+    for (int i = 0; i < ceil_div(TOTAL, NTHREADS); ++i) {
+        const int idx = tid + i * NTHREADS;
+        if (TOTAL % NTHREADS == 0 || idx < TOTAL) {
+            const int r = idx / CPR, c = idx % CPR;
+            if (r < rows_valid && c * 8 < D) {
+                const uint4 val = *reinterpret_cast<const uint4*>(s_tile + r * Pitch<DP>::elems + c * 8);
+                *reinterpret_cast<uint4*>(g + (i64)r * g_stride + c * 8) = val;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Warp-level GEMM on m16n8k16 fragments.
+//
+// Accumulator acc[MT][NT][4] covers MT*16 rows x NT*8 columns; element c of
+// fragment (mt, nt) sits at row mt*16 + lane/4 + 8*(c/2), column nt*8 + 2*(lane%4) + c%2.
+//
+// B operand layouts in shared memory:
+//   B_NK: stored [n][k] (k contiguous), e.g. K for S = Q K^T   -> ldmatrix
+//   B_KN: stored [k][n] (n contiguous), e.g. V for O = P V     -> ldmatrix.trans
+// ---------------------------------------------------------------------------
+enum BLayout { B_NK = 0, B_KN = 1 };
+
+// Load the B fragments (b0, b1) of n-tiles nt and nt+1 (or only nt when PAIR is false)
+// for k-step kk. ldb is the shared pitch in bytes.
+template <int LAYOUT, bool PAIR>
+FRT_DEVICE void load_b(u32 sB, int ldb, int kk, int nt, int lane, u32& b00, u32& b01, u32& b10, u32& b11) {
+    if (LAYOUT == B_NK) {
+        const int n = nt * 8 + ((lane >> 4) << 3) + (lane & 7);
+        const int k = kk * 16 + (((lane >> 3) & 1) << 3);
+        const u32 addr = sB + n * ldb + k * 2;
+        if (PAIR) ldsm_x4(addr, b00, b01, b10, b11);
+        else ldsm_x2(addr, b00, b01);
+    } else {
+        const int k = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+        const int n = nt * 8 + ((lane >> 4) << 3);
+        const u32 addr = sB + k * ldb + n * 2;
+        if (PAIR) ldsm_x4_t(addr, b00, b01, b10, b11);
+        else ldsm_x2_t(addr, b00, b01);
+    }
+}
+
+// A fragment of a row-major [m][k] shared tile for rows mt*16.., k-step kk.
+FRT_DEVICE void load_a(u32 sA, int lda, int mt, int kk, int lane, u32 (&a)[4]) {
+    const int m = mt * 16 + (lane & 15);
+    const int k = kk * 16 + ((lane >> 4) << 3);
+    ldsm_x4(sA + m * lda + k * 2, a[0], a[1], a[2], a[3]);
+}
+
+// acc += A * B for one k-step, A given as fragments in registers.
+template <bool BF16, int MT, int NT, int LAYOUT>
+FRT_DEVICE void mma_kstep(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], u32 sB, int ldb, int kk, int lane) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+        u32 b00, b01, b10 = 0, b11 = 0;
+        if (nt + 1 < NT) load_b<LAYOUT, true>(sB, ldb, kk, nt, lane, b00, b01, b10, b11);
+        else load_b<LAYOUT, false>(sB, ldb, kk, nt, lane, b00, b01, b10, b11);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            Elem<BF16>::mma(acc[mt][nt], a[mt], b00, b01);
+            if (nt + 1 < NT) Elem<BF16>::mma(acc[mt][nt + 1], a[mt], b10, b11);
+        }
+    }
+}
+
+// acc += A * B over KSTEPS k-steps, A from shared memory (row-major [m][k], pitch lda bytes).
+template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT>
+FRT_DEVICE void gemm_ss(float (&acc)[MT][NT][4], u32 sA, int lda, u32 sB, int ldb, int lane) {
+    // Unrolled by 2, not fully: with every k-step unrolled ptxas hoists all fragment loads
+    // and spills at head_dim > 160 (seen with NVRTC 12.9).
+#pragma unroll 2
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) load_a(sA, lda, mt, kk, lane, a[mt]);
+        mma_kstep<BF16, MT, NT, LAYOUT>(acc, a, sB, ldb, kk, lane);
+    }
+}
+
+// acc += A * B over KSTEPS k-steps, A fragments already in registers.
+template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT>
+FRT_DEVICE void gemm_rs(float (&acc)[MT][NT][4], const u32 (&a)[KSTEPS][MT][4], u32 sB, int ldb, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) mma_kstep<BF16, MT, NT, LAYOUT>(acc, a[kk], sB, ldb, kk, lane);
+}
+
+// Accumulator (MT x 2*KSTEPS n-tiles) -> A fragments for the next GEMM, whose k
+// runs over the accumulator's columns (P -> P V, dS -> dS K).
+template <bool BF16, int MT, int KSTEPS>
+FRT_DEVICE void acc_to_a(const float (&acc)[MT][2 * KSTEPS][4], u32 (&a)[KSTEPS][MT][4]) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            a[kk][mt][0] = Elem<BF16>::pack(acc[mt][2 * kk][0], acc[mt][2 * kk][1]);
+            a[kk][mt][1] = Elem<BF16>::pack(acc[mt][2 * kk][2], acc[mt][2 * kk][3]);
+            a[kk][mt][2] = Elem<BF16>::pack(acc[mt][2 * kk + 1][0], acc[mt][2 * kk + 1][1]);
+            a[kk][mt][3] = Elem<BF16>::pack(acc[mt][2 * kk + 1][2], acc[mt][2 * kk + 1][3]);
+        }
+}
+
+// Write an accumulator as 16-bit elements into a padded shared tile (row pitch
+// ld elements), scaled by `scale`. Used to stage outputs for coalesced stores.
+template <bool BF16, int MT, int NT>
+FRT_DEVICE void acc_to_smem(u16* s, int ld, const float (&acc)[MT][NT][4], float scale, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = mt * 16 + g + 8 * h, c = nt * 8 + 2 * t;
+                *reinterpret_cast<u32*>(s + r * ld + c) =
+                    Elem<BF16>::pack(acc[mt][nt][2 * h] * scale, acc[mt][nt][2 * h + 1] * scale);
+            }
+}
+
+template <int MT, int NT>
+FRT_DEVICE void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[mt][nt][c] = 0.f;
+}
+
+}  // namespace frt

@@ -1,0 +1,44 @@
+import os
+import tempfile
+
+import pytest
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+HAS_GPU = _gpu_count() > 0
+
+
+def pytest_configure(config):
+    # GPU tests share one cache folder per session (so kernels compile once), never the user's cache.
+    if HAS_GPU and not os.environ.get("FLASHRT_CACHE_DIR"):
+        os.environ["FLASHRT_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashrt-test-cache-")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible to CuPy); run `pytest -m gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A private, empty kernel cache for one test."""
+    from flashrt import cache
+    d = tmp_path / "cache"
+    monkeypatch.setenv("FLASHRT_CACHE_DIR", str(d))
+    monkeypatch.delenv("FLASHRT_NO_COMPILE", raising=False)
+    cache._memory.clear()
+    cache._warned.clear()
+    yield d
+    cache._memory.clear()
+    cache._warned.clear()

@@ -1,0 +1,84 @@
+"""Every kernel family compiles with NVRTC for real archs, with no GPU, and without register spills.
+
+CI compiles a representative subset of head dims here; the GPU run prewarms the
+full matrix (every multiple of 8 up to 256) through `flashrt prewarm`.
+"""
+import concurrent.futures
+import os
+import re
+
+import pytest
+
+from flashrt import cache, nvrtc, tiles
+from flashrt.cli import SMEM_OPTIN
+from flashrt.spec import FAMILIES, KernelSpec
+
+HEAD_DIMS = (8, 40, 64, 72, 128, 160, 256)
+ARCHS = ("sm_80", "sm_90a")
+
+
+def _variants():
+    out = set()
+    for arch in ARCHS:
+        limit = SMEM_OPTIN[int(arch[3:5])]
+        for family in FAMILIES:
+            for d in HEAD_DIMS:
+                for dtype in ("bf16", "fp16"):
+                    for causal in (False, True):
+                        out.add(tiles.pick_nw(family, d, dtype, causal, arch, limit))
+    return sorted(out, key=lambda s: s.name)
+
+
+def _compile_verbose(spec: KernelSpec) -> tuple[bytes, str]:
+    return nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options() + ["-Xptxas=-v"],
+                               cache.kernel_sources())
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    variants = _variants()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(_compile_verbose, variants))
+    return dict(zip(variants, results))
+
+
+def test_nvrtc_version_supported():
+    assert nvrtc.version()[0] in (12, 13)
+    assert 80 in nvrtc.supported_archs() and 90 in nvrtc.supported_archs()
+
+
+def test_every_family_compiles_for_each_arch(compiled):
+    assert {s.family for s in compiled} == set(FAMILIES)
+    assert {s.arch for s in compiled} == set(ARCHS)
+    for spec, (cubin, _) in compiled.items():
+        assert cubin[:4] == b"\x7fELF", spec.name
+        assert spec.name.encode() in cubin, f"{spec.name}: entry symbol missing from the cubin"
+
+
+def test_no_register_spills(compiled):
+    spilled = []
+    for spec, (_, log) in compiled.items():
+        stores = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+        stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
+        assert stores, f"{spec.name}: no resource usage in NVRTC's log"
+        if any(stores) or any(stack):
+            spilled.append(f"{spec.name}: spill stores {stores}, stack {stack}")
+    assert not spilled, "\n".join(spilled)
+
+
+def test_smem_mismatch_is_a_compile_error():
+    spec = tiles.pick_nw("fwd", 64, "bf16", False, "sm_80", SMEM_OPTIN[80])
+    options = [o if not o.startswith("-DFRT_SMEM_BYTES=") else "-DFRT_SMEM_BYTES=1234" for o in spec.options()]
+    with pytest.raises(nvrtc.CompileError) as info:
+        nvrtc.compile_cubin(spec.translation_unit(), spec.name, options, cache.kernel_sources())
+    err = info.value
+    assert err.name == spec.name and "-DFRT_SMEM_BYTES=1234" in err.options
+    assert "launcher and kernel disagree on dynamic shared memory" in err.log
+    assert spec.name in str(err)
+
+
+def test_unsupported_arch_is_rejected():
+    with pytest.raises(ValueError, match="sm_80 or sm_90a"):
+        nvrtc.check_arch("ampere")
+    with pytest.raises(ValueError, match="cannot compile for sm_10"):
+        nvrtc.check_arch("sm_10")

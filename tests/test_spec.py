@@ -1,0 +1,118 @@
+"""Variant naming, keys, tile/smem/grid arithmetic, argument structs: pure functions, no GPU."""
+import re
+
+import numpy as np
+import pytest
+
+from flashrt import cache, launch, params, tiles
+from flashrt.cli import SMEM_OPTIN
+from flashrt.spec import FAMILIES, HEAD_DIMS, KernelSpec
+
+
+def spec(**kw):
+    base = dict(family="fwd", head_dim=128, dtype="bf16", block_m=128, block_n=64, warps=8, causal=True,
+                arch="sm_90a")
+    base.update(kw)
+    return KernelSpec(**base)
+
+
+def test_name_is_systematic_and_unique():
+    assert spec().name == "flashrt_fwd_hd128_bf16_causal_m128n64w8_sm_90a"
+    assert spec(causal=False, dtype="fp16", arch="sm_80").name == "flashrt_fwd_hd128_fp16_full_m128n64w8_sm_80"
+    names = {spec(family=f, head_dim=d, causal=c).name
+             for f in ("fwd", "bwd_dq") for d in (64, 128) for c in (False, True)}
+    assert len(names) == 8
+    pre = KernelSpec("bwd_preprocess", 64, "bf16", 0, 0, 8, False, "sm_80")
+    assert pre.name == "flashrt_bwd_preprocess_hd64_bf16_w8_sm_80"
+
+
+def test_options_bake_every_parameter():
+    opts = spec().options()
+    assert "--gpu-architecture=sm_90a" in opts
+    for define in ("FRT_HEAD_DIM=128", "FRT_BLOCK_M=128", "FRT_BLOCK_N=64", "FRT_WARPS=8", "FRT_BF16=1",
+                   "FRT_CAUSAL=1", f"FRT_SMEM_BYTES={spec().smem_bytes}", f"FRT_KERNEL_NAME={spec().name}"):
+        assert f"-D{define}" in opts
+
+
+@pytest.mark.parametrize("bad", [dict(head_dim=12), dict(head_dim=264), dict(dtype="fp32"), dict(arch="90"),
+                                 dict(family="nope"), dict(block_m=96, warps=4), dict(block_n=24)])
+def test_invalid_specs_are_rejected(bad):
+    with pytest.raises(ValueError):
+        spec(**bad)
+
+
+def test_smem_formula():
+    # Q tile (128 rows) + 2 stages x (K, V) tiles (64 rows), rows of 128 + 8 padding elements (2 bytes).
+    assert spec().smem_bytes == (128 + 4 * 64) * (128 + 8) * 2
+    # head_dim 72 pads to 80 columns
+    assert spec(head_dim=72).smem_bytes == (128 + 4 * 64) * (80 + 8) * 2
+    dkdv = spec(family="bwd_dkdv", block_m=64, block_n=64)
+    assert dkdv.smem_bytes == (2 * 64 + 4 * 64) * 272 + 2 * 64 * (64 + 8) * 2 + 16 * 64
+    assert spec(family="bwd_dq", block_m=64, block_n=64, warps=4).smem_bytes == (2 * 64 + 4 * 64) * 272
+
+
+@pytest.mark.parametrize("arch,limit", [("sm_80", SMEM_OPTIN[80]), ("sm_86", SMEM_OPTIN[86]),
+                                        ("sm_90a", SMEM_OPTIN[90]), ("sm_90a", 64 * 1024)])
+def test_pick_nw_fits_every_head_dim(arch, limit):
+    for family in FAMILIES:
+        for d in HEAD_DIMS:
+            s = tiles.pick_nw(family, d, "bf16", True, arch, limit)
+            assert s.smem_bytes <= limit and s.head_dim == d and s.arch == arch
+            assert s.layout_problem() is None
+
+
+def test_pick_nw_prefers_large_tiles_when_they_fit():
+    big = tiles.pick_nw("fwd", 128, "bf16", False, "sm_90a", SMEM_OPTIN[90])
+    small = tiles.pick_nw("fwd", 128, "bf16", False, "sm_86", 48 * 1024)
+    assert (big.block_m, big.block_n) == (128, 64)
+    assert small.smem_bytes <= 48 * 1024 and small.block_m * small.block_n < 128 * 64
+
+
+def test_pick_nw_error_names_required_and_limit():
+    with pytest.raises(tiles.TilingError, match=r"limit of 1000 bytes.*required: flashrt_fwd_hd256"):
+        tiles.pick_nw("fwd", 256, "bf16", False, "sm_80", 1000)
+
+
+def test_grids():
+    fwd = spec()
+    assert launch.grid(fwd, B=3, H=8, Hkv=2, Sq=1000, Sk=10) == (8, 8, 3)
+    dq = spec(family="bwd_dq", block_m=64, block_n=64, warps=4)
+    assert launch.grid(dq, B=2, H=4, Hkv=1, Sq=65, Sk=7) == (2, 4, 2)
+    dkdv = spec(family="bwd_dkdv", block_m=64, block_n=32, warps=8)
+    assert launch.grid(dkdv, B=2, H=8, Hkv=2, Sq=5, Sk=100) == (4, 2, 2)
+    pre = KernelSpec("bwd_preprocess", 64, "bf16", 0, 0, 8, False, "sm_80")
+    assert launch.grid(pre, B=1, H=1, Hkv=1, Sq=3, Sk=1) == (1, 1, 1)
+    assert launch.grid(pre, B=64, H=64, Hkv=64, Sq=8192, Sk=1, sm_count=132) == (32 * 132, 1, 1)
+    with pytest.raises(launch.LaunchError, match="65535"):
+        launch.grid(fwd, B=70000, H=8, Hkv=8, Sq=1, Sk=1)
+
+
+def test_arch_for():
+    assert launch.arch_for(9, 0) == "sm_90a"
+    assert launch.arch_for(8, 0) == "sm_80"
+    assert launch.arch_for(8, 9) == "sm_89"
+
+
+_C_TYPES = {"const u16*": np.uint64, "u16*": np.uint64, "const float*": np.uint64, "float*": np.uint64,
+            "i64": np.int64, "int": np.int32, "float": np.float32}
+
+
+def _header_fields(struct: str) -> list[tuple[str, type]]:
+    text = (cache.kernels_dir() / "params.cuh").read_text()
+    body = re.search(r"struct %s \{(.*?)\};" % struct, text, re.S).group(1)
+    fields = []
+    for line in body.splitlines():
+        line = line.split("//")[0].strip().rstrip(";")
+        if not line:
+            continue
+        ctype, names = re.match(r"((?:const )?\w+\*?)\s+(.*)", line).groups()
+        fields += [(n.strip(), _C_TYPES[ctype]) for n in names.split(",")]
+    return fields
+
+
+@pytest.mark.parametrize("struct,dtype", [("FwdParams", params.FWD), ("BwdParams", params.BWD)])
+def test_param_structs_match_header(struct, dtype):
+    fields = _header_fields(struct)
+    assert [n for n, _ in fields] == list(dtype.names)
+    assert [np.dtype(t) for _, t in fields] == [dtype.fields[n][0] for n in dtype.names]
+    assert f"sizeof(frt::{struct}) == {dtype.itemsize}" in params.static_asserts(dtype)
