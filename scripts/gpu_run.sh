@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU run, on a machine with a GPU and no network (the device machine):
+#   scripts/gpu_run.sh [stage ...]     stages: env prewarm test check sanitize bench (default: all)
+# Wheels carried in .whl/ (platformdirs) are installed to /tmp/site first. Logs go to $OUT.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/flashrt-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+export FLASHRT_CACHE_DIR=${FLASHRT_CACHE_DIR:-/tmp/flashrt-cache}
+stages=${*:-env prewarm test check sanitize bench}
+status=0
+for stage in $stages; do
+    echo "=== $stage"
+    t0=$(date +%s)
+    case $stage in
+        env) nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+             python3 -c "import torch, cupy; from flashrt import nvrtc; print('torch', torch.__version__, 'cupy', cupy.__version__, 'nvrtc', nvrtc.version(), nvrtc.library_path())" ;;
+        prewarm) python3 -m flashrt.cli prewarm --jobs "$(nproc)" 2>/dev/null || status=1
+                 python3 -m flashrt.cli prewarm --jobs "$(nproc)" 2>/dev/null | tail -1 ;;
+        test) python3 -m pytest -q -ra -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+              [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+        check) python3 -m flashrt.cli check 2>&1 | tee "$OUT/check.log" || status=1 ;;
+        sanitize) scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+        bench) python3 scripts/bench.py --set "${BENCH_SET:-quick}" --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
+               tail -n 60 "$OUT/bench.md" ;;
+        *) echo "unknown stage $stage"; status=1 ;;
+    esac
+    echo "--- $stage: $(( $(date +%s) - t0 ))s"
+done
+exit $status

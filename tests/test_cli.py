@@ -1,0 +1,58 @@
+"""`flashrt` command line: prewarm (twice), cache info/clear, check without a GPU."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HAS_GPU
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*args, cache_dir, extra_env=None):
+    env = {**os.environ, "FLASHRT_CACHE_DIR": str(cache_dir), **(extra_env or {})}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "flashrt.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_prewarm_twice_then_info_and_clear(tmp_path):
+    first = run("prewarm", "--arch", "sm_80", "--head-dims", "64,96", "--dtypes", "bf16", "--jobs", "2",
+                cache_dir=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert str(tmp_path) in first.stdout
+    assert "compiled 14, already cached 0" in first.stdout  # 2 head dims x (3 families x 2 masks + preprocess)
+    assert "14/14" in first.stderr  # progress bar
+    second = run("prewarm", "--arch", "sm_80", "--head-dims", "64,96", "--dtypes", "bf16", cache_dir=tmp_path)
+    assert "compiled 0, already cached 14" in second.stdout
+    info = run("cache", "info", cache_dir=tmp_path)
+    assert "entries:   14" in info.stdout and "sm_80: 14" in info.stdout
+    cleared = run("cache", "clear", cache_dir=tmp_path)
+    assert "removed" in cleared.stdout
+    assert "entries:   0" in run("cache", "info", cache_dir=tmp_path).stdout
+
+
+def test_prewarm_rejects_bad_arguments(tmp_path):
+    r = run("prewarm", "--arch", "sm_80", "--head-dims", "12", cache_dir=tmp_path)
+    assert r.returncode != 0 and "multiples of 8" in r.stderr
+    r = run("prewarm", "--arch", "volta", cache_dir=tmp_path)
+    assert r.returncode != 0 and "sm_80 or sm_90a" in r.stderr
+
+
+def test_no_compile_names_the_prewarm_command(tmp_path):
+    code = ("from flashrt import cache, tiles; "
+            "cache.lookup(tiles.pick_nw('fwd', 64, 'bf16', True, 'sm_90a', 232448))")
+    env = {**os.environ, "FLASHRT_CACHE_DIR": str(tmp_path), "FLASHRT_NO_COMPILE": "1",
+           "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "flashrt prewarm --arch sm_90a --head-dims 64 --dtypes bf16" in r.stderr
+
+
+@pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU; `flashrt check` runs attention instead")
+def test_check_without_gpu_says_so_and_compiles(tmp_path):
+    r = run("check", "--arch", "sm_80", "--jobs", "2", cache_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU found" in r.stdout
+    assert "compiled 14" in r.stdout

@@ -1,0 +1,290 @@
+"""GPU tests: correctness against float64, interop, strides, determinism, cache reuse, errors.
+
+Run on a GPU machine with `pytest -m gpu`; they skip elsewhere.
+"""
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import flashrt
+from flashrt import api, launch, reference
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture
+def poison():
+    """CuPy allocations are filled with 0xFF bytes (NaN in bf16/fp16/fp32), so an unwritten output shows."""
+    import cupy
+    pool = cupy.cuda.MemoryPool()
+
+    def malloc(size):
+        mem = pool.malloc(size)
+        cupy.cuda.runtime.memset(mem.ptr, 0xFF, size)
+        return mem
+
+    cupy.cuda.set_allocator(malloc)
+    yield
+    cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+
+
+def _tdtype(torch, dtype):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+def make_inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = _tdtype(torch, dtype)
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dt, generator=g)
+    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt, generator=g)
+    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt, generator=g)
+    do = torch.randn(B, Sq, H, D, device="cuda", dtype=dt, generator=g)
+    return q, k, v, do
+
+
+def f64(x):
+    import cupy
+    if type(x).__module__.startswith("torch"):
+        return cupy.from_dlpack(x.detach().float().contiguous()).astype(cupy.float64)
+    return x.astype(cupy.float32).astype(cupy.float64)
+
+
+def sdpa_errors(torch, q, k, v, do, causal, refs):
+    """Relative errors of torch SDPA (flash backend when it accepts the case) on the same inputs."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    kwargs = {"is_causal": causal}
+    if causal and Sq != Sk:
+        from torch.nn.attention.bias import causal_lower_right
+        kwargs = {"attn_mask": causal_lower_right(Sq, Sk)}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        ql, kl, vl = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        try:
+            with sdpa_kernel([backend]):
+                ke = kl.repeat_interleave(H // Hkv, dim=2).transpose(1, 2)
+                ve = vl.repeat_interleave(H // Hkv, dim=2).transpose(1, 2)
+                o = F.scaled_dot_product_attention(ql.transpose(1, 2), ke, ve, **kwargs).transpose(1, 2)
+                o.backward(do)
+        except RuntimeError:
+            continue
+        got = [o, ql.grad, kl.grad, vl.grad]
+        return [reference.rel_error(f64(x), r) for x, r in zip(got, refs)], backend.name
+    raise AssertionError("no SDPA backend ran")
+
+
+# (B, Sq, Sk, H, Hkv, D, causal, dtype)
+CASES = (
+    [(2, 77, 131, 4, 2, d, (d // 8) % 2 == 0, "bf16") for d in range(8, 257, 8)]
+    + [(2, 131, 77, 4, 4, d, (d // 8) % 2 == 1, "fp16") for d in (8, 32, 64, 72, 128, 160, 200, 256)]
+    + [(2, 1000, 1000, 8, 8, d, c, "bf16") for d in (64, 128, 256) for c in (False, True)]
+    + [(1, 300, 100, 8, 1, 128, True, "bf16"),   # Sq > Sk causal: the first 200 rows see no key
+       (1, 100, 300, 8, 1, 256, True, "fp16"),
+       (2, 1, 1, 2, 1, 64, False, "bf16"),
+       (2, 1, 513, 8, 2, 128, True, "bf16"),      # decoding step
+       (2, 1024, 1024, 8, 1, 256, False, "bf16"),  # the seed's MQA shape
+       (2, 1024, 1024, 8, 1, 256, True, "bf16"),
+       (3, 200, 200, 8, 2, 96, True, "fp16")]
+)
+
+
+def _case_id(c):
+    B, Sq, Sk, H, Hkv, D, causal, dtype = c
+    return f"B{B}-Sq{Sq}-Sk{Sk}-H{H}-Hkv{Hkv}-D{D}-{'causal' if causal else 'full'}-{dtype}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_reference(torch, poison, case):
+    import cupy
+    B, Sq, Sk, H, Hkv, D, causal, dtype = case
+    q, k, v, do = make_inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed=hash(case) % 2**31)
+    # CuPy views of torch memory (DLPack, no copy); outputs come from the poisoned CuPy pool.
+    cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
+    out, lse = flashrt.forward(cq, ck, cv, causal=causal)
+    dq, dk, dv = flashrt.backward(cdo, cq, ck, cv, out, lse, causal=causal)
+    cupy.cuda.get_current_stream().synchronize()
+    assert isinstance(out, cupy.ndarray) and out.dtype == cq.dtype and lse.dtype == cupy.float32
+    assert out.shape == q.shape and lse.shape == (B, H, Sq) and dk.shape == k.shape
+
+    ro, rlse, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), causal=causal, dout=f64(do))
+    for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not bool(cupy.isnan(f64(x)).any()), f"{name} has NaN: unwritten (poisoned) elements"
+    empty_rows = ~cupy.isfinite(rlse)
+    assert bool((lse[empty_rows] == -cupy.inf).all()), "rows with no visible key must have lse = -inf"
+    lse_err = float(cupy.abs(cupy.where(empty_rows, 0, f64(lse) - rlse)).max())
+    assert lse_err < 1e-3
+
+    ours = [reference.rel_error(f64(x), r) for x, r in zip((out, dq, dk, dv), (ro, rdq, rdk, rdv))]
+    theirs, backend = sdpa_errors(torch, q, k, v, do, causal, (ro, rdq, rdk, rdv))
+    fallback = {"bf16": 2e-2, "fp16": 4e-3}[dtype]
+    for name, e, t in zip(("out", "dq", "dk", "dv"), ours, theirs):
+        bound = 2 * t if math.isfinite(t) and t > 0 else fallback
+        assert e <= bound, f"{name}: rel err {e:.2e} > 2x torch SDPA {backend} ({t:.2e})"
+
+
+def test_torch_and_cupy_inputs_agree_bitwise(torch):
+    import cupy
+    q, k, v, do = make_inputs(torch, 2, 300, 257, 8, 2, 128, "bf16", seed=1)
+    out_t, lse_t = flashrt.forward(q, k, v, causal=True)
+    grads_t = flashrt.backward(do, q, k, v, out_t, lse_t, causal=True)
+    assert isinstance(out_t, torch.Tensor) and out_t.device == q.device
+    cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
+    out_c, lse_c = flashrt.forward(cq, ck, cv, causal=True)
+    grads_c = flashrt.backward(cdo, cq, ck, cv, out_c, lse_c, causal=True)
+    for a, b in zip((out_t, lse_t, *grads_t), (out_c, lse_c, *grads_c)):
+        assert torch.equal(a, torch.from_dlpack(b))
+
+
+def test_strided_views_run_in_place(torch):
+    B, S, H, D = 2, 1024, 16, 128
+    qkv = torch.randn(B, S, 3, H, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)                      # slices of a packed tensor
+    assert not q.is_contiguous()
+    dense = [x.contiguous() for x in (q, k, v)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out, lse = flashrt.forward(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    outputs = out.numel() * out.element_size() + lse.numel() * 4
+    assert extra < outputs + q.numel() * q.element_size() // 2, f"an input was copied: {extra} bytes allocated"
+    ref_out, ref_lse = flashrt.forward(*dense, causal=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+    bhsd = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)  # SDPA layout, transposed view
+    t = bhsd.transpose(1, 2)
+    o1, lse1 = flashrt.forward(t, t, t)
+    o2, lse2 = flashrt.forward(t.contiguous(), t.contiguous(), t.contiguous())
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    do = torch.randn_like(o1)
+    do_strided = do.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (B, H, S, D) memory order
+    g1 = flashrt.backward(do_strided, t, t, t, o1, lse1)
+    g2 = flashrt.backward(do, t.contiguous(), t.contiguous(), t.contiguous(), o2, lse2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("H,Hkv", [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bitwise_deterministic(torch, H, Hkv, causal):
+    q, k, v, do = make_inputs(torch, 2, 333, 401, H, Hkv, 64, "bf16", seed=7)
+    first = None
+    for _ in range(5):
+        out, lse = flashrt.forward(q, k, v, causal=causal)
+        res = (out, lse, *flashrt.backward(do, q, k, v, out, lse, causal=causal))
+        if first is None:
+            first = res
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(first, res))
+
+
+def test_autograd_function(torch):
+    q, k, v, do = make_inputs(torch, 2, 200, 180, 8, 4, 128, "fp16", seed=3)
+    ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+    out = flashrt.attention(ql, kl, vl, causal=True)
+    out.backward(do)
+    ref_out, lse = flashrt.forward(q, k, v, causal=True)
+    dq, dk, dv = flashrt.backward(do, q, k, v, ref_out, lse, causal=True)
+    assert torch.equal(out.detach(), ref_out)
+    assert torch.equal(ql.grad, dq) and torch.equal(kl.grad, dk) and torch.equal(vl.grad, dv)
+    # out.sum() sends an expanded (stride 0) gradient; the autograd layer must cope.
+    ql.grad = None
+    flashrt.attention(ql, kl, vl).float().sum().backward()
+    assert ql.grad is not None and torch.isfinite(ql.grad).all()
+
+
+def test_empty_inputs(torch):
+    q, k, v, do = make_inputs(torch, 2, 5, 0, 4, 2, 64, "bf16", seed=0)
+    out, lse = flashrt.forward(q, k, v)
+    assert out.shape == q.shape and bool((out == 0).all()) and bool((lse == -math.inf).all())
+    dq, dk, dv = flashrt.backward(do, q, k, v, out, lse)
+    assert bool((dq == 0).all()) and dk.shape == k.shape
+    q, k, v, do = make_inputs(torch, 0, 5, 7, 4, 2, 64, "bf16", seed=0)
+    out, lse = flashrt.forward(q, k, v)
+    assert out.shape == (0, 5, 4, 64) and lse.shape == (0, 4, 5)
+
+
+def test_launches_on_the_current_torch_stream(torch):
+    q, k, v, _ = make_inputs(torch, 2, 512, 512, 8, 8, 64, "bf16", seed=5)
+    expected, _ = flashrt.forward(q, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q2 = q * 1  # produced on the side stream
+        out, _ = flashrt.forward(q2, k, v)
+    side.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_input_errors_are_clear(torch):
+    q, k, v, _ = make_inputs(torch, 1, 64, 64, 2, 2, 64, "bf16", seed=0)
+    with pytest.raises(TypeError, match="float32.*bfloat16 and float16"):
+        flashrt.forward(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="host memory"):
+        flashrt.forward(q.cpu(), k.cpu(), v.cpu())
+    flat = torch.randn(64 * 2 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+    shifted = flat[1:].view(1, 64, 2, 64)  # storage offset of one element: base not 16-byte aligned
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        flashrt.forward(shifted, k, v)
+    with pytest.raises(ValueError, match="last .head_dim. axis"):
+        flashrt.forward(q.transpose(1, 3), k, v)
+    with pytest.raises(ValueError, match="multiple of"):
+        flashrt.forward(q, k[:, :, :1].expand(1, 64, 3, 64), v[:, :, :1].expand(1, 64, 3, 64))
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
+        x = torch.randn(1, 8, 2, 12, device="cuda", dtype=torch.bfloat16)
+        flashrt.forward(x, x, x)
+
+
+def test_dynamic_smem_attribute_matches_spec(torch):
+    dev = launch.device(torch.cuda.current_device())
+    for family in ("fwd", "bwd_dq", "bwd_dkdv"):
+        spec = launch.pick(family, 128, "bf16", False, dev)
+        attrs = launch.function_attributes(spec, dev)
+        if spec.smem_bytes > 48 * 1024:
+            assert attrs["max_dynamic_shared_size_bytes"] == spec.smem_bytes
+        assert attrs["local_size_bytes"] == 0
+
+
+def test_prewarmed_matrix_has_no_spills(torch):
+    """Compile the full matrix for this GPU (in parallel), then check every kernel's local memory."""
+    from flashrt import cli
+    dev = launch.device(torch.cuda.current_device())
+    cli.prewarm(None, list(range(8, 257, 8)), ["bf16", "fp16"], jobs=os.cpu_count() or 1, quiet=True)
+    spilled = []
+    for spec in cli.matrix(dev.arch, dev.smem_optin, range(8, 257, 8), ["bf16", "fp16"]):
+        attrs = launch.function_attributes(spec, dev)
+        if attrs["local_size_bytes"]:
+            spilled.append(f"{spec.name}: {attrs}")
+    assert not spilled, "\n".join(spilled)
+
+
+def test_second_process_hits_the_cache():
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(REPO)!r})
+        import torch, flashrt
+        from flashrt import cache
+        q = torch.randn(1, 100, 4, 72, device="cuda", dtype=torch.float16)
+        out, lse = flashrt.forward(q, q, q, causal=True)
+        flashrt.backward(out, q, q, q, out, lse, causal=True)
+        torch.cuda.synchronize()
+        print("ok")
+    """)
+    env = dict(os.environ)
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    env["FLASHRT_NO_COMPILE"] = "1"  # any compile would now raise CacheMiss
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and "ok" in second.stdout, second.stderr

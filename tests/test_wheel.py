@@ -1,0 +1,31 @@
+"""A non-editable install carries kernels_cu/ inside the package."""
+import importlib.metadata
+import importlib.util
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _can_build_offline() -> bool:
+    """setuptools >= 70.1 (or the wheel package) can build a wheel without downloading anything."""
+    try:
+        major, minor = (int(x) for x in importlib.metadata.version("setuptools").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
+
+
+def test_wheel_contains_kernel_sources(tmp_path):
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(REPO)]
+    if _can_build_offline():
+        cmd.insert(4, "--no-build-isolation")
+    subprocess.run(cmd, check=True, cwd=tmp_path, timeout=600)
+    wheel = next(tmp_path.glob("flashrt-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {p.name for p in (REPO / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh")}
+    assert {f"flashrt/kernels_cu/{n}" for n in sources} <= names
+    assert "flashrt/cache.py" in names and "flashrt/cli.py" in names
+    assert any(n.endswith("entry_points.txt") for n in names)
