@@ -71,6 +71,25 @@ def full(like: Array, shape: tuple[int, ...], value: float, float32: bool = Fals
 _external_streams: dict[tuple[int, int], object] = {}
 
 
+class _StreamHandle:
+    """A raw CUDA stream handle, exposed through the CUDA stream protocol."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _wrap_stream(ptr: int, device: int):
+    import cupy
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14
+    if from_external is not None:
+        with cupy.cuda.Device(device):
+            return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, device)
+
+
 def stream(like: Array):
     """The stream to launch on: the caller's library's current stream on like's device."""
     import cupy
@@ -81,5 +100,5 @@ def stream(like: Array):
     ptr = torch.cuda.current_stream(like.device).cuda_stream
     s = _external_streams.get((like.device, ptr))
     if s is None:
-        s = _external_streams[(like.device, ptr)] = cupy.cuda.ExternalStream(ptr, like.device)
+        s = _external_streams[(like.device, ptr)] = _wrap_stream(ptr, like.device)
     return s

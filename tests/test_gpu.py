@@ -4,6 +4,7 @@ Run on a GPU machine with `pytest -m gpu`; they skip elsewhere.
 """
 import math
 import os
+import zlib
 import subprocess
 import sys
 import textwrap
@@ -54,10 +55,12 @@ def make_inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed):
 
 
 def f64(x):
+    """float64 CuPy copy of a torch tensor or CuPy array (bf16 travels through torch, via DLPack)."""
     import cupy
-    if type(x).__module__.startswith("torch"):
-        return cupy.from_dlpack(x.detach().float().contiguous()).astype(cupy.float64)
-    return x.astype(cupy.float32).astype(cupy.float64)
+    import torch
+    if not type(x).__module__.startswith("torch"):
+        x = torch.from_dlpack(x)
+    return cupy.from_dlpack(x.detach().double().contiguous())
 
 
 def sdpa_errors(torch, q, k, v, do, causal, refs):
@@ -109,7 +112,7 @@ def _case_id(c):
 def test_matches_float64_reference(torch, poison, case):
     import cupy
     B, Sq, Sk, H, Hkv, D, causal, dtype = case
-    q, k, v, do = make_inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed=hash(case) % 2**31)
+    q, k, v, do = make_inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed=zlib.crc32(repr(case).encode()))
     # CuPy views of torch memory (DLPack, no copy); outputs come from the poisoned CuPy pool.
     cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
     out, lse = flashrt.forward(cq, ck, cv, causal=causal)
