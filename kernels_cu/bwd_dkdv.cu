@@ -126,7 +126,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                     float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -s_lse2[qc]));
                     if (need_mask) {
                         const int key = n0 + kr, query = m0 + qc;
-                        if (query >= p.Sq || key >= p.Sk || (T::CAUSAL && key > query + shift)) pr = 0.f;
+                        if (query >= p.Sq || hidden<T::CAUSAL>(query, key, p.Sk, shift)) pr = 0.f;
                     }
                     s[mt][nt][c] = pr;
                     dp[mt][nt][c] = pr * (dp[mt][nt][c] - s_delta[qc]);

@@ -9,19 +9,9 @@
 namespace frt {
 
 template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
-struct DqTraits {
-    static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
-    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
-    static constexpr int DP = round_up(D, 16);
-    static constexpr int NTHREADS = NW * 32;
-    static constexpr int MT = BM / (16 * NW);
-    static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
-    static_assert(BM % (16 * NW) == 0, "block_m must be a multiple of 16 * warps");
-    static_assert(BN % 16 == 0, "block_n must be a multiple of 16");
-    static constexpr int LD = Pitch<DP>::bytes;
-    static constexpr int SMEM_Q = BM * LD;            // Q, then dO right after
-    static constexpr int SMEM_KV_STAGE = 2 * BN * LD;  // K, then V
-    static constexpr int SMEM = 2 * SMEM_Q + 2 * SMEM_KV_STAGE;
+struct DqTraits : RowTraits<D_, BM_, BN_, NW_, BF16_, CAUSAL_> {
+    using Base = RowTraits<D_, BM_, BN_, NW_, BF16_, CAUSAL_>;
+    static constexpr int SMEM = 2 * Base::SMEM_Q + 2 * Base::SMEM_KV_STAGE;  // Q, dO + 2 stages of (K, V)
 };
 
 template <class T>
@@ -32,33 +22,17 @@ __device__ void bwd_dq(const BwdParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int m_block = T::CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / (p.H / p.Hkv);
-    const int m0 = m_block * BM;
-    const int rows_q = min(BM, p.Sq - m0);
-    const int shift = causal_offset(p.Sq, p.Sk);
-
-    const u16* gk = p.k + b * p.k_sb + hk * p.k_sh;
-    const u16* gv = p.v + b * p.v_sb + hk * p.v_sh;
-    const int key_end = T::CAUSAL ? min(p.Sk, m0 + BM + shift) : p.Sk;
-    const int n_blocks = key_end > 0 ? ceil_div(key_end, BN) : 0;
+    const QueryTile<BM, BN, T::CAUSAL> tile(p);
+    const int n_blocks = tile.n_blocks, m0 = tile.m0, h = tile.h, b = tile.b;
 
     const u32 sQ = smem_u32(smem), sdO = sQ + T::SMEM_Q;
     const u32 sKV = sdO + T::SMEM_Q;
     const int wrow = warp * MT * 16;
 
-    auto load_kv = [&](int j, int stage) {
-        const int n0 = j * BN;
-        const u32 sK = sKV + stage * T::SMEM_KV_STAGE;
-        load_tile<BN, T::D, T::NTHREADS>(sK, gk + (i64)n0 * p.k_ss, p.k_ss, p.Sk - n0, tid);
-        load_tile<BN, T::D, T::NTHREADS>(sK + BN * LD, gv + (i64)n0 * p.v_ss, p.v_ss, p.Sk - n0, tid);
-    };
-
-    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + (i64)m0 * p.q_ss + h * p.q_sh, p.q_ss, rows_q, tid);
-    load_tile<BM, T::D, T::NTHREADS>(sdO, p.dout + b * p.do_sb + (i64)m0 * p.do_ss + h * p.do_sh, p.do_ss, rows_q,
-                                     tid);
-    if (n_blocks > 0) load_kv(0, 0);
+    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + (i64)m0 * p.q_ss + h * p.q_sh, p.q_ss, tile.rows, tid);
+    load_tile<BM, T::D, T::NTHREADS>(sdO, p.dout + b * p.do_sb + (i64)m0 * p.do_ss + h * p.do_sh, p.do_ss,
+                                     tile.rows, tid);
+    if (n_blocks > 0) load_kv_tile<BN, T::D, T::NTHREADS>(sKV, p, b, tile.hk, 0, tid);
     cp_async_commit();
 
     // Per-row statistics of the two rows each thread holds per m-tile.
@@ -69,8 +43,8 @@ __device__ void bwd_dq(const BwdParams& p) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = wrow + mt * 16 + g + 8 * hh;
-            lse2[mt][hh] = r < rows_q ? p.lse2[stat0 + r] : FRT_INF;
-            delta[mt][hh] = r < rows_q ? p.delta[stat0 + r] : 0.f;
+            lse2[mt][hh] = r < tile.rows ? p.lse2[stat0 + r] : FRT_INF;
+            delta[mt][hh] = r < tile.rows ? p.delta[stat0 + r] : 0.f;
         }
 
     float dq[MT][NT_D][4];
@@ -79,7 +53,8 @@ __device__ void bwd_dq(const BwdParams& p) {
         const int n0 = j * BN, stage = j & 1;
         cp_async_wait<0>();
         __syncthreads();
-        if (j + 1 < n_blocks) load_kv(j + 1, stage ^ 1);
+        if (j + 1 < n_blocks)
+            load_kv_tile<BN, T::D, T::NTHREADS>(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, p, b, tile.hk, j + 1, tid);
         cp_async_commit();
         const u32 sK = sKV + stage * T::SMEM_KV_STAGE, sV = sK + BN * LD;
 
@@ -90,7 +65,7 @@ __device__ void bwd_dq(const BwdParams& p) {
         zero(dp);
         gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(dp, sdO + wrow * LD, LD, sV, LD, lane);
 
-        const bool need_mask = n0 + BN > p.Sk || (T::CAUSAL && n0 + BN - 1 > m0 + shift);
+        const bool need_mask = tile.needs_mask(j, p.Sk);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -102,7 +77,7 @@ __device__ void bwd_dq(const BwdParams& p) {
                     if (need_mask) {
                         const int row = m0 + wrow + mt * 16 + g + 8 * hh;
                         const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (col >= p.Sk || (T::CAUSAL && col > row + shift)) pr = 0.f;
+                        if (hidden<T::CAUSAL>(row, col, p.Sk, tile.shift)) pr = 0.f;
                     }
                     s[mt][nt][c] = pr * (dp[mt][nt][c] - delta[mt][hh]);  // dS
                 }
@@ -116,7 +91,7 @@ __device__ void bwd_dq(const BwdParams& p) {
     u16* sO = reinterpret_cast<u16*>(smem);
     acc_to_smem<T::BF16, MT, NT_D>(sO + wrow * Pitch<DP>::elems, Pitch<DP>::elems, dq, p.scale, lane);
     __syncthreads();
-    store_tile<BM, T::D, T::NTHREADS>(p.dq + b * p.dq_sb + (i64)m0 * p.dq_ss + h * p.dq_sh, p.dq_ss, sO, rows_q, tid);
+    store_tile<BM, T::D, T::NTHREADS>(p.dq + b * p.dq_sb + (i64)m0 * p.dq_ss + h * p.dq_sh, p.dq_ss, sO, tile.rows, tid);
 }
 
 }  // namespace frt

@@ -9,22 +9,12 @@
 namespace frt {
 
 template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
-struct FwdTraits {
-    static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
-    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
-    static constexpr int DP = round_up(D, 16);
-    static constexpr int NTHREADS = NW * 32;
-    static constexpr int MT = BM / (16 * NW);
-    static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
-    static_assert(BM % (16 * NW) == 0, "block_m must be a multiple of 16 * warps");
-    static_assert(BN % 16 == 0, "block_n must be a multiple of 16");
+struct FwdTraits : RowTraits<D_, BM_, BN_, NW_, BF16_, CAUSAL_> {
+    using Base = RowTraits<D_, BM_, BN_, NW_, BF16_, CAUSAL_>;
     // Q fragments stay in registers when they are small enough not to crowd out
     // the O accumulator; otherwise they are re-read from shared memory.
-    static constexpr bool Q_IN_REGS = MT * DP <= 128;
-    static constexpr int LD = Pitch<DP>::bytes;
-    static constexpr int SMEM_Q = BM * LD;
-    static constexpr int SMEM_KV_STAGE = 2 * BN * LD;
-    static constexpr int SMEM = SMEM_Q + 2 * SMEM_KV_STAGE;
+    static constexpr bool Q_IN_REGS = Base::MT * Base::DP <= 128;
+    static constexpr int SMEM = Base::SMEM_Q + 2 * Base::SMEM_KV_STAGE;  // Q + 2 stages of (K, V)
 };
 
 template <class T>
@@ -35,34 +25,16 @@ __device__ void fwd(const FwdParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    // Causal: the last query blocks see the most keys; launch them first.
-    const int m_block = T::CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / (p.H / p.Hkv);
-    const int m0 = m_block * BM;
-    const int rows_q = min(BM, p.Sq - m0);
-    const int shift = causal_offset(p.Sq, p.Sk);
-
-    const u16* gq = p.q + b * p.q_sb + (i64)m0 * p.q_ss + h * p.q_sh;
-    const u16* gk = p.k + b * p.k_sb + hk * p.k_sh;
-    const u16* gv = p.v + b * p.v_sb + hk * p.v_sh;
-
-    const int key_end = T::CAUSAL ? min(p.Sk, m0 + BM + shift) : p.Sk;
-    const int n_blocks = key_end > 0 ? ceil_div(key_end, BN) : 0;
+    const QueryTile<BM, BN, T::CAUSAL> tile(p);
+    const int n_blocks = tile.n_blocks;
 
     const u32 sQ = smem_u32(smem);
     const u32 sKV = sQ + T::SMEM_Q;  // stage s: K at sKV + s*STAGE, V right after K
     const int wrow = warp * MT * 16;
 
-    auto load_kv = [&](int j, int stage) {
-        const int n0 = j * BN;
-        const u32 sK = sKV + stage * T::SMEM_KV_STAGE;
-        load_tile<BN, T::D, T::NTHREADS>(sK, gk + (i64)n0 * p.k_ss, p.k_ss, p.Sk - n0, tid);
-        load_tile<BN, T::D, T::NTHREADS>(sK + BN * LD, gv + (i64)n0 * p.v_ss, p.v_ss, p.Sk - n0, tid);
-    };
-
-    load_tile<BM, T::D, T::NTHREADS>(sQ, gq, p.q_ss, rows_q, tid);
-    if (n_blocks > 0) load_kv(n_blocks - 1, 0);
+    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + tile.b * p.q_sb + (i64)tile.m0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
+                                     tile.rows, tid);
+    if (n_blocks > 0) load_kv_tile<BN, T::D, T::NTHREADS>(sKV, p, tile.b, tile.hk, n_blocks - 1, tid);
     cp_async_commit();
 
     float o[MT][NT_O][4];
@@ -81,7 +53,8 @@ __device__ void fwd(const FwdParams& p) {
         const int n0 = j * BN;
         cp_async_wait<0>();
         __syncthreads();
-        if (it + 1 < n_blocks) load_kv(j - 1, stage ^ 1);
+        if (it + 1 < n_blocks)
+            load_kv_tile<BN, T::D, T::NTHREADS>(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, p, tile.b, tile.hk, j - 1, tid);
         cp_async_commit();
 
         const u32 sK = sKV + stage * T::SMEM_KV_STAGE, sV = sK + BN * LD;
@@ -99,16 +72,16 @@ __device__ void fwd(const FwdParams& p) {
             gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(s, sQ + wrow * LD, LD, sK, LD, lane);
         }
 
-        if (n0 + BN > p.Sk || (T::CAUSAL && n0 + BN - 1 > m0 + shift)) {
+        if (tile.needs_mask(j, p.Sk)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
                     for (int c = 0; c < 4; ++c) {
-                        const int row = m0 + wrow + mt * 16 + g + 8 * (c >> 1);
+                        const int row = tile.m0 + wrow + mt * 16 + g + 8 * (c >> 1);
                         const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (col >= p.Sk || (T::CAUSAL && col > row + shift)) s[mt][nt][c] = -FRT_INF;
+                        if (hidden<T::CAUSAL>(row, col, p.Sk, tile.shift)) s[mt][nt][c] = -FRT_INF;
                     }
         }
 
@@ -144,7 +117,7 @@ __device__ void fwd(const FwdParams& p) {
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with sQ; it now stages the output
 
-    float* glse = p.lse + ((i64)b * p.H + h) * p.Sq + m0;
+    float* glse = p.lse + ((i64)tile.b * p.H + tile.h) * p.Sq + tile.m0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -154,12 +127,13 @@ __device__ void fwd(const FwdParams& p) {
 #pragma unroll
             for (int dt = 0; dt < NT_O; ++dt) o[mt][dt][2 * hh] *= inv, o[mt][dt][2 * hh + 1] *= inv;
             const int r = wrow + mt * 16 + g + 8 * hh;
-            if (t == 0 && r < rows_q) glse[r] = sum > 0.f ? (row_max[mt][hh] + __log2f(sum)) * kLn2 : -FRT_INF;
+            if (t == 0 && r < tile.rows) glse[r] = sum > 0.f ? (row_max[mt][hh] + __log2f(sum)) * kLn2 : -FRT_INF;
         }
     u16* sO = reinterpret_cast<u16*>(smem);
     acc_to_smem<T::BF16, MT, NT_O>(sO + wrow * Pitch<DP>::elems, Pitch<DP>::elems, o, 1.f, lane);
     __syncthreads();
-    store_tile<BM, T::D, T::NTHREADS>(p.o + b * p.o_sb + (i64)m0 * p.o_ss + h * p.o_sh, p.o_ss, sO, rows_q, tid);
+    store_tile<BM, T::D, T::NTHREADS>(p.o + tile.b * p.o_sb + (i64)tile.m0 * p.o_ss + tile.h * p.o_sh, p.o_ss, sO,
+                                      tile.rows, tid);
 }
 
 }  // namespace frt

@@ -49,8 +49,72 @@ struct BwdParams {
     float scale;
 };
 
+// ---------------------------------------------------------------------------
+// Problem geometry shared by the kernel families.
+// ---------------------------------------------------------------------------
+
 // Causal masking is aligned to the bottom-right corner of the (Sq, Sk) score
 // matrix, as in FlashAttention >= 2.1: query i sees key j iff j <= i + Sk - Sq.
 FRT_DEVICE int causal_offset(int Sq, int Sk) { return Sk - Sq; }
+
+// Whether key `key` is hidden from query `query` (past the end, or in the causal future).
+template <bool CAUSAL>
+FRT_DEVICE bool hidden(int query, int key, int Sk, int shift) {
+    return key >= Sk || (CAUSAL && key > query + shift);
+}
+
+// Compile-time shape of a query-parallel kernel (fwd, bwd_dq): NW warps, each
+// owning MT*16 of the BM query rows; key tiles of BN rows; head_dim D padded to DP.
+template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
+struct RowTraits {
+    static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
+    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
+    static constexpr int DP = round_up(D, 16);
+    static constexpr int NTHREADS = NW * 32;
+    static constexpr int MT = BM / (16 * NW);
+    static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+    static_assert(BM % (16 * NW) == 0, "block_m must be a multiple of 16 * warps");
+    static_assert(BN % 16 == 0, "block_n must be a multiple of 16");
+    static constexpr int LD = Pitch<DP>::bytes;          // shared pitch of Q/K/V/dO tiles
+    static constexpr int SMEM_Q = BM * LD;
+    static constexpr int SMEM_KV_STAGE = 2 * BN * LD;    // K, then V
+};
+
+// The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid
+// (ceil(Sq/BM), H, B)) owns, and the key tiles [0, n_blocks) it can see.
+template <int BM, int BN, bool CAUSAL>
+struct QueryTile {
+    int h, b, hk, m0, rows, shift, n_blocks;
+
+    template <class P>
+    FRT_DEVICE explicit QueryTile(const P& p) {
+        // Causal: the last query tiles see the most keys; launch them first.
+        const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+        h = blockIdx.y;
+        b = blockIdx.z;
+        hk = h / (p.H / p.Hkv);
+        m0 = m_block * BM;
+        rows = min(BM, p.Sq - m0);
+        shift = causal_offset(p.Sq, p.Sk);
+        const int key_end = CAUSAL ? min(p.Sk, m0 + BM + shift) : p.Sk;
+        n_blocks = key_end > 0 ? ceil_div(key_end, BN) : 0;
+    }
+
+    // Key tile j holds some (query, key) pair of this tile that `hidden` masks.
+    FRT_DEVICE bool needs_mask(int j, int Sk) const {
+        const int n0 = j * BN;
+        return n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + shift);
+    }
+};
+
+// Copy key tile j of K and V (KV head hk of batch b) into one pipeline stage:
+// K at sK, V right after it.
+template <int BN, int D, int NTHREADS, class P>
+FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, int j, int tid) {
+    const int n0 = j * BN;
+    load_tile<BN, D, NTHREADS>(sK, p.k + b * p.k_sb + (i64)n0 * p.k_ss + hk * p.k_sh, p.k_ss, p.Sk - n0, tid);
+    load_tile<BN, D, NTHREADS>(sK + BN * Pitch<round_up(D, 16)>::bytes,
+                               p.v + b * p.v_sb + (i64)n0 * p.v_ss + hk * p.v_sh, p.v_ss, p.Sk - n0, tid);
+}
 
 }  // namespace frt
