@@ -155,10 +155,5 @@ __device__ void bwd_dkdv(const BwdParams& p) {
 }  // namespace frt
 
 #ifdef FRT_KERNEL_NAME
-typedef frt::DkdvTraits<FRT_HEAD_DIM, FRT_BLOCK_M, FRT_BLOCK_N, FRT_WARPS, FRT_BF16, FRT_CAUSAL> FrtTraits;
-static_assert(FrtTraits::SMEM == FRT_SMEM_BYTES, "launcher and kernel disagree on dynamic shared memory");
-// min 1 block/SM: without it ptxas may cap registers to raise occupancy, and spill.
-extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, 1) FRT_KERNEL_NAME(const frt::BwdParams p) {
-    frt::bwd_dkdv<FrtTraits>(p);
-}
+FRT_ENTRY(DkdvTraits, bwd_dkdv, BwdParams)
 #endif

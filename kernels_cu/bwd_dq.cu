@@ -97,10 +97,5 @@ __device__ void bwd_dq(const BwdParams& p) {
 }  // namespace frt
 
 #ifdef FRT_KERNEL_NAME
-typedef frt::DqTraits<FRT_HEAD_DIM, FRT_BLOCK_M, FRT_BLOCK_N, FRT_WARPS, FRT_BF16, FRT_CAUSAL> FrtTraits;
-static_assert(FrtTraits::SMEM == FRT_SMEM_BYTES, "launcher and kernel disagree on dynamic shared memory");
-// min 1 block/SM: without it ptxas may cap registers to raise occupancy, and spill.
-extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, 1) FRT_KERNEL_NAME(const frt::BwdParams p) {
-    frt::bwd_dq<FrtTraits>(p);
-}
+FRT_ENTRY(DqTraits, bwd_dq, BwdParams)
 #endif

@@ -6,7 +6,9 @@
 
 namespace frt {
 
-template <int D_, int NW_, bool BF16_>
+// block sizes and the mask mode do not apply; they are accepted so that every family
+// instantiates through FRT_ENTRY alike.
+template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
 struct PreTraits {
     static constexpr int D = D_, NW = NW_;
     static constexpr bool BF16 = BF16_;
@@ -46,10 +48,5 @@ __device__ void bwd_preprocess(const BwdParams& p) {
 }  // namespace frt
 
 #ifdef FRT_KERNEL_NAME
-typedef frt::PreTraits<FRT_HEAD_DIM, FRT_WARPS, FRT_BF16> FrtTraits;
-static_assert(FrtTraits::SMEM == FRT_SMEM_BYTES, "launcher and kernel disagree on dynamic shared memory");
-// min 1 block/SM: without it ptxas may cap registers to raise occupancy, and spill.
-extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, 1) FRT_KERNEL_NAME(const frt::BwdParams p) {
-    frt::bwd_preprocess<FrtTraits>(p);
-}
+FRT_ENTRY(PreTraits, bwd_preprocess, BwdParams)
 #endif

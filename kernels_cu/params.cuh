@@ -118,3 +118,14 @@ FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, int j, int tid) 
 }
 
 }  // namespace frt
+
+// One compiled variant: a plain extern "C" entry named FRT_KERNEL_NAME whose
+// template arguments come from the -D defines of flashrt/spec.py. The minimum of
+// one block per SM in the launch bounds keeps ptxas from capping registers to
+// raise occupancy (it did, and spilled).
+#define FRT_ENTRY(TRAITS, BODY, PARAMS)                                                              \
+    typedef frt::TRAITS<FRT_HEAD_DIM, FRT_BLOCK_M, FRT_BLOCK_N, FRT_WARPS, FRT_BF16, FRT_CAUSAL> FrtTraits; \
+    static_assert(FrtTraits::SMEM == FRT_SMEM_BYTES, "launcher and kernel disagree on dynamic shared memory"); \
+    extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, 1) FRT_KERNEL_NAME(const frt::PARAMS p) {  \
+        frt::BODY<FrtTraits>(p);                                                                      \
+    }
