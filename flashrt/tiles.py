@@ -3,8 +3,9 @@
 `pick_nw` walks a preference list for (family, head_dim) and returns the first
 tiling whose dynamic shared memory fits the device's opt-in limit. The lists
 come from the register/shared-memory budget of each kernel (no register spills
-on sm_90a with NVRTC 12.9/13.0, checked by tests/test_compile.py) and are the
-starting point for tuning by measurement (docs/perf-notes.md).
+with NVRTC 12.9 and 13.0, checked by tests) and from `scripts/tune.py` on an H100:
+for each bucket the first entry is the fastest spill-free tiling measured there
+(docs/perf-notes.md has the numbers); later entries are for smaller shared memory.
 """
 from __future__ import annotations
 
@@ -13,19 +14,22 @@ from .spec import KernelSpec
 # family -> [(max head_dim, [(block_m, block_n, warps), ...] in order of preference)]
 _PREFERENCES = {
     "fwd": [
-        (128, [(128, 64, 8), (64, 64, 4)]),
-        (192, [(64, 64, 4)]),
-        (256, [(64, 32, 4)]),
+        (64, [(128, 64, 4), (128, 64, 8)]),
+        (128, [(128, 128, 8), (64, 64, 4)]),
+        (240, [(128, 64, 8), (64, 32, 4)]),
+        (248, [(128, 32, 8), (64, 32, 4)]),  # 128x64 spills 4 bytes at head_dim 248 (NVRTC 12.9)
+        (256, [(128, 64, 8), (64, 32, 4)]),
     ],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
-        (224, [(64, 32, 4)]),
-        (248, [(64, 16, 4)]),  # block_n 32 spills at head_dim 232 (NVRTC 12.9)
-        (256, [(64, 32, 4)]),
+        (224, [(128, 32, 8), (64, 32, 4)]),
+        (248, [(128, 32, 8), (64, 16, 4)]),  # 64x32 spills at head_dim 232 (NVRTC 12.9)
+        (256, [(128, 32, 8), (64, 32, 4)]),
     ],
     "bwd_dkdv": [
-        (128, [(64, 64, 8)]),
-        (256, [(64, 32, 8), (32, 64, 8)]),
+        (64, [(64, 64, 8)]),
+        (128, [(64, 128, 8), (64, 64, 8)]),
+        (256, [(64, 64, 8), (64, 32, 8), (32, 64, 8)]),
     ],
     "bwd_preprocess": [(256, [(0, 0, 8)])],
 }
