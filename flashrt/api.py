@@ -145,7 +145,14 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
 
     dev = launch.device(Q.device)
     stream = interop.stream(Q)
-    for family in ("bwd_preprocess", "bwd_dq", "bwd_dkdv"):
-        spec = launch.pick(family, D, Q.dtype, bool(causal), dev)
-        launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk, dev.sm_count), p, stream)
+    specs = {f: launch.pick(f, D, Q.dtype, bool(causal), dev)
+             for f in ("bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_dkdv_reduce")}
+    splits = launch.dkdv_splits(specs["bwd_dkdv"], B, H, Hkv, Sq, Sk, dev.sm_count)
+    p["splits"] = splits
+    if splits > 1:
+        partial = interop.empty(Q, (2 * splits * B * Hkv * Sk * D,), float32=True)
+        p["dkv_partial"] = interop.describe(partial, "dkv_partial").ptr
+    for family in ("bwd_preprocess", "bwd_dq", "bwd_dkdv") + (("bwd_dkdv_reduce",) if splits > 1 else ()):
+        spec = specs[family]
+        launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk, dev.sm_count, splits), p, stream)
     return dq, dk, dv

@@ -59,22 +59,43 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132) -> tuple[int, int, int]:
+def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132,
+         splits: int = 1) -> tuple[int, int, int]:
     """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu."""
     if spec.family in ("fwd", "bwd_dq"):
         g = (_cdiv(Sq, spec.block_m), H, B)
     elif spec.family == "bwd_dkdv":
-        g = (_cdiv(Sk, spec.block_n), Hkv, B)
-    elif spec.family == "bwd_preprocess":
-        # grid-stride over B*H*Sq rows, one warp per row; enough blocks to fill the device
-        rows = B * H * Sq
-        g = (max(1, min(_cdiv(rows, spec.warps), 32 * sm_count)), 1, 1)
+        g = (_cdiv(Sk, spec.block_n), Hkv * splits, B)
+    elif spec.family == "bwd_preprocess":  # one warp per (b, h, query) row
+        g = (max(1, min(_cdiv(B * H * Sq, spec.warps), 32 * sm_count)), 1, 1)
+    elif spec.family == "bwd_dkdv_reduce":  # one thread per 8 elements of a (b, kv head, key) row
+        g = (max(1, min(_cdiv(B * Hkv * Sk * spec.head_dim // 8, spec.threads), 32 * sm_count)), 1, 1)
     else:
         raise ValueError(spec.family)
     if g[1] > _MAX_GRID_YZ or g[2] > _MAX_GRID_YZ:
         raise LaunchError(f"{spec.name}: grid {g} exceeds the CUDA limit of {_MAX_GRID_YZ} on its y/z axes "
                           f"(heads={H}, batch={B}); split the batch into chunks of at most {_MAX_GRID_YZ}")
     return g
+
+
+# fp32 dK/dV partials of a split dK/dV pass are bounded by this many bytes.
+DKDV_PARTIAL_LIMIT = 256 * 2**20
+
+
+def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int) -> int:
+    """How many blocks share each key tile of the dK/dV pass.
+
+    One (no partials) when the key tiles alone fill the GPU. Otherwise enough to
+    fill it (MQA/GQA at small batch: the grid is Sk/BN * Hkv * B), capped by the
+    (query head, query tile) pairs there are to share and by DKDV_PARTIAL_LIMIT
+    bytes of fp32 partials (2 * splits * B * Hkv * Sk * D * 4).
+    """
+    blocks = _cdiv(Sk, spec.block_n) * Hkv * B
+    if blocks >= sm_count:
+        return 1
+    pairs = (H // Hkv) * _cdiv(Sq, spec.block_m)
+    by_memory = DKDV_PARTIAL_LIMIT // (8 * B * Hkv * Sk * spec.head_dim)
+    return max(1, min(_cdiv(sm_count, blocks), pairs, by_memory))
 
 
 # ---------------------------------------------------------------------------

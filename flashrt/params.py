@@ -24,7 +24,8 @@ FWD = np.dtype(
 )
 
 BWD = np.dtype(
-    [(n, _PTR) for n in ("q", "k", "v", "o", "dout", "lse", "lse2", "delta", "dq", "dk", "dv")]
+    [(n, _PTR) for n in ("q", "k", "v", "o", "dout", "lse", "lse2", "delta", "dq", "dk", "dv", "dkv_partial")]
+    + [("splits", _I32)]
     + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
     + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk")]
     + [("scale_log2", _F32), ("scale", _F32)],

@@ -20,7 +20,10 @@ FAMILIES = {
     "bwd_preprocess": ("bwd_preprocess.cu", params.BWD),
     "bwd_dq": ("bwd_dq.cu", params.BWD),
     "bwd_dkdv": ("bwd_dkdv.cu", params.BWD),
+    "bwd_dkdv_reduce": ("bwd_dkdv_reduce.cu", params.BWD),
 }
+# Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
+ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce")
 DTYPES = ("bf16", "fp16")
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
 HEAD_DIMS = tuple(range(8, 257, 8))
@@ -63,7 +66,7 @@ class KernelSpec:
     # -- identity -----------------------------------------------------------------
     @property
     def name(self) -> str:
-        if self.family == "bwd_preprocess":
+        if self.family in ELEMENTWISE:
             return f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_w{self.warps}_{self.arch}"
         mask = "causal" if self.causal else "full"
         return (f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_{mask}"
@@ -79,7 +82,7 @@ class KernelSpec:
         bm, bn, nw = self.block_m, self.block_n, self.warps
         if nw < 1 or nw > 16:
             return "warps must be in [1, 16]"
-        if self.family == "bwd_preprocess":
+        if self.family in ELEMENTWISE:
             return None
         if bn % 16 or bm % 16 or bm <= 0 or bn <= 0:
             return "block_m and block_n must be positive multiples of 16"

@@ -9,7 +9,7 @@ for each bucket the first entry is the fastest spill-free tiling measured there
 """
 from __future__ import annotations
 
-from .spec import KernelSpec
+from .spec import ELEMENTWISE, KernelSpec
 
 # family -> [(max head_dim, [(block_m, block_n, warps), ...] in order of preference)]
 _PREFERENCES = {
@@ -28,10 +28,13 @@ _PREFERENCES = {
     ],
     "bwd_dkdv": [
         (64, [(64, 64, 8)]),
+        (96, [(64, 128, 8), (64, 64, 8)]),
+        (112, [(64, 64, 8)]),  # 64x128 spills at head_dim 104-112 (NVRTC 12.9)
         (128, [(64, 128, 8), (64, 64, 8)]),
         (256, [(64, 64, 8), (64, 32, 8), (32, 64, 8)]),
     ],
     "bwd_preprocess": [(256, [(0, 0, 8)])],
+    "bwd_dkdv_reduce": [(256, [(0, 0, 8)])],
 }
 # Smaller tilings, tried in order when none of the preferred ones fits.
 _FALLBACKS = {
@@ -39,6 +42,7 @@ _FALLBACKS = {
     "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "bwd_dkdv": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
     "bwd_preprocess": [],
+    "bwd_dkdv_reduce": [],
 }
 
 
@@ -58,7 +62,7 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
     tried = []
     for bm, bn, nw in candidates(family, head_dim):
         try:
-            spec = KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and family != "bwd_preprocess", arch)
+            spec = KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and family not in ELEMENTWISE, arch)
         except ValueError as exc:  # this tiling does not divide this head_dim; try the next
             tried.append(str(exc))
             continue

@@ -2,10 +2,12 @@
 //   dV = sum_h P_h^T dO_h,   dK = scale * sum_h dS_h^T Q_h,   dS = P o (dP - delta)
 // summed over the query heads h of one KV head's group (GQA/MQA).
 //
-// Grid (ceil(Sk / BN), Hkv, B): one block owns a key tile and visits, in a fixed
-// order, every (query head of the group, query tile) pair that can see it, so
-// the group sum needs neither atomics nor fp32 partial buffers, and the result
-// is bitwise deterministic.
+// Grid (ceil(Sk / BN), Hkv * splits, B): a key tile's (query head of the group,
+// query tile) pairs are visited in a fixed order, split into `splits` contiguous
+// chunks. With one split, a block owns its key tile outright and writes dK/dV;
+// with more (chosen by the launcher when the grid would not fill the GPU, e.g.
+// MQA at small batch) each block writes fp32 partials that bwd_dkdv_reduce.cu
+// sums in split order. No atomics either way: the result is bitwise deterministic.
 //
 // Per visited pair: S^T = K Q^T and dP^T = V dO^T are computed with the warps
 // laid out WN x WM over (keys, queries); P^T and dS^T go to shared memory in
@@ -51,7 +53,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wn = warp % T::WN, wq = warp / T::WN;  // wq indexes WM in phase 1 and WD in phase 2
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int n_block = blockIdx.x, hk = blockIdx.y % p.Hkv, split = blockIdx.y / p.Hkv, b = blockIdx.z;
     const int group = p.H / p.Hkv;
     const int n0 = n_block * BN;
     const int rows_k = min(BN, p.Sk - n0);
@@ -60,7 +62,9 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     // Query tiles that can see this key tile: query i sees key j iff j <= i + shift.
     const int m_first = T::CAUSAL ? max(0, n0 - shift) / BM : 0;
     const int m_count = ceil_div(p.Sq, BM) - m_first;
-    const int n_iter = m_count > 0 ? group * m_count : 0;
+    const int n_pairs = m_count > 0 ? group * m_count : 0;
+    const int chunk = ceil_div(n_pairs, p.splits);
+    const int it_begin = min(n_pairs, split * chunk), it_end = min(n_pairs, it_begin + chunk);
 
     const u32 sK = smem_u32(smem), sV = sK + BN * LD;
     const u32 sQdO = sK + T::SMEM_KV;  // stage s: Q at + s*STAGE, dO right after Q
@@ -85,7 +89,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
 
     load_tile<BN, T::D, T::NTHREADS>(sK, p.k + b * p.k_sb + (i64)n0 * p.k_ss + hk * p.k_sh, p.k_ss, rows_k, tid);
     load_tile<BN, T::D, T::NTHREADS>(sV, p.v + b * p.v_sb + (i64)n0 * p.v_ss + hk * p.v_sh, p.v_ss, rows_k, tid);
-    if (n_iter > 0) load_q(0, 0);
+    if (it_begin < it_end) load_q(it_begin, 0);
     cp_async_commit();
 
     float dk[MT][NT2][4], dv[MT][NT2][4];
@@ -95,12 +99,12 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const int qcol1 = wq * NT1 * 8;  // this warp's first query column (phase 1)
     const int dcol2 = wq * NT2 * 8;  // this warp's first head_dim column (phase 2)
 
-    for (int it = 0; it < n_iter; ++it) {
-        const int stage = it & 1;
+    for (int it = it_begin; it < it_end; ++it) {
+        const int stage = (it - it_begin) & 1;
         const int m0 = (m_first + it % m_count) * BM;
         cp_async_wait<0>();
         __syncthreads();
-        if (it + 1 < n_iter) load_q(it + 1, stage ^ 1);
+        if (it + 1 < it_end) load_q(it + 1, stage ^ 1);
         cp_async_commit();
         const u32 sQ = sQdO + stage * T::SMEM_QDO_STAGE, sdO = sQ + BM * LD;
         const float* s_lse2 = s_stat + stage * 2 * BM;
@@ -139,6 +143,27 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         gemm_ss<T::BF16, MT, NT2, BM / 16, B_KN>(dk, sdS + krow1 * LDP, LDP, sQ + dcol2 * 2, LD, lane);
     }
     cp_async_wait<0>();
+    if (p.splits > 1) {
+        // Unscaled fp32 partials of this split; every element of the key tile is written
+        // (zeros when the chunk was empty) so the reduction reads no uninitialised memory.
+        const i64 per_split = (i64)p.B * p.Hkv * p.Sk * T::D;
+        float* part = p.dkv_partial + split * per_split + (((i64)b * p.Hkv + hk) * p.Sk + n0) * T::D;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT2; ++nt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int kr = krow1 + mt * 16 + g + 8 * hh, col = dcol2 + nt * 8 + 2 * t;
+                    if (kr < rows_k && col < T::D) {
+                        float* at = part + (i64)kr * T::D + col;
+                        *reinterpret_cast<float2*>(at) = make_float2(dk[mt][nt][2 * hh], dk[mt][nt][2 * hh + 1]);
+                        *reinterpret_cast<float2*>(at + (i64)p.splits * per_split) =
+                            make_float2(dv[mt][nt][2 * hh], dv[mt][nt][2 * hh + 1]);
+                    }
+                }
+        return;
+    }
     __syncthreads();  // K and V are no longer read; they now stage dK and dV
 
     u16* sdk = reinterpret_cast<u16*>(smem);

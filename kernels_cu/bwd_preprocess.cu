@@ -6,8 +6,8 @@
 
 namespace frt {
 
-// block sizes and the mask mode do not apply; they are accepted so that every family
-// instantiates through FRT_ENTRY alike.
+// Block sizes and the mask mode do not apply; they are accepted so that every
+// family instantiates through FRT_ENTRY alike.
 template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
 struct PreTraits {
     static constexpr int D = D_, NW = NW_;

@@ -36,6 +36,8 @@ struct BwdParams {
     u16* dq;
     u16* dk;
     u16* dv;
+    float* dkv_partial;  // splits > 1: fp32 (2, splits, B, Hkv, Sk, D) dK then dV partials
+    int splits;          // blocks that share one key tile's (query head, query tile) pairs
     i64 q_sb, q_ss, q_sh;
     i64 k_sb, k_ss, k_sh;
     i64 v_sb, v_ss, v_sh;

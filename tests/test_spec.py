@@ -116,3 +116,24 @@ def test_param_structs_match_header(struct, dtype):
     assert [n for n, _ in fields] == list(dtype.names)
     assert [np.dtype(t) for _, t in fields] == [dtype.fields[n][0] for n in dtype.names]
     assert f"sizeof(frt::{struct}) == {dtype.itemsize}" in params.static_asserts(dtype)
+
+
+def test_dkdv_splits_fill_the_gpu_within_bounds():
+    dkdv = spec(family="bwd_dkdv", block_m=64, block_n=64, warps=8, head_dim=256)
+    # FA grid point: 16 key tiles x 8 heads x 16 batch = 2048 blocks: no split, no partials.
+    assert launch.dkdv_splits(dkdv, B=16, H=8, Hkv=8, Sq=1024, Sk=1024, sm_count=132) == 1
+    # The seed's MQA shape: 16 key tiles x 1 KV head x 2 batch = 32 blocks -> 5 blocks per key tile.
+    assert launch.dkdv_splits(dkdv, B=2, H=8, Hkv=1, Sq=1024, Sk=1024, sm_count=132) == 5
+    assert launch.grid(dkdv, B=2, H=8, Hkv=1, Sq=1024, Sk=1024, splits=5) == (16, 5, 2)
+    # No more splits than (query head, query tile) pairs to share.
+    assert launch.dkdv_splits(dkdv, B=1, H=1, Hkv=1, Sq=64, Sk=64, sm_count=132) == 1
+    assert launch.dkdv_splits(dkdv, B=1, H=2, Hkv=1, Sq=128, Sk=64, sm_count=132) == 4
+    # fp32 partials stay under DKDV_PARTIAL_LIMIT.
+    s = launch.dkdv_splits(dkdv, B=1, H=64, Hkv=1, Sq=65536, Sk=65536, sm_count=132)
+    assert 1 <= s and 8 * s * 65536 * 256 <= launch.DKDV_PARTIAL_LIMIT
+
+
+def test_reduce_grid_covers_every_chunk():
+    red = KernelSpec("bwd_dkdv_reduce", 128, "bf16", 0, 0, 8, False, "sm_90a")
+    assert red.name == "flashrt_bwd_dkdv_reduce_hd128_bf16_w8_sm_90a" and red.smem_bytes == 0
+    assert launch.grid(red, B=2, H=8, Hkv=1, Sq=9, Sk=1000, sm_count=132) == (125, 1, 1)  # 2 * 1000 rows * 16 chunks / 256 threads
