@@ -1,0 +1,38 @@
+"""Per-kernel GPU time of flashrt's forward and backward at a few shapes (torch profiler / CUPTI).
+
+    python scripts/profile.py            # prints one table per shape: kernel, calls, mean us
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import flashrt  # noqa: E402
+
+# (B, S, H, Hkv, D, causal)
+SHAPES = [(2, 1024, 8, 1, 256, False), (2, 1024, 8, 1, 256, True), (2, 8192, 16, 16, 128, False),
+          (2, 8192, 8, 8, 256, False), (2, 8192, 32, 32, 64, False)]
+REPEATS = 10
+
+for B, S, H, Hkv, D, causal in SHAPES:
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    do = torch.randn_like(q)
+    for _ in range(3):
+        out, lse = flashrt.forward(q, k, v, causal=causal)
+        flashrt.backward(do, q, k, v, out, lse, causal=causal)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPEATS):
+            out, lse = flashrt.forward(q, k, v, causal=causal)
+            flashrt.backward(do, q, k, v, out, lse, causal=causal)
+        torch.cuda.synchronize()
+    flops = 4 * B * H * S * S * D / (2 if causal else 1)
+    print(f"B={B} S={S} H={H} Hkv={Hkv} D={D} causal={causal}  (fwd {flops / 1e9:.1f} GFLOP, bwd x2.5)")
+    for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if ev.device_time_total and "flashrt" in ev.key:
+            print(f"  {ev.key:60s} {ev.count // REPEATS:3d}x {ev.device_time_total / REPEATS:9.1f} us")
