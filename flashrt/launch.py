@@ -85,17 +85,19 @@ DKDV_PARTIAL_LIMIT = 256 * 2**20
 def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int) -> int:
     """How many blocks share each key tile of the dK/dV pass.
 
-    One (no partials) when the key tiles alone fill the GPU. Otherwise enough to
-    fill it (MQA/GQA at small batch: the grid is Sk/BN * Hkv * B), capped by the
-    (query head, query tile) pairs there are to share and by DKDV_PARTIAL_LIMIT
-    bytes of fp32 partials (2 * splits * B * Hkv * Sk * D * 4).
+    One (no partials) when the key tiles alone fill the GPU. Otherwise as many as
+    still fit in one wave (MQA/GQA at small batch: the grid is Sk/BN * Hkv * B):
+    a second, partial wave would cost a whole block's time for a few blocks
+    (docs/perf-notes.md: 5 splits vs 4 at the seed shape). Capped by
+    the (query head, query tile) pairs there are to share and by
+    DKDV_PARTIAL_LIMIT bytes of fp32 partials (2 * splits * B * Hkv * Sk * D * 4).
     """
     blocks = _cdiv(Sk, spec.block_n) * Hkv * B
-    if blocks >= sm_count:
+    if 2 * blocks > sm_count:
         return 1
     pairs = (H // Hkv) * _cdiv(Sq, spec.block_m)
     by_memory = DKDV_PARTIAL_LIMIT // (8 * B * Hkv * Sk * spec.head_dim)
-    return max(1, min(_cdiv(sm_count, blocks), pairs, by_memory))
+    return max(1, min(sm_count // blocks, pairs, by_memory))
 
 
 # ---------------------------------------------------------------------------

@@ -122,9 +122,11 @@ def test_dkdv_splits_fill_the_gpu_within_bounds():
     dkdv = spec(family="bwd_dkdv", block_m=64, block_n=64, warps=8, head_dim=256)
     # FA grid point: 16 key tiles x 8 heads x 16 batch = 2048 blocks: no split, no partials.
     assert launch.dkdv_splits(dkdv, B=16, H=8, Hkv=8, Sq=1024, Sk=1024, sm_count=132) == 1
-    # The seed's MQA shape: 16 key tiles x 1 KV head x 2 batch = 32 blocks -> 5 blocks per key tile.
-    assert launch.dkdv_splits(dkdv, B=2, H=8, Hkv=1, Sq=1024, Sk=1024, sm_count=132) == 5
-    assert launch.grid(dkdv, B=2, H=8, Hkv=1, Sq=1024, Sk=1024, splits=5) == (16, 5, 2)
+    # The seed's MQA shape: 16 key tiles x 1 KV head x 2 batch = 32 blocks -> 4 per key tile (one wave).
+    assert launch.dkdv_splits(dkdv, B=2, H=8, Hkv=1, Sq=1024, Sk=1024, sm_count=132) == 4
+    assert launch.grid(dkdv, B=2, H=8, Hkv=1, Sq=1024, Sk=1024, splits=4) == (16, 4, 2)
+    # 100 blocks: a second split would not fit in one wave.
+    assert launch.dkdv_splits(dkdv, B=1, H=8, Hkv=1, Sq=6400, Sk=6400, sm_count=132) == 1
     # No more splits than (query head, query tile) pairs to share.
     assert launch.dkdv_splits(dkdv, B=1, H=1, Hkv=1, Sq=64, Sk=64, sm_count=132) == 1
     assert launch.dkdv_splits(dkdv, B=1, H=2, Hkv=1, Sq=128, Sk=64, sm_count=132) == 4
