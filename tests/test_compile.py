@@ -58,6 +58,10 @@ def test_every_family_compiles_for_each_arch(compiled):
 def test_no_register_spills(compiled):
     spilled = []
     for spec, (_, log) in compiled.items():
+        if "bytes spill stores" not in log:
+            # Seen once with NVRTC 13.0 and 16 parallel compiles: a program's log came back without
+            # ptxas's report (the cubin was fine). Compile that one again, alone.
+            log = _compile_verbose(spec)[1]
         stores = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
         stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
         assert stores, f"{spec.name}: no resource usage in NVRTC's log"
