@@ -6,16 +6,6 @@
 
 namespace frt {
 
-// Block sizes and the mask mode do not apply; they are accepted so that every
-// family instantiates through FRT_ENTRY alike.
-template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
-struct ReduceTraits {
-    static constexpr int D = D_, NW = NW_;
-    static constexpr bool BF16 = BF16_;
-    static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
-    static constexpr int SMEM = 0;
-};
-
 template <class T>
 __device__ void bwd_dkdv_reduce(const BwdParams& p) {
     constexpr int CHUNKS = T::D / 8;
@@ -56,5 +46,5 @@ __device__ void bwd_dkdv_reduce(const BwdParams& p) {
 }  // namespace frt
 
 #ifdef FRT_KERNEL_NAME
-FRT_ENTRY(ReduceTraits, bwd_dkdv_reduce, BwdParams)
+FRT_ENTRY(ElementwiseTraits, bwd_dkdv_reduce, BwdParams)
 #endif

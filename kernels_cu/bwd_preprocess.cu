@@ -6,16 +6,6 @@
 
 namespace frt {
 
-// Block sizes and the mask mode do not apply; they are accepted so that every
-// family instantiates through FRT_ENTRY alike.
-template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
-struct PreTraits {
-    static constexpr int D = D_, NW = NW_;
-    static constexpr bool BF16 = BF16_;
-    static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
-    static constexpr int SMEM = 0;
-};
-
 template <class T>
 __device__ void bwd_preprocess(const BwdParams& p) {
     const int lane = threadIdx.x & 31;
@@ -48,5 +38,5 @@ __device__ void bwd_preprocess(const BwdParams& p) {
 }  // namespace frt
 
 #ifdef FRT_KERNEL_NAME
-FRT_ENTRY(PreTraits, bwd_preprocess, BwdParams)
+FRT_ENTRY(ElementwiseTraits, bwd_preprocess, BwdParams)
 #endif

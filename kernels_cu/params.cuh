@@ -65,6 +65,17 @@ FRT_DEVICE bool hidden(int query, int key, int Sk, int shift) {
     return key >= Sk || (CAUSAL && key > query + shift);
 }
 
+// Compile-time shape of an elementwise kernel (bwd_preprocess, bwd_dkdv_reduce):
+// grid-stride over rows or 8-element chunks. Block sizes and the mask mode do
+// not apply; they are accepted so that every family instantiates through FRT_ENTRY.
+template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
+struct ElementwiseTraits {
+    static constexpr int D = D_, NW = NW_;
+    static constexpr bool BF16 = BF16_;
+    static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+    static constexpr int SMEM = 0;
+};
+
 // Compile-time shape of a query-parallel kernel (fwd, bwd_dq): NW warps, each
 // owning MT*16 of the BM query rows; key tiles of BN rows; head_dim D padded to DP.
 template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
