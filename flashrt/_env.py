@@ -23,7 +23,13 @@ def no_compile() -> bool:
     return _flag("FLASHRT_NO_COMPILE")
 
 
+def dump_source() -> bool:
+    """FLASHRT_DUMP_SOURCE=1: every compile first writes its translation unit, headers inlined, to <cache dir>/source/<variant>.cu."""
+    return _flag("FLASHRT_DUMP_SOURCE")
+
+
 VARIABLES = {
     "FLASHRT_CACHE_DIR": cache_dir.__doc__,
     "FLASHRT_NO_COMPILE": no_compile.__doc__,
+    "FLASHRT_DUMP_SOURCE": dump_source.__doc__,
 }

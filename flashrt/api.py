@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from . import interop, launch, params
+from . import interop, launch, params, tiles
 from .interop import Array
 
 _LOG2E = 1.4426950408889634
@@ -109,8 +109,30 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None):
-    """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v)."""
+IMPLS = ("auto", "split", "fused")
+
+
+def _check_impl(impl: str, deterministic: bool) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "fused" and deterministic:
+        raise ValueError("impl='fused' adds dq up with fp32 atomics, so its dq is not bitwise reproducible; "
+                         "pass deterministic=False to allow that, or impl='split' (or 'auto') for a "
+                         "deterministic backward")
+
+
+def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
+             impl: str = "auto", deterministic: bool = True):
+    """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v).
+
+    impl="split": a dQ kernel over query tiles and a dK/dV kernel over key tiles, no atomics.
+    impl="fused": one kernel over key tiles that also adds dQ up with fp32 atomics (5 matmuls
+    instead of 7, but dq's bits depend on scheduling): needs deterministic=False.
+    impl="auto": "split" when deterministic, else the faster of the two for this shape
+    (tiles.backward_impl). With deterministic=True (the default) dq, dk and dv are
+    bitwise identical for identical inputs, run after run and process after process.
+    """
+    _check_impl(impl, deterministic)
     Q, K, V, s = _inputs(q, k, v)
     B, Sq, Sk, H, Hkv, D = s["B"], s["Sq"], s["Sk"], s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
@@ -145,14 +167,24 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
 
     dev = launch.device(Q.device)
     stream = interop.stream(Q)
-    specs = {f: launch.pick(f, D, Q.dtype, bool(causal), dev)
-             for f in ("bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_dkdv_reduce")}
-    splits = launch.dkdv_splits(specs["bwd_dkdv"], B, H, Hkv, Sq, Sk, dev.sm_count)
+    if impl == "auto":
+        impl = "split" if deterministic else tiles.backward_impl(D, B, H, Hkv, Sq, Sk, bool(causal))
+    main = "bwd_fused" if impl == "fused" else "bwd_dkdv"
+    specs = {f: launch.pick(f, D, Q.dtype, bool(causal), dev) for f in ("bwd_preprocess", main, "bwd_dkdv_reduce")}
+    splits = launch.dkdv_splits(specs[main], B, H, Hkv, Sq, Sk, dev.sm_count)
     p["splits"] = splits
     if splits > 1:
         partial = interop.empty(Q, (2 * splits * B * Hkv * Sk * D,), float32=True)
         p["dkv_partial"] = interop.describe(partial, "dkv_partial").ptr
-    for family in ("bwd_preprocess", "bwd_dq", "bwd_dkdv") + (("bwd_dkdv_reduce",) if splits > 1 else ()):
-        spec = specs[family]
+    if impl == "fused":
+        dq_accum = interop.empty(Q, (B, H, Sq, D), float32=True)  # zeroed by bwd_preprocess
+        p["dq_accum"] = interop.describe(dq_accum, "dq_accum").ptr
+        families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
+    else:
+        families = ["bwd_preprocess", "bwd_dq", "bwd_dkdv"]
+    if splits > 1:
+        families.append("bwd_dkdv_reduce")
+    for family in families:
+        spec = specs.get(family) or launch.pick(family, D, Q.dtype, bool(causal), dev)
         launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk, dev.sm_count, splits), p, stream)
     return dq, dk, dv

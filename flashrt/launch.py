@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import cache, tiles
-from .spec import KernelSpec
+from .spec import KEY_PARALLEL, KernelSpec
 
 _DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 _MAX_GRID_YZ = 65535
@@ -64,12 +64,14 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
     """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu."""
     if spec.family in ("fwd", "bwd_dq"):
         g = (_cdiv(Sq, spec.block_m), H, B)
-    elif spec.family == "bwd_dkdv":
+    elif spec.family in KEY_PARALLEL:
         g = (_cdiv(Sk, spec.block_n), Hkv * splits, B)
     elif spec.family == "bwd_preprocess":  # one warp per (b, h, query) row
         g = (max(1, min(_cdiv(B * H * Sq, spec.warps), 32 * sm_count)), 1, 1)
     elif spec.family == "bwd_dkdv_reduce":  # one thread per 8 elements of a (b, kv head, key) row
         g = (max(1, min(_cdiv(B * Hkv * Sk * spec.head_dim // 8, spec.threads), 32 * sm_count)), 1, 1)
+    elif spec.family == "bwd_dq_convert":  # one thread per 8 elements of a (b, head, query) row
+        g = (max(1, min(_cdiv(B * H * Sq * spec.head_dim // 8, spec.threads), 32 * sm_count)), 1, 1)
     else:
         raise ValueError(spec.family)
     if g[1] > _MAX_GRID_YZ or g[2] > _MAX_GRID_YZ:

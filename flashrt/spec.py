@@ -15,15 +15,19 @@ import re
 from . import params
 
 FAMILIES = {
-    # family: (source file, params struct)
-    "fwd": ("fwd.cu", params.FWD),
-    "bwd_preprocess": ("bwd_preprocess.cu", params.BWD),
-    "bwd_dq": ("bwd_dq.cu", params.BWD),
-    "bwd_dkdv": ("bwd_dkdv.cu", params.BWD),
-    "bwd_dkdv_reduce": ("bwd_dkdv_reduce.cu", params.BWD),
+    # family: (source file, params struct, extra defines)
+    "fwd": ("fwd.cu", params.FWD, {}),
+    "bwd_preprocess": ("bwd_preprocess.cu", params.BWD, {}),
+    "bwd_dq": ("bwd_dq.cu", params.BWD, {}),
+    "bwd_dkdv": ("bwd_dkdv.cu", params.BWD, {}),
+    "bwd_dkdv_reduce": ("bwd_dkdv_reduce.cu", params.BWD, {}),
+    "bwd_fused": ("bwd_dkdv.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # dK/dV + atomic dQ
+    "bwd_dq_convert": ("bwd_dq_convert.cu", params.BWD, {}),
 }
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
-ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce")
+ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
+# Key-parallel families (bwd_dkdv.cu): grid over key tiles, warp layouts per phase.
+KEY_PARALLEL = ("bwd_dkdv", "bwd_fused")
 DTYPES = ("bf16", "fp16")
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
 HEAD_DIMS = tuple(range(8, 257, 8))
@@ -32,6 +36,19 @@ NVRTC_OPTIONS = ("-std=c++17",)
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
+
+
+def gemm_warps_m(nw: int, m: int, n: int) -> int:
+    """Warps along M of an M x N warp GEMM (kernels_cu/bwd_dkdv.cu: gemm_warps_m); 0 if none divides."""
+    best, best_cost = 0, None
+    for wm in range(1, nw + 1):
+        wn = nw // wm
+        if nw % wm or m % (16 * wm) or n % (8 * wn):
+            continue
+        cost = wn * m + wm * n
+        if best_cost is None or cost <= best_cost:
+            best, best_cost = wm, cost
+    return best
 
 
 def _pitch(cols: int) -> int:
@@ -88,14 +105,13 @@ class KernelSpec:
             return "block_m and block_n must be positive multiples of 16"
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
-        wn = min(nw, bn // 16)
-        if nw % wn:
-            return "warps must split evenly over the key tile (block_n / 16)"
-        wq = nw // wn
-        if bm % (8 * wq):
-            return "block_m must split evenly over the query warps"
-        if _round_up(self.head_dim, 16) % (8 * wq):
-            return "head_dim must split evenly over the head_dim warps"
+        dp = _round_up(self.head_dim, 16)
+        phases = [("keys x queries", bn, bm), ("keys x head_dim", bn, dp)]
+        if self.family == "bwd_fused":
+            phases.append(("queries x head_dim", bm, dp))
+        for what, m, n in phases:
+            if not gemm_warps_m(nw, m, n):
+                return f"{nw} warps do not tile the {m} x {n} ({what}) GEMM in 16 x 8 fragments"
         return None
 
     @property
@@ -106,7 +122,7 @@ class KernelSpec:
             return bm * ld + 2 * 2 * bn * ld
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
-        if self.family == "bwd_dkdv":  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)
+        if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)
             return 2 * bn * ld + 2 * 2 * bm * ld + 2 * bn * _pitch(bm) + 2 * 2 * bm * 4
         return 0
 
@@ -125,6 +141,7 @@ class KernelSpec:
             "FRT_BF16": int(self.dtype == "bf16"),
             "FRT_CAUSAL": int(self.causal),
             "FRT_SMEM_BYTES": self.smem_bytes,
+            **FAMILIES[self.family][2],
         }
         return [*NVRTC_OPTIONS, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in defines.items())]
 

@@ -33,16 +33,24 @@ _PREFERENCES = {
         (128, [(64, 128, 8), (64, 64, 8)]),
         (256, [(64, 64, 8), (64, 32, 8), (32, 64, 8)]),
     ],
+    "bwd_fused": [
+        (64, [(64, 64, 8)]),
+        (128, [(64, 128, 8), (64, 64, 8)]),
+        (256, [(64, 64, 8), (64, 32, 8), (32, 64, 8)]),
+    ],
     "bwd_preprocess": [(256, [(0, 0, 8)])],
     "bwd_dkdv_reduce": [(256, [(0, 0, 8)])],
+    "bwd_dq_convert": [(256, [(0, 0, 8)])],
 }
 # Smaller tilings, tried in order when none of the preferred ones fits.
 _FALLBACKS = {
     "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "bwd_dkdv": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
+    "bwd_fused": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
     "bwd_preprocess": [],
     "bwd_dkdv_reduce": [],
+    "bwd_dq_convert": [],
 }
 
 
@@ -71,3 +79,8 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
         tried.append(f"{spec.name}: {spec.smem_bytes} B")
     raise TilingError(f"no tiling of {family} for head_dim={head_dim} fits the device's shared memory limit of "
                       f"{smem_limit} bytes per block; required: " + ", ".join(tried))
+
+
+def backward_impl(head_dim: int, B: int, H: int, Hkv: int, Sq: int, Sk: int, causal: bool) -> str:
+    """The faster backward for a shape when determinism is not required ("split" or "fused")."""
+    return "fused"

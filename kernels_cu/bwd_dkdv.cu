@@ -1,4 +1,4 @@
-// Attention backward, dK and dV:
+// Attention backward, dK and dV (and, in the fused variant, dQ):
 //   dV = sum_h P_h^T dO_h,   dK = scale * sum_h dS_h^T Q_h,   dS = P o (dP - delta)
 // summed over the query heads h of one KV head's group (GQA/MQA).
 //
@@ -7,34 +7,69 @@
 // chunks. With one split, a block owns its key tile outright and writes dK/dV;
 // with more (chosen by the launcher when the grid would not fill the GPU, e.g.
 // MQA at small batch) each block writes fp32 partials that bwd_dkdv_reduce.cu
-// sums in split order. No atomics either way: the result is bitwise deterministic.
+// sums in split order. No atomics either way: dK/dV are bitwise deterministic.
 //
-// Per visited pair: S^T = K Q^T and dP^T = V dO^T are computed with the warps
-// laid out WN x WM over (keys, queries); P^T and dS^T go to shared memory in
-// 16-bit; then dV += P^T dO and dK += dS^T Q run with the warps laid out
-// WN x WD over (keys, head_dim), which bounds the accumulator registers for
-// large head_dim. Q/dO/lse2/delta stream through a two-stage cp.async pipeline.
+// Per visited pair: S^T = K Q^T and dP^T = V dO^T (phase 1); P^T and dS^T go to
+// shared memory in 16-bit; dV += P^T dO and dK += dS^T Q (phase 2). Each phase
+// has its own warp layout (DkdvTraits), so the head_dim-wide dK/dV accumulators
+// stay bounded and shared-memory fragment reads are as few as the tile allows.
+// Q/dO/lse2/delta stream through a two-stage cp.async pipeline.
+//
+// Fused variant (FRT_FUSED_DQ=1, family bwd_fused): phase 3 computes this pair's
+// dQ contribution dS K and adds it into an fp32 buffer with atomics, which makes
+// dQ's summation order, and so its bits, depend on scheduling. flashrt runs it
+// only with deterministic=False; bwd_dq_convert.cu scales and casts the buffer.
 #include "params.cuh"
 
+#ifndef FRT_FUSED_DQ
+#define FRT_FUSED_DQ 0
+#endif
+
 namespace frt {
+
+// Warps along M of an M x N warp GEMM (the rest go along N): the split that
+// minimises the fragments the warps read from shared memory (each A row is read
+// by every warp along N, each B column by every warp along M). 0: none divides.
+__host__ __device__ constexpr int gemm_warps_m(int nw, int m, int n) {
+    int best = 0, best_cost = 1 << 30;
+    for (int wm = 1; wm <= nw; ++wm) {
+        const int wn = nw / wm;
+        if (nw % wm || m % (16 * wm) || n % (8 * wn)) continue;
+        const int cost = wn * m + wm * n;
+        if (cost <= best_cost) best = wm, best_cost = cost;  // ties: more warps along M
+    }
+    return best;
+}
+
+// Largest divisor of nt that is at most cap (n-tiles per pass of a chunked GEMM).
+__host__ __device__ constexpr int chunk_of(int nt, int cap) {
+    int best = 1;
+    for (int c = 1; c <= nt && c <= cap; ++c)
+        if (nt % c == 0) best = c;
+    return best;
+}
 
 template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
 struct DkdvTraits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
-    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
+    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_, FUSED = FRT_FUSED_DQ;
     static constexpr int DP = round_up(D, 16);
     static constexpr int NTHREADS = NW * 32;
     static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
     static_assert(BN % 16 == 0 && BM % 16 == 0, "block sizes must be multiples of 16");
-    static constexpr int WN = cmin(NW, BN / 16);  // warps along keys (both phases)
-    static constexpr int WM = NW / WN;            // warps along queries (S^T, dP^T)
-    static constexpr int WD = NW / WN;            // warps along head_dim (dK, dV)
-    static_assert(WN * WM == NW, "warps must split evenly over the key tile");
-    static_assert(BM % (8 * WM) == 0, "block_m must split evenly over the query warps");
-    static_assert(DP % (8 * WD) == 0, "head_dim must split evenly over the head_dim warps");
-    static constexpr int MT = BN / (16 * WN);  // m-tiles (keys) per warp
-    static constexpr int NT1 = BM / (8 * WM);  // n-tiles (queries) per warp, phase 1
-    static constexpr int NT2 = DP / (8 * WD);  // n-tiles (head_dim) per warp, phase 2
+    // Phase 1: S^T, dP^T (keys x queries, k = head_dim): WN1 x WM1 warps.
+    static constexpr int WN1 = gemm_warps_m(NW, BN, BM), WM1 = WN1 ? NW / WN1 : 1;
+    // Phase 2: dK, dV (keys x head_dim, k = queries): WN2 x WD2 warps.
+    static constexpr int WN2 = gemm_warps_m(NW, BN, DP), WD2 = WN2 ? NW / WN2 : 1;
+    // Phase 3 (fused): dQ (queries x head_dim, k = keys): WM3 x WD3 warps.
+    static constexpr int WM3 = FUSED ? gemm_warps_m(NW, BM, DP) : 1, WD3 = WM3 ? NW / WM3 : 1;
+    static_assert(WN1 && WN2 && WM3, "no warp layout divides this tiling (flashrt/spec.py rejects it)");
+    static constexpr int MT1 = BN / (16 * WN1), NT1 = BM / (8 * WM1);
+    static constexpr int MT2 = BN / (16 * WN2), NT2 = DP / (8 * WD2);
+    static constexpr int MT3 = BM / (16 * WM3), NT3 = DP / (8 * WD3);
+    // dQ is not carried across pairs: a warp computes its columns in passes of NQ n-tiles
+    // (at most 32 accumulator floats per thread) and adds each pass to global memory.
+    static constexpr int NQ = chunk_of(NT3, 8 / MT3 > 0 ? 8 / MT3 : 1);
     static constexpr int LD = Pitch<DP>::bytes;
     static constexpr int LDP = Pitch<BM>::bytes;
     static constexpr int SMEM_KV = 2 * BN * LD;     // K, V
@@ -46,13 +81,13 @@ struct DkdvTraits {
 
 template <class T>
 __device__ void bwd_dkdv(const BwdParams& p) {
-    constexpr int BM = T::BM, BN = T::BN, DP = T::DP, MT = T::MT, NT1 = T::NT1, NT2 = T::NT2;
+    constexpr int BM = T::BM, BN = T::BN, DP = T::DP;
+    constexpr int MT1 = T::MT1, NT1 = T::NT1, MT2 = T::MT2, NT2 = T::NT2;
     constexpr int LD = T::LD, LDP = T::LDP;
     extern __shared__ __align__(16) unsigned char smem[];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int wn = warp % T::WN, wq = warp / T::WN;  // wq indexes WM in phase 1 and WD in phase 2
     const int n_block = blockIdx.x, hk = blockIdx.y % p.Hkv, split = blockIdx.y / p.Hkv, b = blockIdx.z;
     const int group = p.H / p.Hkv;
     const int n0 = n_block * BN;
@@ -92,12 +127,13 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     if (it_begin < it_end) load_q(it_begin, 0);
     cp_async_commit();
 
-    float dk[MT][NT2][4], dv[MT][NT2][4];
+    float dk[MT2][NT2][4], dv[MT2][NT2][4];
     zero(dk);
     zero(dv);
-    const int krow1 = wn * MT * 16;  // this warp's first key row (both phases)
-    const int qcol1 = wq * NT1 * 8;  // this warp's first query column (phase 1)
-    const int dcol2 = wq * NT2 * 8;  // this warp's first head_dim column (phase 2)
+    // This warp's first row and column in each phase's output tile.
+    const int krow1 = (warp % T::WN1) * MT1 * 16, qcol1 = (warp / T::WN1) * NT1 * 8;
+    const int krow2 = (warp % T::WN2) * MT2 * 16, dcol2 = (warp / T::WN2) * NT2 * 8;
+    const int qrow3 = (warp % T::WM3) * T::MT3 * 16, dcol3 = (warp / T::WM3) * T::NT3 * 8;
 
     for (int it = it_begin; it < it_end; ++it) {
         const int stage = (it - it_begin) & 1;
@@ -110,17 +146,17 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         const float* s_lse2 = s_stat + stage * 2 * BM;
         const float* s_delta = s_lse2 + BM;
 
-        float s[MT][NT1][4], dp[MT][NT1][4];
+        float s[MT1][NT1][4], dp[MT1][NT1][4];
         zero(s);
         zero(dp);
-        gemm_ss<T::BF16, MT, NT1, DP / 16, B_NK>(s, sK + krow1 * LD, LD, sQ + qcol1 * LD, LD, lane);
-        gemm_ss<T::BF16, MT, NT1, DP / 16, B_NK>(dp, sV + krow1 * LD, LD, sdO + qcol1 * LD, LD, lane);
+        gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK>(s, sK + krow1 * LD, LD, sQ + qcol1 * LD, LD, lane);
+        gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK>(dp, sV + krow1 * LD, LD, sdO + qcol1 * LD, LD, lane);
 
         const bool need_mask = m0 + BM > p.Sq || n0 + BN > p.Sk || (T::CAUSAL && n0 + BN - 1 > m0 + shift);
         u16* p_tile = reinterpret_cast<u16*>(smem + (sP - sK));
         u16* ds_tile = reinterpret_cast<u16*>(smem + (sdS - sK));
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT1; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT1; ++nt)
 #pragma unroll
@@ -135,12 +171,35 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                     s[mt][nt][c] = pr;
                     dp[mt][nt][c] = pr * (dp[mt][nt][c] - s_delta[qc]);
                 }
-        acc_to_smem<T::BF16, MT, NT1>(p_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, s, 1.f, lane);
-        acc_to_smem<T::BF16, MT, NT1>(ds_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, dp, 1.f, lane);
+        acc_to_smem<T::BF16, MT1, NT1>(p_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, s, 1.f, lane);
+        acc_to_smem<T::BF16, MT1, NT1>(ds_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, dp, 1.f, lane);
         __syncthreads();
 
-        gemm_ss<T::BF16, MT, NT2, BM / 16, B_KN>(dv, sP + krow1 * LDP, LDP, sdO + dcol2 * 2, LD, lane);
-        gemm_ss<T::BF16, MT, NT2, BM / 16, B_KN>(dk, sdS + krow1 * LDP, LDP, sQ + dcol2 * 2, LD, lane);
+        gemm_ss<T::BF16, MT2, NT2, BM / 16, B_KN>(dv, sP + krow2 * LDP, LDP, sdO + dcol2 * 2, LD, lane);
+        gemm_ss<T::BF16, MT2, NT2, BM / 16, B_KN>(dk, sdS + krow2 * LDP, LDP, sQ + dcol2 * 2, LD, lane);
+        if constexpr (T::FUSED) {
+            // dQ_pair = dS K: A = dS^T read transposed from shared memory, B = K.
+            const int h = hk * group + it / m_count;
+            float* dq_rows = p.dq_accum + (((i64)b * p.H + h) * p.Sq + m0) * T::D;
+#pragma unroll 1
+            for (int pass = 0; pass < T::NT3 / T::NQ; ++pass) {
+                const int col0 = dcol3 + pass * T::NQ * 8;
+                float dq[T::MT3][T::NQ][4];
+                zero(dq);
+                gemm_ss<T::BF16, T::MT3, T::NQ, BN / 16, B_KN, A_KM>(dq, sdS + qrow3 * 2, LDP, sK + col0 * 2, LD,
+                                                                    lane);
+#pragma unroll
+                for (int mt = 0; mt < T::MT3; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < T::NQ; ++nt)
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            const int qr = qrow3 + mt * 16 + g + 8 * hh, col = col0 + nt * 8 + 2 * t;
+                            if (m0 + qr < p.Sq && col < T::D)
+                                red_add2(dq_rows + (i64)qr * T::D + col, dq[mt][nt][2 * hh], dq[mt][nt][2 * hh + 1]);
+                        }
+            }
+        }
     }
     cp_async_wait<0>();
     if (p.splits > 1) {
@@ -149,12 +208,12 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         const i64 per_split = (i64)p.B * p.Hkv * p.Sk * T::D;
         float* part = p.dkv_partial + split * per_split + (((i64)b * p.Hkv + hk) * p.Sk + n0) * T::D;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT2; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT2; ++nt)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const int kr = krow1 + mt * 16 + g + 8 * hh, col = dcol2 + nt * 8 + 2 * t;
+                    const int kr = krow2 + mt * 16 + g + 8 * hh, col = dcol2 + nt * 8 + 2 * t;
                     if (kr < rows_k && col < T::D) {
                         float* at = part + (i64)kr * T::D + col;
                         *reinterpret_cast<float2*>(at) = make_float2(dk[mt][nt][2 * hh], dk[mt][nt][2 * hh + 1]);
@@ -168,8 +227,8 @@ __device__ void bwd_dkdv(const BwdParams& p) {
 
     u16* sdk = reinterpret_cast<u16*>(smem);
     u16* sdv = sdk + BN * Pitch<DP>::elems;
-    acc_to_smem<T::BF16, MT, NT2>(sdk + krow1 * Pitch<DP>::elems + dcol2, Pitch<DP>::elems, dk, p.scale, lane);
-    acc_to_smem<T::BF16, MT, NT2>(sdv + krow1 * Pitch<DP>::elems + dcol2, Pitch<DP>::elems, dv, 1.f, lane);
+    acc_to_smem<T::BF16, MT2, NT2>(sdk + krow2 * Pitch<DP>::elems + dcol2, Pitch<DP>::elems, dk, p.scale, lane);
+    acc_to_smem<T::BF16, MT2, NT2>(sdv + krow2 * Pitch<DP>::elems + dcol2, Pitch<DP>::elems, dv, 1.f, lane);
     __syncthreads();
     store_tile<BN, T::D, T::NTHREADS>(p.dk + b * p.dk_sb + (i64)n0 * p.dk_ss + hk * p.dk_sh, p.dk_ss, sdk, rows_k,
                                       tid);

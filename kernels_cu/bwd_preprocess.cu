@@ -1,6 +1,7 @@
 // Attention backward, preprocess: per query row,
 //   delta = rowsum(dO o O)                          (fp32)
 //   lse2  = lse * log2(e), or +inf where lse = -inf (the row saw no key, so P = 0)
+//   dq_accum row = 0 (fused backward only: bwd_dkdv.cu adds into it)
 // One warp per (b, h, i) row; each lane reads 16 bytes of O and dO.
 #include "params.cuh"
 
@@ -25,6 +26,9 @@ __device__ void bwd_preprocess(const BwdParams& p) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc = fmaf(Elem<T::BF16>::to_float(o8[e]), Elem<T::BF16>::to_float(d8[e]), acc);
         }
+        if (p.dq_accum)
+            for (int c = lane * 4; c < T::D; c += 32 * 4)
+                *reinterpret_cast<float4*>(p.dq_accum + r * T::D + c) = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
         if (lane == 0) {

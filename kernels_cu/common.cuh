@@ -203,11 +203,25 @@ FRT_DEVICE void load_b(u32 sB, int ldb, int kk, int nt, int lane, u32& b00, u32&
     }
 }
 
-// A fragment of a row-major [m][k] shared tile for rows mt*16.., k-step kk.
+// A operand layouts in shared memory:
+//   A_MK: stored [m][k] (k contiguous), e.g. Q for S = Q K^T       -> ldmatrix
+//   A_KM: stored [k][m] (m contiguous), e.g. dS^T for dQ = dS K     -> ldmatrix.trans
+enum ALayout { A_MK = 0, A_KM = 1 };
+
+// A fragment for rows mt*16.., k-step kk. lda is the shared pitch in bytes.
+template <int LAYOUT = A_MK>
 FRT_DEVICE void load_a(u32 sA, int lda, int mt, int kk, int lane, u32 (&a)[4]) {
-    const int m = mt * 16 + (lane & 15);
-    const int k = kk * 16 + ((lane >> 4) << 3);
-    ldsm_x4(sA + m * lda + k * 2, a[0], a[1], a[2], a[3]);
+    if (LAYOUT == A_MK) {
+        const int m = mt * 16 + (lane & 15);
+        const int k = kk * 16 + ((lane >> 4) << 3);
+        ldsm_x4(sA + m * lda + k * 2, a[0], a[1], a[2], a[3]);
+    } else {
+        // Matrices 0..3 of the x4 are (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15);
+        // lanes 8i..8i+7 address the 8 stored k-rows of matrix i.
+        const int k = kk * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int m = mt * 16 + (((lane >> 3) & 1) << 3);
+        ldsm_x4_t(sA + k * lda + m * 2, a[0], a[1], a[2], a[3]);
+    }
 }
 
 // acc += A * B for one k-step, A given as fragments in registers.
@@ -226,8 +240,8 @@ FRT_DEVICE void mma_kstep(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], u32 sB
     }
 }
 
-// acc += A * B over KSTEPS k-steps, A from shared memory (row-major [m][k], pitch lda bytes).
-template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT>
+// acc += A * B over KSTEPS k-steps, A from shared memory (layout A_LAYOUT, pitch lda bytes).
+template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT, int A_LAYOUT = A_MK>
 FRT_DEVICE void gemm_ss(float (&acc)[MT][NT][4], u32 sA, int lda, u32 sB, int ldb, int lane) {
     // Unrolled by 2, not fully: with every k-step unrolled ptxas hoists all fragment loads
     // and spills at head_dim > 160 (seen with NVRTC 12.9).
@@ -235,7 +249,7 @@ FRT_DEVICE void gemm_ss(float (&acc)[MT][NT][4], u32 sA, int lda, u32 sB, int ld
     for (int kk = 0; kk < KSTEPS; ++kk) {
         u32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) load_a(sA, lda, mt, kk, lane, a[mt]);
+        for (int mt = 0; mt < MT; ++mt) load_a<A_LAYOUT>(sA, lda, mt, kk, lane, a[mt]);
         mma_kstep<BF16, MT, NT, LAYOUT>(acc, a, sB, ldb, kk, lane);
     }
 }
@@ -277,6 +291,16 @@ FRT_DEVICE void acc_to_smem(u16* s, int ld, const float (&acc)[MT][NT][4], float
                 *reinterpret_cast<u32*>(s + r * ld + c) =
                     Elem<BF16>::pack(acc[mt][nt][2 * h] * scale, acc[mt][nt][2 * h + 1] * scale);
             }
+}
+
+// Fire-and-forget fp32 atomic add of two adjacent floats (8-byte aligned address).
+FRT_DEVICE void red_add2(float* at, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(at), "f"(x), "f"(y) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(at), "f"(x) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(at + 1), "f"(y) : "memory");
+#endif
 }
 
 template <int MT, int NT>

@@ -1,6 +1,6 @@
 """Per-kernel GPU time of flashrt's forward and backward at a few shapes (torch profiler / CUPTI).
 
-    python scripts/profile.py            # prints one table per shape: kernel, calls, mean us
+    python scripts/profile.py            # prints one table per shape and backward impl: kernel, calls, mean us
 """
 import sys
 from pathlib import Path
@@ -17,22 +17,27 @@ SHAPES = [(2, 1024, 8, 1, 256, False), (2, 1024, 8, 1, 256, True), (2, 8192, 16,
           (2, 8192, 8, 8, 256, False), (2, 8192, 32, 32, 64, False)]
 REPEATS = 10
 
-for B, S, H, Hkv, D, causal in SHAPES:
+for (B, S, H, Hkv, D, causal), impl in ((shape, impl) for shape in SHAPES for impl in ("split", "fused")):
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     do = torch.randn_like(q)
+    opts = dict(causal=causal, impl=impl, deterministic=impl != "fused")
     for _ in range(3):
         out, lse = flashrt.forward(q, k, v, causal=causal)
-        flashrt.backward(do, q, k, v, out, lse, causal=causal)
+        flashrt.backward(do, q, k, v, out, lse, **opts)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPEATS):
             out, lse = flashrt.forward(q, k, v, causal=causal)
-            flashrt.backward(do, q, k, v, out, lse, causal=causal)
+            flashrt.backward(do, q, k, v, out, lse, **opts)
         torch.cuda.synchronize()
     flops = 4 * B * H * S * S * D / (2 if causal else 1)
-    print(f"B={B} S={S} H={H} Hkv={Hkv} D={D} causal={causal}  (fwd {flops / 1e9:.1f} GFLOP, bwd x2.5)")
+    total = 0.0
+    print(f"B={B} S={S} H={H} Hkv={Hkv} D={D} causal={causal} impl={impl}  (fwd {flops / 1e9:.1f} GFLOP, bwd x2.5)")
     for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if ev.device_time_total and "flashrt" in ev.key:
-            print(f"  {ev.key:60s} {ev.count // REPEATS:3d}x {ev.device_time_total / REPEATS:9.1f} us")
+            us = ev.device_time_total / REPEATS
+            total += us if "_fwd_" not in ev.key else 0.0
+            print(f"  {ev.key:60s} {ev.count // REPEATS:3d}x {us:9.1f} us")
+    print(f"  backward kernels: {total:.1f} us = {2.5 * flops / total / 1e6:.0f} TFLOP/s")

@@ -16,6 +16,7 @@ CASES = [
     (1, 33, 97, 4, 2, 256, True, torch.bfloat16),
     (2, 130, 130, 2, 1, 128, False, torch.bfloat16),
     (1, 17, 9, 2, 1, 8, True, torch.float16),
+    (2, 200, 200, 8, 1, 96, True, torch.bfloat16),  # MQA, small grid: split dK/dV with partials
 ]
 
 for B, Sq, Sk, H, Hkv, D, causal, dt in CASES:
@@ -23,6 +24,8 @@ for B, Sq, Sk, H, Hkv, D, causal, dt in CASES:
     k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
     v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
     out, lse = flashrt.forward(q, k, v, causal=causal)
-    flashrt.backward(torch.randn_like(out), q, k, v, out, lse, causal=causal)
+    do = torch.randn_like(out)
+    flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="split")
+    flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=False)
 torch.cuda.synchronize()
 print(f"sanitize workload: {len(CASES)} cases ran")

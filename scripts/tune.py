@@ -32,6 +32,8 @@ CANDIDATES = {
     "bwd_dkdv": [(64, 64, 8), (64, 128, 8), (128, 64, 8), (128, 128, 8), (32, 64, 4), (64, 64, 4), (64, 32, 8),
                  (32, 128, 8), (128, 32, 8)],
 }
+CANDIDATES["bwd_fused"] = CANDIDATES["bwd_dkdv"]
+IMPL = {"bwd_dq": "split", "bwd_dkdv": "split", "bwd_fused": "fused"}
 
 
 def shapes(D: int) -> list[tuple[int, int, int, int]]:
@@ -65,11 +67,13 @@ def candidates(family: str, D: int, causal: bool, dev) -> list[KernelSpec]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--families", default=",".join(CANDIDATES))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     dev = launch.device(0)
     head_dims = [int(x) for x in args.head_dims.split(",")]
-    todo = [s for fam in CANDIDATES for D in head_dims for c in (False, True) for s in candidates(fam, D, c, dev)]
+    families = args.families.split(",")
+    todo = [s for fam in families for D in head_dims for c in (False, True) for s in candidates(fam, D, c, dev)]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
         list(pool.map(cache.lookup, todo))
     rows = []
@@ -85,7 +89,7 @@ def main() -> None:
                 out0, lse0 = flashrt.forward(q, k, v, causal=causal)
                 grads0 = flashrt.backward(do, q, k, v, out0, lse0, causal=causal)
                 fl = 4 * B * H * S * S * D / (2 if causal else 1)
-                for family in CANDIDATES:
+                for family in families:
                     for spec in candidates(family, D, causal, dev):
                         _override.clear()
                         _override[family] = spec
@@ -94,7 +98,8 @@ def main() -> None:
                             fn = lambda: flashrt.forward(q, k, v, causal=causal)  # noqa: E731
                             got, want, flops = fn()[0], out0, fl
                         else:
-                            fn = lambda: flashrt.backward(do, q, k, v, out0, lse0, causal=causal)  # noqa: E731
+                            fn = lambda: flashrt.backward(do, q, k, v, out0, lse0, causal=causal,  # noqa: E731
+                                                          impl=IMPL[family], deterministic=family != "bwd_fused")
                             got = fn()[0 if family == "bwd_dq" else 1]
                             want, flops = grads0[0 if family == "bwd_dq" else 1], 2.5 * fl
                         err = ((got.float() - want.float()).norm() / want.float().norm()).item()

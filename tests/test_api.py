@@ -45,3 +45,13 @@ def test_softmax_scale_must_be_positive_and_finite(bad):
 def test_non_array_inputs_are_rejected():
     with pytest.raises(TypeError, match="q must be a torch CUDA tensor or a CuPy array"):
         api.forward([[1.0]], None, None)
+
+
+def test_backward_impl_options_are_checked_before_any_work():
+    # Rejected before the inputs are even looked at (None would fail there).
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'split', 'fused'\), got 'fast'"):
+        api.backward(None, None, None, None, None, None, impl="fast")
+    with pytest.raises(ValueError, match=r"impl='fused' .*atomics.*deterministic=False"):
+        api.backward(None, None, None, None, None, None, impl="fused")
+    with pytest.raises(ValueError, match=r"impl='fused'"):
+        api.backward(None, None, None, None, None, None, impl="fused", deterministic=True)
