@@ -168,7 +168,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     dev = launch.device(Q.device)
     stream = interop.stream(Q)
     if impl == "auto":
-        impl = "split" if deterministic else tiles.backward_impl(D, B, H, Hkv, Sq, Sk, bool(causal))
+        impl = "split" if deterministic else tiles.backward_impl(D)
     main = "bwd_fused" if impl == "fused" else "bwd_dkdv"
     specs = {f: launch.pick(f, D, Q.dtype, bool(causal), dev) for f in ("bwd_preprocess", main, "bwd_dkdv_reduce")}
     splits = launch.dkdv_splits(specs[main], B, H, Hkv, Sq, Sk, dev.sm_count)

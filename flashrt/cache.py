@@ -10,11 +10,13 @@ change to any of them is a miss, never a stale hit.
 
 Life cycle of a lookup (as FlashInfer's JIT does it): memory -> disk -> lock ->
 disk again -> compile -> atomic write (temp file in the same folder, then
-os.replace). An entry that fails its checksum is recompiled with a warning and
-never loaded. Several processes may compile the same variant at once: each
-either waits on the entry's lock or writes an identical file atomically. A
-cache folder that cannot be written falls back to compiling in memory, with
-one warning.
+os.replace). An entry that fails its checksum, or whose cubin is for another
+SM, is recompiled with a warning and never loaded. Several processes may
+compile the same variant at once: each either waits on the entry's lock or
+writes an identical file atomically, so a lock is only there to save work: a
+wait longer than LOCK_TIMEOUT_S warns, naming the lock file, and compiles
+anyway. A cache folder that cannot be written (read-only, full) falls back to
+compiling in memory, with one warning.
 """
 from __future__ import annotations
 
@@ -34,10 +36,19 @@ from . import _env, nvrtc
 from ._version import __version__
 from .spec import KernelSpec
 
+try:
+    import fcntl
+except ImportError:  # Windows: no lock; atomic writes still keep entries whole, a kernel may compile twice
+    fcntl = None
+
 log = logging.getLogger("flashrt")
 
 _MAGIC = b"FLASHRT-CUBIN 1\n"
 _SUFFIX = ".cubin"
+# The biggest kernel compiles in seconds, even 16 at once on 2 cores: waiting this long on another
+# process's lock means that process is hung (a dead one has no lock: flock locks die with their process).
+LOCK_TIMEOUT_S = 300.0
+SLOW_COMPILE_S = 60.0  # a compile still running after this long is reported, so a hang is never silent
 
 
 class CacheMiss(RuntimeError):
@@ -120,8 +131,10 @@ def decode_entry(raw: bytes, key: str | None = None) -> tuple[dict, bytes]:
         header = json.loads(raw[len(_MAGIC):end])
     except ValueError as exc:
         raise ValueError(f"corrupt header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"corrupt header (a JSON {type(header).__name__}, not an object)")
     cubin = raw[end + 1:]
-    if not isinstance(header, dict) or len(cubin) != header.get("size"):
+    if len(cubin) != header.get("size"):
         raise ValueError(f"truncated payload ({len(cubin)} bytes, header says {header.get('size')})")
     if hashlib.sha256(cubin).hexdigest() != header.get("sha256"):
         raise ValueError("checksum mismatch")
@@ -147,7 +160,7 @@ def _warn_once(tag: str, message: str) -> None:
     warnings.warn(message, CacheWarning, stacklevel=3)
 
 
-def _read(path: Path, key: str) -> bytes | None:
+def _read(path: Path, key: str, spec: KernelSpec) -> bytes | None:
     try:
         raw = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
@@ -156,7 +169,13 @@ def _read(path: Path, key: str) -> bytes | None:
         _warn_once(f"read:{path}", f"flashrt: cannot read cache entry {path} ({exc}); recompiling")
         return None
     try:
-        return decode_entry(raw, key)[1]
+        cubin = decode_entry(raw, key)[1]
+        # The key already covers the arch; this checks the payload itself, which is what the driver runs.
+        sm, want = nvrtc.cubin_sm(cubin), int(spec.arch[3:].rstrip("a"))
+        if sm != want:
+            raise ValueError(f"its cubin is for sm_{sm}, expected sm_{want}" if sm is not None
+                             else "its payload is not a CUDA ELF")
+        return cubin
     except ValueError as exc:
         _warn_once(f"corrupt:{path}", f"flashrt: cache entry {path} is unusable ({exc}); recompiling it")
         return None
@@ -183,7 +202,7 @@ def lookup(spec: KernelSpec) -> tuple[bytes, str]:
         if cubin is not None:
             return cubin, "memory"
         path = entry_path(spec, key)
-        cubin = _read(path, key)
+        cubin = _read(path, key, spec)
         status = "disk"
         if cubin is None:
             if _env.no_compile():
@@ -196,36 +215,71 @@ def lookup(spec: KernelSpec) -> tuple[bytes, str]:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def _file_lock(path: Path, name: str):
     """Exclusive lock on `path`.lock across processes; yields False when the folder is not writable."""
+    lock = Path(str(path) + ".lock")
     try:
-        import fcntl
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except (ImportError, OSError):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
         yield False
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _wait_for(fd, lock, name)
         yield True
     finally:
         os.close(fd)  # closing releases the lock
 
 
+def _wait_for(fd: int, lock: Path, name: str) -> None:
+    """Take the flock on `fd`, or give up after LOCK_TIMEOUT_S with a warning naming the lock file."""
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    delay = 0.005
+    while fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                _warn_once(f"lock:{lock}", f"flashrt: waited {LOCK_TIMEOUT_S:.0f}s for the lock {lock}: a live "
+                                           f"process has been compiling {name} all that time (slow or hung; a "
+                                           f"killed one releases its lock); compiling {name} here as well")
+                return
+            time.sleep(delay)
+            delay = min(2 * delay, 0.2)
+        except OSError:  # a file system without flock (some network mounts): go on without the lock
+            return
+
+
+def source_dump_path(spec: KernelSpec) -> Path:
+    """Where FLASHRT_DUMP_SOURCE=1 writes a variant's full source."""
+    return cache_dir() / "source" / f"{spec.name}.cu"
+
+
 def _compile(spec: KernelSpec) -> tuple[bytes, dict]:
+    dump = source_dump_path(spec) if _env.dump_source() else None
+    slow = threading.Timer(SLOW_COMPILE_S, log.warning, ("flashrt: still compiling %s after %.0fs; NVRTC is slow on "
+                                                         "this machine or hung", spec.name, SLOW_COMPILE_S))
+    slow.daemon = True
+    slow.start()
     t0 = time.perf_counter()
-    cubin, compile_log = nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options(), kernel_sources())
+    try:
+        cubin, compile_log = nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options(),
+                                                 kernel_sources(), dump)
+    finally:
+        slow.cancel()
     seconds = time.perf_counter() - t0
     log.info("flashrt: compiled %s in %.2fs", spec.name, seconds)
-    meta = {"name": spec.name, "arch": spec.arch, "options": spec.options(), "nvrtc": list(nvrtc.version()),
-            "flashrt": __version__, "compile_s": round(seconds, 3), "created": time.time(), "log": compile_log}
+    meta = {"name": spec.name, "arch": spec.arch, "spec": spec.key_fields(), "options": spec.options(),
+            "nvrtc": list(nvrtc.version()), "flashrt": __version__, "compile_s": round(seconds, 3),
+            "created": time.time(), "log": compile_log}
     return cubin, meta
 
 
 def _compile_and_store(spec: KernelSpec, key: str, path: Path) -> tuple[bytes, str]:
-    with _file_lock(path) as writable:
+    with _file_lock(path, spec.name) as writable:
         if writable:
-            cubin = _read(path, key)  # another process may have finished it while we waited
+            cubin = _read(path, key, spec)  # another process may have finished it while we waited
             if cubin is not None:
                 return cubin, "disk"
         cubin, meta = _compile(spec)
@@ -236,13 +290,16 @@ def _compile_and_store(spec: KernelSpec, key: str, path: Path) -> tuple[bytes, s
         try:
             _atomic_write(path, encode_entry(key, cubin, meta))
         except OSError as exc:
-            _warn_once("write", f"flashrt: could not write cache entry {path} ({exc}); using it from memory")
+            _warn_once("write", f"flashrt: could not write cache entry {path} ({exc}); using the kernel from "
+                                f"memory, it will compile again in the next process (free space in {path.parent} "
+                                f"or set FLASHRT_CACHE_DIR to a writable folder)")
         return cubin, "compiled"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o644)  # not mkstemp's 0600: a cache prewarmed by one user serves the others
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -270,15 +327,31 @@ def entries() -> list[tuple[Path, dict | None]]:
     return out
 
 
-def clear() -> int:
-    """Remove every flashrt file from the cache folder; returns how many were removed."""
+def is_stale(header: dict) -> bool:
+    """True when this flashrt would never look the entry up: another flashrt version, kernel
+    sources, NVRTC version or KernelSpec layout wrote it."""
+    try:
+        spec = KernelSpec(**header["spec"])
+    except (KeyError, TypeError, ValueError):
+        return True
+    return entry_key(spec) != header.get("key")
+
+
+def clear(stale_only: bool = False) -> int:
+    """Remove flashrt's files from the cache folder (with `stale_only`, only the entries this flashrt
+    cannot use, stale or unusable, and their locks); returns how many were removed."""
     d = cache_dir()
+    if stale_only:
+        doomed = [p for p, h in entries() if h is None or is_stale(h)]
+        doomed += [Path(str(p) + ".lock") for p in doomed]
+    else:
+        doomed = [p for p in (d.iterdir() if d.is_dir() else []) if p.name.startswith("flashrt_")
+                  and p.suffix in (_SUFFIX, ".lock", ".tmp")]
+        doomed += list((d / "source").glob("flashrt_*.cu"))
+        _memory.clear()
     removed = 0
-    if d.is_dir():
-        for path in d.iterdir():
-            if path.name.startswith("flashrt_") and (path.suffix in (_SUFFIX, ".lock", ".tmp")):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                    removed += 1
-    _memory.clear()
+    for path in doomed:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
     return removed

@@ -106,7 +106,7 @@ def cmd_prewarm(args) -> int:
 
 def cmd_cache(args) -> int:
     if args.action == "clear":
-        print(f"removed {cache.clear()} files from {cache.cache_dir()}")
+        print(f"removed {cache.clear(stale_only=args.stale)} files from {cache.cache_dir()}")
         return 0
     entries = cache.entries()
     size = sum(p.stat().st_size for p, _ in entries)
@@ -115,6 +115,10 @@ def cmd_cache(args) -> int:
     bad = [p for p, h in entries if h is None]
     if bad:
         print(f"unusable:  {len(bad)} (will be recompiled on use): " + ", ".join(p.name for p in bad[:5]))
+    stale = {p for p, h in entries if h is not None and cache.is_stale(h)}
+    if stale:
+        print(f"stale:     {len(stale)} (from another flashrt version, kernel sources or NVRTC; never used by "
+              f"flashrt {__version__}; remove them with: flashrt cache clear --stale)")
     by_arch: dict[str, int] = {}
     for _, h in entries:
         if h:
@@ -123,7 +127,8 @@ def cmd_cache(args) -> int:
         print(f"  {arch}: {n}")
     if args.verbose:
         for p, h in entries:
-            print(f"  {p.name}  " + (f"nvrtc {h['nvrtc']}, {h['compile_s']}s" if h else "UNUSABLE"))
+            state = "UNUSABLE" if h is None else f"flashrt {h.get('flashrt')}, nvrtc {h['nvrtc']}, {h['compile_s']}s"
+            print(f"  {p.name}  {state}" + ("  STALE" if p in stale else ""))
     return 0
 
 
@@ -154,6 +159,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("cache", help="inspect or clear the kernel cache")
     p.add_argument("action", choices=["info", "clear"])
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--stale", action="store_true", help="clear: only the entries this flashrt cannot use")
     p.set_defaults(fn=cmd_cache)
 
     p = sub.add_parser("check", help="run and verify attention on this GPU (or compile, without one)")

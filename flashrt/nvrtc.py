@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import re
+import struct
+from pathlib import Path
 
 _EXTRA_HINT = ("install the NVRTC wheel that matches your CuPy: "
                "pip install 'flashrt[cuda12]' (cupy-cuda12x) or pip install 'flashrt[cuda13]' (cupy-cuda13x)")
@@ -20,11 +22,13 @@ class NvrtcUnavailable(RuntimeError):
 
 
 class CompileError(RuntimeError):
-    """NVRTC rejected a kernel; carries the variant name, the options and NVRTC's log."""
+    """NVRTC rejected a kernel; carries the variant name, the options, NVRTC's log and where the source was dumped."""
 
-    def __init__(self, name: str, options: list[str], log: str, source: str):
+    def __init__(self, name: str, options: list[str], log: str, source: str, source_note: str = ""):
         self.name, self.options, self.log, self.source = name, list(options), log, source
-        super().__init__(f"NVRTC failed to compile {name}\n  options: {' '.join(options)}\n{log.rstrip()}")
+        note = source_note or "set FLASHRT_DUMP_SOURCE=1 to write the full source (headers inlined) to a file"
+        super().__init__(f"NVRTC failed to compile {name}\n  options: {' '.join(options)}\n  source: {note}\n"
+                         f"{log.rstrip()}")
 
 
 def _locate() -> str:
@@ -112,11 +116,52 @@ def check_arch(arch: str) -> None:
                          f"it supports sm_{', sm_'.join(map(str, supported))}")
 
 
-def compile_cubin(source: str, name: str, options: list[str], headers: dict[str, str]) -> tuple[bytes, str]:
+_INCLUDE = re.compile(r'\s*#\s*include\s*"([^"]+)"')
+
+
+def full_source(source: str, name: str, options: list[str], headers: dict[str, str]) -> str:
+    """The translation unit NVRTC compiles, as one file: every #include of one of `headers` replaced by its text.
+
+    NVRTC has no preprocess-only mode, so the includes are expanded here, honouring #pragma once. #line
+    markers keep NVRTC's messages pointing at the original file and line, and the file compiles on its
+    own with the options written at its top.
+    """
+    once: set[str] = set()
+
+    def expand(text: str, filename: str) -> list[str]:
+        out = [f'#line 1 "{filename}"']
+        for lineno, line in enumerate(text.splitlines(), 1):
+            m = _INCLUDE.match(line)
+            if line.strip() == "#pragma once":
+                once.add(filename)
+                out.append("")
+            elif m and m.group(1) in headers:
+                if m.group(1) not in once:
+                    out += expand(headers[m.group(1)], m.group(1))
+                out.append(f'#line {lineno + 1} "{filename}"')
+            else:
+                out.append(line)
+        return out
+
+    return "\n".join([f"// {name}: NVRTC options {' '.join(options)}", *expand(source, f"{name}.cu"), ""])
+
+
+def compile_cubin(source: str, name: str, options: list[str], headers: dict[str, str],
+                  dump: Path | None = None) -> tuple[bytes, str]:
     """Compile `source` (with in-memory `headers`: include name -> text) to a cubin.
 
-    Returns (cubin, log). Raises CompileError with NVRTC's log on failure.
+    `dump`: a file to write the full source to before compiling (see full_source), so that a compile
+    that fails, crashes or hangs leaves something to read. Returns (cubin, log). Raises CompileError
+    with NVRTC's log on failure.
     """
+    note = ""
+    if dump is not None:
+        try:
+            dump.parent.mkdir(parents=True, exist_ok=True)
+            dump.write_text(full_source(source, name, options, headers))
+            note = str(dump)
+        except OSError as exc:
+            note = f"could not be written to {dump} ({exc})"
     lib = _lib()
     prog = ctypes.c_void_p()
     names = list(headers)
@@ -133,10 +178,23 @@ def compile_cubin(source: str, name: str, options: list[str], headers: dict[str,
         _check(lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
         log = buf.value.decode(errors="replace")
         if status != 0:
-            raise CompileError(name, options, log, source)
+            raise CompileError(name, options, log, source, note)
         _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
         cubin = ctypes.create_string_buffer(size.value)
         _check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
         return cubin.raw, log
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def cubin_sm(cubin: bytes) -> int | None:
+    """The SM number (80, 90, 100, ...) whose code a cubin holds, from its ELF header; None if it is no CUDA ELF.
+
+    e_flags holds it in the low byte up to ELF ABI version 7, in bits 8..15 from version 8 (which NVRTC
+    12.9 writes for sm_100 and up). The 'a' of sm_90a is not read: its flag moved between the layouts
+    (0x800, then 0x8), and sm_90 and sm_90a code run on the same GPUs.
+    """
+    if len(cubin) < 64 or cubin[:5] != b"\x7fELF\x02" or struct.unpack_from("<H", cubin, 18)[0] != 190:  # EM_CUDA
+        return None
+    flags = struct.unpack_from("<I", cubin, 48)[0]
+    return (flags >> 8) & 0xFF if cubin[8] >= 8 else flags & 0xFF

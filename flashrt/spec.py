@@ -38,12 +38,12 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def gemm_warps_m(nw: int, m: int, n: int) -> int:
+def gemm_warps_m(nw: int, m: int, n: int, max_mt: int = 1 << 30) -> int:
     """Warps along M of an M x N warp GEMM (kernels_cu/bwd_dkdv.cu: gemm_warps_m); 0 if none divides."""
     best, best_cost = 0, None
     for wm in range(1, nw + 1):
         wn = nw // wm
-        if nw % wm or m % (16 * wm) or n % (8 * wn):
+        if nw % wm or m % (16 * wm) or n % (8 * wn) or m // (16 * wm) > max_mt:
             continue
         cost = wn * m + wm * n
         if best_cost is None or cost <= best_cost:
@@ -106,11 +106,11 @@ class KernelSpec:
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
         dp = _round_up(self.head_dim, 16)
-        phases = [("keys x queries", bn, bm), ("keys x head_dim", bn, dp)]
+        phases = [("keys x queries", bn, bm, 1 << 30), ("keys x head_dim", bn, dp, 2)]
         if self.family == "bwd_fused":
-            phases.append(("queries x head_dim", bm, dp))
-        for what, m, n in phases:
-            if not gemm_warps_m(nw, m, n):
+            phases.append(("queries x head_dim", bm, dp, 1 << 30))
+        for what, m, n, max_mt in phases:
+            if not gemm_warps_m(nw, m, n, max_mt):
                 return f"{nw} warps do not tile the {m} x {n} ({what}) GEMM in 16 x 8 fragments"
         return None
 

@@ -30,11 +30,11 @@ namespace frt {
 // Warps along M of an M x N warp GEMM (the rest go along N): the split that
 // minimises the fragments the warps read from shared memory (each A row is read
 // by every warp along N, each B column by every warp along M). 0: none divides.
-__host__ __device__ constexpr int gemm_warps_m(int nw, int m, int n) {
+__host__ __device__ constexpr int gemm_warps_m(int nw, int m, int n, int max_mt = 1 << 30) {
     int best = 0, best_cost = 1 << 30;
     for (int wm = 1; wm <= nw; ++wm) {
         const int wn = nw / wm;
-        if (nw % wm || m % (16 * wm) || n % (8 * wn)) continue;
+        if (nw % wm || m % (16 * wm) || n % (8 * wn) || m / (16 * wm) > max_mt) continue;
         const int cost = wn * m + wm * n;
         if (cost <= best_cost) best = wm, best_cost = cost;  // ties: more warps along M
     }
@@ -59,8 +59,9 @@ struct DkdvTraits {
     static_assert(BN % 16 == 0 && BM % 16 == 0, "block sizes must be multiples of 16");
     // Phase 1: S^T, dP^T (keys x queries, k = head_dim): WN1 x WM1 warps.
     static constexpr int WN1 = gemm_warps_m(NW, BN, BM), WM1 = WN1 ? NW / WN1 : 1;
-    // Phase 2: dK, dV (keys x head_dim, k = queries): WN2 x WD2 warps.
-    static constexpr int WN2 = gemm_warps_m(NW, BN, DP), WD2 = WN2 ? NW / WN2 : 1;
+    // Phase 2: dK, dV (keys x head_dim, k = queries): WN2 x WD2 warps, at most 2 m-tiles
+    // per warp (4 at 64 x 128 w8 read fewer fragments but spill next to the dK/dV accumulators).
+    static constexpr int WN2 = gemm_warps_m(NW, BN, DP, 2), WD2 = WN2 ? NW / WN2 : 1;
     // Phase 3 (fused): dQ (queries x head_dim, k = keys): WM3 x WD3 warps.
     static constexpr int WM3 = FUSED ? gemm_warps_m(NW, BM, DP) : 1, WD3 = WM3 ? NW / WM3 : 1;
     static_assert(WN1 && WN2 && WM3, "no warp layout divides this tiling (flashrt/spec.py rejects it)");
@@ -188,16 +189,8 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                 zero(dq);
                 gemm_ss<T::BF16, T::MT3, T::NQ, BN / 16, B_KN, A_KM>(dq, sdS + qrow3 * 2, LDP, sK + col0 * 2, LD,
                                                                     lane);
-#pragma unroll
-                for (int mt = 0; mt < T::MT3; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < T::NQ; ++nt)
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            const int qr = qrow3 + mt * 16 + g + 8 * hh, col = col0 + nt * 8 + 2 * t;
-                            if (m0 + qr < p.Sq && col < T::D)
-                                red_add2(dq_rows + (i64)qr * T::D + col, dq[mt][nt][2 * hh], dq[mt][nt][2 * hh + 1]);
-                        }
+                acc_red_add<T::MT3, T::NQ>(dq_rows + (i64)qrow3 * T::D + col0, T::D, dq, p.Sq - m0 - qrow3,
+                                           T::D - col0, lane);
             }
         }
     }

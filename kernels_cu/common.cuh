@@ -293,14 +293,41 @@ FRT_DEVICE void acc_to_smem(u16* s, int ld, const float (&acc)[MT][NT][4], float
             }
 }
 
-// Fire-and-forget fp32 atomic add of two adjacent floats (8-byte aligned address).
-FRT_DEVICE void red_add2(float* at, float x, float y) {
+// Fire-and-forget fp32 atomic add of four adjacent floats (16-byte aligned address).
+FRT_DEVICE void red_add4(float* at, float x, float y, float z, float w) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(at), "f"(x), "f"(y) : "memory");
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "l"(at), "f"(x), "f"(y), "f"(z), "f"(w)
+                 : "memory");
 #else
     asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(at), "f"(x) : "memory");
     asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(at + 1), "f"(y) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(at + 2), "f"(z) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(at + 3), "f"(w) : "memory");
 #endif
+}
+
+// Atomically add an accumulator (rows of `ld` floats at `g`) to global memory, four
+// floats per instruction: lanes t and t^1 swap halves of their fragments so that the
+// even lane holds row r, columns 2t..2t+3 and the odd lane row r+8, columns 2t-2..2t+1.
+// Rows >= rows_valid and columns >= cols_valid (a multiple of 4) are skipped.
+template <int MT, int NT>
+FRT_DEVICE void acc_red_add(float* g, i64 ld, const float (&acc)[MT][NT][4], int rows_valid, int cols_valid,
+                            int lane) {
+    const int gr = lane >> 2, t = lane & 3, odd = t & 1;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float* c = acc[mt][nt];
+            const float s0 = odd ? c[0] : c[2], s1 = odd ? c[1] : c[3];
+            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+            const int row = mt * 16 + gr + 8 * odd, col = nt * 8 + 2 * (t - odd);
+            if (row < rows_valid && col < cols_valid) {
+                float* at = g + row * ld + col;
+                if (odd) red_add4(at, r0, r1, c[2], c[3]);
+                else red_add4(at, c[0], c[1], r0, r1);
+            }
+        }
 }
 
 template <int MT, int NT>

@@ -1,18 +1,33 @@
-"""The on-disk cubin cache: keys, atomic entries, corruption, concurrency, read-only folders, no-compile mode."""
+"""The on-disk cubin cache and its faults: corrupt, truncated, wrong-arch and stale entries, read-only
+and full disks, locks held by hung or killed processes, 8 processes prewarming at once; no-compile mode.
+Each fault ends in a correct kernel and an intact cache, with at most one warning."""
+import errno
 import json
+import logging
+import os
+import re
+import signal
 import subprocess
 import sys
-import textwrap
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 
-from flashrt import cache, nvrtc
+from flashrt import cache, cli, nvrtc
 from flashrt.spec import KernelSpec
 
 SPEC = KernelSpec("fwd", 64, "bf16", 64, 64, 4, False, "sm_80")
+OTHER = KernelSpec("fwd", 64, "fp16", 64, 64, 4, False, "sm_80")
+THIRD = KernelSpec("fwd", 64, "bf16", 64, 64, 4, True, "sm_80")
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def good() -> bytes:
+    """SPEC's cubin, compiled without the cache (NVRTC's output is deterministic)."""
+    return nvrtc.compile_cubin(SPEC.translation_unit(), SPEC.name, SPEC.options(), cache.kernel_sources())[0]
 
 
 def _only_entry(d: Path) -> Path:
@@ -21,9 +36,17 @@ def _only_entry(d: Path) -> Path:
     return files[0]
 
 
-def test_compile_then_hit(cache_dir):
+def _entry(spec: KernelSpec) -> Path:
+    return cache.entry_path(spec, cache.entry_key(spec))
+
+
+def _cache_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, cache.CacheWarning)]
+
+
+def test_compile_then_hit(cache_dir, good):
     cubin, status = cache.lookup(SPEC)
-    assert status == "compiled" and cubin[:4] == b"\x7fELF"
+    assert status == "compiled" and cubin == good
     assert cache.lookup(SPEC) == (cubin, "memory")
     cache._memory.clear()
     assert cache.lookup(SPEC) == (cubin, "disk")
@@ -32,22 +55,20 @@ def test_compile_then_hit(cache_dir):
     header, payload = cache.decode_entry(entry.read_bytes())
     assert payload == cubin and header["name"] == SPEC.name and header["arch"] == "sm_80"
     assert header["nvrtc"] == list(nvrtc.version())
+    assert entry.stat().st_mode & 0o777 == 0o644, "other users cannot read the entry"
     assert not list(cache_dir.glob("*.tmp")), "temporary files left behind"
 
 
 def test_key_covers_version_sources_options_and_nvrtc(cache_dir, monkeypatch):
     base = cache.entry_key(SPEC)
     assert cache.entry_key(SPEC) == base
-    assert cache.entry_key(KernelSpec("fwd", 64, "bf16", 64, 64, 4, True, "sm_80")) != base
+    assert cache.entry_key(THIRD) != base
     assert cache.entry_key(KernelSpec("fwd", 64, "bf16", 64, 64, 4, False, "sm_90a")) != base
-    monkeypatch.setattr(cache, "__version__", "0.0.0-other")
-    assert cache.entry_key(SPEC) != base
-    monkeypatch.undo()
-    monkeypatch.setattr(cache, "sources_hash", lambda: "0" * 64)
-    assert cache.entry_key(SPEC) != base
-    monkeypatch.undo()
-    monkeypatch.setattr(nvrtc, "version", lambda: (99, 0))
-    assert cache.entry_key(SPEC) != base
+    for module, name, value in [(cache, "__version__", "0.0.0-other"), (cache, "sources_hash", lambda: "0" * 64),
+                                (nvrtc, "version", lambda: (99, 0))]:
+        with monkeypatch.context() as m:
+            m.setattr(module, name, value)
+            assert cache.entry_key(SPEC) != base, name
 
 
 def _corrupt_truncate(raw: bytes) -> bytes:
@@ -64,13 +85,32 @@ def _corrupt_header(raw: bytes) -> bytes:
     return raw.replace(b'"sha256"', b'"sha257"', 1)
 
 
+def _corrupt_header_json(raw: bytes) -> bytes:
+    return raw.replace(b'"key":', b'"key"', 1)
+
+
+def _corrupt_header_not_object(raw: bytes) -> bytes:
+    magic, _, payload = raw.split(b"\n", 2)
+    return magic + b"\n[1, 2]\n" + payload
+
+
+def _corrupt_cut_in_header(raw: bytes) -> bytes:
+    return raw[: len(cache._MAGIC) + 20]
+
+
+def _corrupt_empty(raw: bytes) -> bytes:
+    return b""
+
+
 def _corrupt_garbage(raw: bytes) -> bytes:
     return b"not a cubin at all"
 
 
-@pytest.mark.parametrize("corrupt", [_corrupt_truncate, _corrupt_flip, _corrupt_header, _corrupt_garbage])
-def test_corrupt_entry_is_recompiled_with_one_warning(cache_dir, corrupt):
-    good, _ = cache.lookup(SPEC)
+@pytest.mark.parametrize("corrupt", [_corrupt_truncate, _corrupt_flip, _corrupt_header, _corrupt_header_json,
+                                     _corrupt_header_not_object, _corrupt_cut_in_header, _corrupt_empty,
+                                     _corrupt_garbage])
+def test_corrupt_entry_is_recompiled_with_one_warning(cache_dir, corrupt, good):
+    cache.lookup(SPEC)
     entry = _only_entry(cache_dir)
     entry.write_bytes(corrupt(entry.read_bytes()))
     cache._memory.clear()
@@ -81,30 +121,167 @@ def test_corrupt_entry_is_recompiled_with_one_warning(cache_dir, corrupt):
     assert cache.decode_entry(entry.read_bytes())[1] == good, "the entry was not repaired"
 
 
-def test_entry_of_another_key_is_not_loaded(cache_dir):
-    cache.lookup(SPEC)
-    entry = _only_entry(cache_dir)
-    raw = entry.read_bytes()
-    header, payload = cache.decode_entry(raw)
-    entry.write_bytes(cache.encode_entry("f" * 64, payload, {k: v for k, v in header.items()
-                                                           if k not in ("key", "sha256", "size")}))
+@pytest.mark.parametrize("how", ["file", "payload"])
+def test_entry_for_another_arch_is_recompiled(cache_dir, how, good):
+    """`file`: an sm_86 entry copied over SPEC's: its header's key differs. `payload`: an sm_86 cubin under
+    SPEC's own key with a valid checksum (what a bug or a hand-made entry could write): the ELF header says
+    sm_86. The 'a' of sm_90a is not checked: its ELF flag moved between CUDA toolkits."""
+    foreign = cache.lookup(KernelSpec(**dict(SPEC.key_fields(), arch="sm_86")))[0]
+    foreign_entry = _only_entry(cache_dir)
+    if how == "file":
+        foreign_entry.rename(_entry(SPEC))
+        expected = "key mismatch"
+    else:
+        header, _ = cache.decode_entry(foreign_entry.read_bytes())
+        meta = {k: v for k, v in header.items() if k not in ("key", "sha256", "size")}
+        _entry(SPEC).write_bytes(cache.encode_entry(cache.entry_key(SPEC), foreign, meta))
+        expected = "its cubin is for sm_86, expected sm_80"
+    with pytest.warns(cache.CacheWarning, match=expected) as record:
+        cubin, status = cache.lookup(SPEC)
+    assert len(record) == 1 and status == "compiled" and cubin == good
+    assert cache.decode_entry(_entry(SPEC).read_bytes(), cache.entry_key(SPEC))[1] == good, "entry not repaired"
+
+
+def test_entry_of_an_older_flashrt_is_a_miss(cache_dir, monkeypatch, good):
+    with monkeypatch.context() as older:
+        older.setattr(cache, "__version__", "0.0.1")
+        old_entry = _entry(SPEC)
+        cache.lookup(SPEC)
     cache._memory.clear()
-    with pytest.warns(cache.CacheWarning, match="key mismatch"):
-        assert cache.lookup(SPEC)[1] == "compiled"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cache.CacheWarning)
+        assert cache.lookup(SPEC) == (good, "compiled")
+    headers = dict(cache.entries())
+    assert len(headers) == 2 and headers[old_entry]["flashrt"] == "0.0.1"
+    assert [cache.is_stale(h) for h in headers.values()] == [p == old_entry for p in headers]
+    assert cache.clear(stale_only=True) == 2  # the old entry and its lock
+    assert [p for p, _ in cache.entries()] == [_entry(SPEC)]
 
 
 def test_unwritable_cache_dir_compiles_in_memory_with_one_warning(tmp_path, monkeypatch, cache_dir):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     monkeypatch.setenv("FLASHRT_CACHE_DIR", str(blocker / "cache"))  # a folder under a file cannot exist
-    other = KernelSpec("fwd", 64, "fp16", 64, 64, 4, False, "sm_80")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         assert cache.lookup(SPEC)[1] == "compiled"
-        assert cache.lookup(other)[1] == "compiled"
+        assert cache.lookup(OTHER)[1] == "compiled"
         assert cache.lookup(SPEC)[1] == "memory"
-    msgs = [str(w.message) for w in record if issubclass(w.category, cache.CacheWarning)]
+    msgs = _cache_warnings(record)
     assert len(msgs) == 1 and "not writable" in msgs[0]
+
+
+def _fail_writes_under(monkeypatch, d: Path, error: int) -> None:
+    """Make every open for writing under `d` fail with `error`, as on a read-only mount.
+
+    The lock file and tempfile.mkstemp both go through os.open. (chmod cannot stand in for a read-only
+    mount: tests may run as root, who ignores it.)"""
+    real_open = os.open
+
+    def guarded(path, flags, *args, **kwargs):
+        if str(path).startswith(str(d)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(error, os.strerror(error), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", guarded)
+
+
+def test_read_only_cache_serves_its_entries_and_compiles_the_rest_in_memory(cache_dir, monkeypatch, good):
+    cache.lookup(SPEC)
+    cache._memory.clear()
+    before = sorted(cache_dir.iterdir())
+    _fail_writes_under(monkeypatch, cache_dir, errno.EROFS)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert cache.lookup(SPEC) == (good, "disk")
+        assert cache.lookup(OTHER)[1] == "compiled"
+        assert cache.lookup(THIRD)[1] == "compiled"
+    msgs = _cache_warnings(record)
+    assert len(msgs) == 1 and "not writable" in msgs[0] and "FLASHRT_CACHE_DIR" in msgs[0]
+    assert sorted(cache_dir.iterdir()) == before
+
+
+def test_full_disk_returns_the_kernel_warns_once_and_leaves_no_partial_file(cache_dir, monkeypatch, good):
+    cache.lookup(OTHER)  # the folder and one good entry exist; then the disk fills up
+    before = sorted(p for p in cache_dir.iterdir() if p.suffix != ".lock")
+    real_fsync = os.fsync
+    partial = []
+
+    def full(fd):  # the temp file holds the entry's bytes when the disk turns out to be full
+        partial.append(os.fstat(fd).st_size)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert cache.lookup(SPEC) == (good, "compiled")
+        assert cache.lookup(THIRD)[1] == "compiled"
+    msgs = _cache_warnings(record)
+    assert len(msgs) == 1 and "No space left on device" in msgs[0] and "FLASHRT_CACHE_DIR" in msgs[0]
+    assert len(partial) == 2 and all(partial), "the write never reached a temp file"
+    after = sorted(p for p in cache_dir.iterdir() if p.suffix != ".lock")
+    assert after == before, "a partial or temp file was left behind"
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    cache._memory.clear()
+    assert cache.lookup(SPEC) == (good, "compiled")  # space again: the entry is written
+    assert cache.decode_entry(_entry(SPEC).read_bytes(), cache.entry_key(SPEC))[1] == good
+
+
+def _lock_path(spec: KernelSpec) -> Path:
+    return Path(str(_entry(spec)) + ".lock")
+
+
+def test_lock_held_by_a_hung_process_times_out_naming_the_lock(cache_dir, monkeypatch, good):
+    import fcntl
+    lock = _lock_path(SPEC)
+    cache_dir.mkdir()
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)  # flock locks of two open()s exclude each other
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    monkeypatch.setattr(cache, "LOCK_TIMEOUT_S", 0.3)
+    try:
+        t0 = time.monotonic()
+        with pytest.warns(cache.CacheWarning, match=re.escape(f"for the lock {lock}: a live process")) as record:
+            assert cache.lookup(SPEC) == (good, "compiled")
+        assert time.monotonic() - t0 >= 0.3 and len(record) == 1
+    finally:
+        os.close(holder)
+    assert cache.decode_entry(_entry(SPEC).read_bytes(), cache.entry_key(SPEC))[1] == good
+
+
+def test_lock_of_a_killed_process_blocks_nobody(cache_dir, monkeypatch, good):
+    """flock locks die with their process: a compile killed mid-way leaves its .lock file, which blocks
+    nobody, so there is no stale lock to clean up."""
+    lock = _lock_path(SPEC)
+    cache_dir.mkdir()
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=10)
+    holder.stdout.close()
+    assert lock.exists()
+    monkeypatch.setattr(cache, "LOCK_TIMEOUT_S", 30.0)
+    t0 = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cache.CacheWarning)
+        assert cache.lookup(SPEC) == (good, "compiled")
+    assert time.monotonic() - t0 < 15, "waited on the dead process's lock"
+
+
+def test_slow_compile_is_reported(cache_dir, monkeypatch, caplog):
+    real_compile = nvrtc.compile_cubin
+
+    def slow_compile(*args, **kwargs):
+        time.sleep(0.5)
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(nvrtc, "compile_cubin", slow_compile)
+    monkeypatch.setattr(cache, "SLOW_COMPILE_S", 0.05)
+    with caplog.at_level(logging.WARNING, logger="flashrt"):
+        cache.lookup(SPEC)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"flashrt: still compiling {SPEC.name} after 0s; NVRTC is slow on this machine or hung"]
 
 
 def test_no_compile_turns_a_miss_into_an_error_naming_prewarm(cache_dir, monkeypatch):
@@ -118,26 +295,26 @@ def test_no_compile_turns_a_miss_into_an_error_naming_prewarm(cache_dir, monkeyp
     assert cache.lookup(SPEC)[1] == "disk"
 
 
-def test_concurrent_processes_compile_the_same_variant(cache_dir):
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(REPO)!r})
-        from flashrt import cache
-        from flashrt.spec import KernelSpec
-        cubin, status = cache.lookup(KernelSpec("fwd", 64, "bf16", 64, 64, 4, False, "sm_80"))
-        print(status, len(cubin))
-    """)
-    env = {**__import__("os").environ, "FLASHRT_CACHE_DIR": str(cache_dir)}
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+def test_eight_processes_prewarm_the_same_matrix(cache_dir):
+    """Each kernel is compiled by exactly one process (the others wait on its lock, then read its entry),
+    with no warning, and the cache ends with one intact entry per kernel."""
+    env = {**os.environ, "FLASHRT_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "flashrt.cli", "prewarm", "--arch", "sm_80", "--head-dims", "32,64",
+            "--dtypes", "bf16", "--jobs", "2"]
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(8)]
     results = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [r[1] for r in results]
-    statuses = [r[0].split()[0] for r in results]
-    sizes = {r[0].split()[1] for r in results}
-    assert len(sizes) == 1
-    assert statuses.count("compiled") >= 1 and set(statuses) <= {"compiled", "disk"}
-    header, _ = cache.decode_entry(_only_entry(cache_dir).read_bytes(), cache.entry_key(SPEC))
-    assert header["name"] == SPEC.name
+    assert all(p.returncode == 0 for p in procs), [err for _, err in results]
+    assert not [err for _, err in results if "Warning" in err]
+    specs = cli.matrix("sm_80", cli.SMEM_OPTIN[80], [32, 64], ["bf16"])
+    counts = [tuple(map(int, re.search(r"compiled (\d+), already cached (\d+)", out).groups()))
+              for out, _ in results]
+    assert all(c + d == len(specs) for c, d in counts), counts
+    assert sum(c for c, _ in counts) == len(specs), f"some kernel compiled more than once: {counts}"
+    assert sorted(h["key"] for _, h in cache.entries()) == sorted(cache.entry_key(s) for s in specs)
+    for spec in specs:
+        cubin, status = cache.lookup(spec)
+        assert status == "disk" and nvrtc.cubin_sm(cubin) == 80 and spec.name.encode() in cubin
     assert not list(cache_dir.glob("*.tmp"))
 
 
@@ -154,4 +331,4 @@ def test_header_is_json_with_compile_metadata(cache_dir):
     cache.lookup(SPEC)
     raw = _only_entry(cache_dir).read_bytes()
     header = json.loads(raw.split(b"\n")[1])
-    assert {"key", "sha256", "size", "options", "nvrtc", "compile_s", "flashrt"} <= set(header)
+    assert {"key", "sha256", "size", "spec", "options", "nvrtc", "compile_s", "flashrt"} <= set(header)

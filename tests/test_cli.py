@@ -56,3 +56,25 @@ def test_check_without_gpu_says_so_and_compiles(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "no CUDA GPU found" in r.stdout
     assert "compiled 22" in r.stdout
+
+
+def test_cache_info_shows_and_clear_removes_stale_entries(cache_dir, monkeypatch):
+    from flashrt import cache
+    from flashrt.spec import KernelSpec
+    spec = KernelSpec("fwd", 64, "bf16", 64, 64, 4, False, "sm_80")
+    with monkeypatch.context() as older:  # an entry left by an older flashrt
+        older.setattr(cache, "__version__", "0.0.1")
+        stale = cache.entry_path(spec, cache.entry_key(spec))
+        cache.lookup(spec)
+    cache._memory.clear()
+    assert cache.lookup(spec)[1] == "compiled"
+    info = run("cache", "info", "-v", cache_dir=cache_dir)
+    assert "entries:   2" in info.stdout and "stale:     1" in info.stdout
+    assert "flashrt cache clear --stale" in info.stdout
+    assert f"{stale.name}  flashrt 0.0.1," in info.stdout and info.stdout.count("STALE") == 1
+    cleared = run("cache", "clear", "--stale", cache_dir=cache_dir)
+    assert "removed 2 files" in cleared.stdout  # the entry and its lock
+    info = run("cache", "info", cache_dir=cache_dir)
+    assert "entries:   1" in info.stdout and "stale" not in info.stdout
+    cache._memory.clear()
+    assert cache.lookup(spec)[1] == "disk"

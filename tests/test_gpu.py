@@ -216,7 +216,8 @@ def test_bitwise_deterministic_across_processes():
     digests = set()
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                os.environ.get("PYTHONPATH")]))}, timeout=300)
         assert r.returncode == 0, r.stderr
         digests.add(r.stdout.strip())
     assert len(digests) == 1, f"two processes computed different bits: {digests}"
