@@ -3,6 +3,7 @@
     out, lse = flashrt.forward(q, k, v, causal=True)
     dq, dk, dv = flashrt.backward(dout, q, k, v, out, lse, causal=True)
     out = flashrt.attention(q, k, v, causal=True)      # torch autograd
+    out = flashrt.torch.scaled_dot_product_attention(q, k, v, is_causal=True)  # torch's (B, H, S, D) SDPA API
 
 Tensors are (batch, seqlen, heads, head_dim), bf16 or fp16, torch or CuPy.
 """
@@ -10,10 +11,25 @@ from ._version import __version__
 from .api import backward, forward
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
-    """Differentiable attention for torch tensors (imports torch on first use)."""
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, impl="auto", deterministic=True):
+    """Differentiable attention for torch tensors (imports torch on first use).
+
+    A torch custom op with an autograd formula: works under torch.compile(fullgraph=True),
+    CUDA graphs, activation checkpointing and autocast. For torch's SDPA layout and
+    signature, see flashrt.torch.scaled_dot_product_attention.
+    """
     from .torch_ops import attention as _attention
-    return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, impl=impl,
+                      deterministic=deterministic)
+
+
+def __getattr__(name):
+    # flashrt.torch (torch's SDPA signature) imports torch, so it loads on first use: `import flashrt` stays
+    # torch-free. Inside torch.compile'd code, `import flashrt.torch` first.
+    if name == "torch":
+        import importlib
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 
 __all__ = ["__version__", "forward", "backward", "attention"]

@@ -121,9 +121,22 @@ def function(spec: KernelSpec, dev: Device):
     fn = _functions.get((spec.name, dev.index))
     if fn is not None:
         return fn
+    # A compile or module load cannot be recorded into a CUDA graph (and stalls or breaks the capture).
+    # torch is looked up, never imported: only a program that uses torch can be capturing with it.
+    import sys
+    import cupy
+    torch = sys.modules.get("torch")
+    streams = [cupy.cuda.get_current_stream(dev.index).ptr]
+    if torch is not None and torch.cuda.is_initialized():
+        streams.append(torch.cuda.current_stream(dev.index).cuda_stream)
+    # 0 and 1 are the legacy stream: never captured, and querying it during another capture is an error.
+    if any(ptr > 1 and cupy.cuda.runtime.streamIsCapturing(ptr) for ptr in streams):
+        raise LaunchError(f"{spec.name} is not loaded yet, and the current CUDA stream is being captured into a "
+                          f"CUDA graph, where a kernel cannot be compiled or loaded: run the same attention call "
+                          f"once before capture (a warm-up step, as torch.cuda.graph's docs recommend and "
+                          f"torch.compile(mode='reduce-overhead') does)")
     check_fits(spec, dev)
     cubin = cache.get_cubin(spec)
-    import cupy
     from cupy_backends.cuda.api import driver
     with _load_lock, cupy.cuda.Device(dev.index):
         fn = _functions.get((spec.name, dev.index))

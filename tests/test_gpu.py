@@ -204,11 +204,13 @@ _DIGEST_SCRIPT = textwrap.dedent("""
     import hashlib, sys, torch, flashrt
     g = torch.Generator(device="cuda").manual_seed(11)
     q = torch.randn(2, 517, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(2, 389, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    do = torch.randn_like(q)
+    k, v, do = (torch.randn(2, n, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                for n, h in ((389, 1), (389, 1), (517, 8)))
     out, lse = flashrt.forward(q, k, v, causal=True)
-    res = (out, lse, *flashrt.backward(do, q, k, v, out, lse, causal=True))
-    print(hashlib.sha256(b"".join(x.contiguous().view(torch.uint8).cpu().numpy().tobytes() for x in res)).hexdigest())
+    res = (q, k, v, do, out, lse, *flashrt.backward(do, q, k, v, out, lse, causal=True))
+    names = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv")
+    print(" ".join(f"{n}:{hashlib.sha256(x.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]}"
+                   for n, x in zip(names, res)))
 """)
 
 

@@ -1,6 +1,6 @@
 """Per-kernel GPU time of flashrt's forward and backward at a few shapes (torch profiler / CUPTI).
 
-    python scripts/profile.py            # prints one table per shape and backward impl: kernel, calls, mean us
+    python scripts/kernel_times.py            # prints one table per shape and backward impl: kernel, calls, mean us
 """
 import sys
 from pathlib import Path

@@ -1,0 +1,391 @@
+"""torch integration: custom ops, torch.compile, CUDA graphs, checkpointing, the SDPA entry, autocast, streams.
+
+The module needs torch (it skips without it). Tests marked `gpu` need a GPU; the
+others run on the CPU (meta tensors, argument errors raised before any CUDA call).
+"""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import flashrt  # noqa: E402
+import flashrt.torch  # noqa: E402  (flashrt.torch.scaled_dot_product_attention)
+from flashrt import launch  # noqa: E402
+
+gpu = pytest.mark.gpu
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def make_inputs(B, Sq, Sk, H, Hkv, D, dtype, seed):
+    """q, k, v (B, S, H, D) and an upstream gradient like q, on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    do = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, do
+
+
+def leaves(*xs, dtype=None):
+    return [x.detach().to(dtype or x.dtype).clone().requires_grad_() for x in xs]
+
+
+def attention_grads(fn, q, k, v, do):
+    """(out, dq, dk, dv) of fn(q, k, v) on fresh leaves."""
+    ql, kl, vl = leaves(q, k, v)
+    out = fn(ql, kl, vl)
+    out.backward(do)
+    return [out.detach(), ql.grad, kl.grad, vl.grad]
+
+
+def rel_error(x, ref):
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+def assert_compiled_matches_eager(got, eager):
+    # Inductor's own kernels for the ops around attention (layer norm, the residual add) may round
+    # a few bf16 elements the other way, so the outputs and gradients agree to bf16 rounding, not bitwise.
+    for i, (a, b) in enumerate(zip(got, eager)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert rel_error(a, b) < 1e-2, f"tensor {i}: rel err {rel_error(a, b):.2e} between compiled and eager"
+
+
+class Block(torch.nn.Module):
+    """Pre-norm causal attention block, x + o(attention(norm x)); k and v are views of one projection."""
+
+    def __init__(self, dim, heads, kv_heads, head_dim):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.norm = torch.nn.LayerNorm(dim)
+        self.q = torch.nn.Linear(dim, heads * head_dim, bias=False)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * head_dim, bias=False)
+        self.o = torch.nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        h = self.norm(x)
+        q = self.q(h).view(B, S, self.heads, self.head_dim)
+        k, v = self.kv(h).view(B, S, 2, self.kv_heads, self.head_dim).unbind(2)
+        return x + self.o(flashrt.attention(q, k, v, causal=True).reshape(B, S, -1))
+
+
+# ---------------------------------------------------------------------------
+# CPU: registration and argument checks
+# ---------------------------------------------------------------------------
+def test_fake_impls_and_autograd_formula_on_meta_tensors():
+    q = torch.empty(2, 5, 8, 64, device="meta", dtype=BF16, requires_grad=True)
+    k = torch.empty(2, 7, 2, 64, device="meta", dtype=BF16, requires_grad=True)
+    v = torch.empty(2, 7, 2, 64, device="meta", dtype=BF16, requires_grad=True)
+    out, lse = flashrt.attention(q, k, v, causal=True, return_lse=True)
+    assert (out.shape, out.dtype, out.device.type) == (q.shape, BF16, "meta") and out.requires_grad
+    assert (lse.shape, lse.dtype) == ((2, 8, 5), torch.float32) and not lse.requires_grad
+    out.backward(torch.ones_like(out))  # register_autograd's formula into flashrt::bwd's fake impl
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+    assert q.grad.dtype == BF16
+
+
+def _cpu_bhsd(Sq=4, Sk=4, H=2, Hkv=2):
+    return torch.randn(1, H, Sq, 8), torch.randn(1, Hkv, Sk, 8), torch.randn(1, Hkv, Sk, 8)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(attn_mask=torch.ones(4, 4, dtype=torch.bool)), "boolean mask"),
+    (dict(attn_mask=torch.zeros(4, 4)), "additive"),
+    (dict(dropout_p=0.1), "no attention dropout"),
+], ids=["bool-mask", "float-mask", "dropout"])
+def test_sdpa_entry_refuses_what_flashrt_does_not_compute(kwargs, match):
+    # CPU tensors: the error must come from the argument check, before flashrt looks at the device.
+    with pytest.raises(ValueError, match=match):
+        flashrt.torch.scaled_dot_product_attention(*_cpu_bhsd(), **kwargs)
+
+
+def test_sdpa_entry_refuses_top_left_causal_when_sq_differs_from_sk():
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+    q, k, v = _cpu_bhsd(Sq=3, Sk=5)
+    with pytest.raises(ValueError, match="top-left.*causal_lower_right"):
+        flashrt.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with pytest.raises(ValueError, match="top-left"):
+        flashrt.torch.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(3, 5))
+    with pytest.raises(ValueError, match="causal bias for"):
+        flashrt.torch.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(3, 6))
+    with pytest.raises(ValueError, match="not both"):
+        flashrt.torch.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(3, 5), is_causal=True)
+
+
+def test_sdpa_entry_shape_errors():
+    q, k, v = _cpu_bhsd(H=4, Hkv=2)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        flashrt.torch.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(ValueError, match="query must be 4-D"):
+        flashrt.torch.scaled_dot_product_attention(q[0], k[0], v[0], enable_gqa=True)
+
+
+# ---------------------------------------------------------------------------
+# GPU: the custom ops under torch's checkers and compilers
+# ---------------------------------------------------------------------------
+# (B, Sq, Sk, H, Hkv, D, causal, softmax_scale, dtype)
+OPCHECK_CASES = [
+    (2, 128, 160, 4, 4, 64, True, None, BF16),
+    (2, 96, 96, 8, 2, 128, False, 0.2, FP16),   # GQA, explicit scale
+    (1, 64, 200, 8, 1, 256, True, None, BF16),  # MQA at the seed head_dim
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: f"B{c[0]}-Sq{c[1]}-Sk{c[2]}-H{c[3]}-Hkv{c[4]}-D{c[5]}")
+def test_opcheck(case):
+    B, Sq, Sk, H, Hkv, D, causal, scale, dtype = case
+    q, k, v, do = make_inputs(B, Sq, Sk, H, Hkv, D, dtype, seed=Sq)
+    options = (causal, scale, "auto", True)
+    # schema (no mutation, no aliasing), autograd registration, fake impl vs real outputs (shapes, strides),
+    # and AOTAutograd (static and dynamic shapes) against eager, gradients included.
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options))
+    out, lse = flashrt.forward(q, k, v, causal=causal, softmax_scale=scale)
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options))
+
+
+def _block_grads(model, x, dy):
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    y = model(x)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+@gpu
+def test_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    block = Block(dim=256, heads=4, kv_heads=2, head_dim=64).to("cuda", BF16)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=BF16, requires_grad=True)
+    dy = torch.randn_like(x)
+    eager = _block_grads(block, x, dy)
+    compiled = torch.compile(block, fullgraph=True)  # fullgraph: any graph break raises
+    got = _block_grads(compiled, x, dy)
+    assert_compiled_matches_eager(got, eager)
+
+
+@gpu
+def test_compile_reduce_overhead_runs_as_a_cuda_graph():
+    from torch._dynamo.utils import counters
+    counters.clear()
+    torch.manual_seed(1)
+    block = Block(dim=256, heads=8, kv_heads=1, head_dim=128).to("cuda", BF16)
+    params = list(block.parameters())
+    x = torch.randn(2, 256, 256, device="cuda", dtype=BF16)
+    dy = torch.randn_like(x)
+    y_ref = block(x)
+    ref = [y_ref.detach(), *torch.autograd.grad(y_ref, params, dy)]
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        y = compiled(x)
+        got = [y.detach().clone(), *(g.clone() for g in torch.autograd.grad(y, params, dy))]
+    assert counters["inductor"]["cudagraph_skips"] == 0, "torch.compile fell back from CUDA graphs"
+    assert_compiled_matches_eager(got, ref)
+
+
+@gpu
+def test_cuda_graph_captures_forward_and_backward():
+    import cupy
+    q, k, v, do = make_inputs(2, 256, 256, 8, 2, 128, BF16, seed=11)
+    ql, kl, vl = leaves(q, k, v)
+
+    def step():
+        out = flashrt.attention(ql, kl, vl, causal=True)
+        return (out, *torch.autograd.grad(out, (ql, kl, vl), do))
+
+    pool = cupy.get_default_memory_pool()
+    cupy_bytes = pool.total_bytes()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph's docs ask: loads the kernels
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # global capture mode: a host sync or cudaMalloc would fail it
+        static = step()
+    assert pool.total_bytes() == cupy_bytes, "flashrt allocated through CuPy, outside torch's allocator"
+
+    with torch.no_grad():  # replay must read the new contents of the captured inputs
+        for x in (ql, kl, vl):
+            x.copy_(torch.randn_like(x))
+    graph.replay()
+    expected = step()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), static, expected):
+        assert torch.equal(a, b), f"{name} of the replayed graph differs from eager"
+
+
+@gpu
+def test_capture_before_the_kernels_are_loaded_raises_a_clear_error(monkeypatch):
+    monkeypatch.setattr(launch, "_functions", {})  # as in a fresh process: no kernel loaded yet
+    q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 64, BF16, seed=12)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(launch.LaunchError, match="not loaded yet.*warm-up"):
+        with torch.cuda.graph(graph):
+            flashrt.attention(q * 2, k, v)
+    assert not launch._functions, "a kernel was compiled or loaded during capture"
+
+    flashrt.attention(q, k, v)  # the warm-up the message asks for; then capture works
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = flashrt.attention(q, k, v)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, flashrt.attention(q, k, v))
+
+
+# ---------------------------------------------------------------------------
+# GPU: activation checkpointing
+# ---------------------------------------------------------------------------
+def _two_attentions(q, k, v):
+    h = flashrt.attention(q, k, v, causal=True)
+    return flashrt.attention(h * 1.5, k, v)  # the recomputed h feeds the second op's backward
+
+
+@gpu
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpoint_gives_bitwise_equal_gradients(reentrant):
+    from torch.utils.checkpoint import checkpoint
+    q, k, v, do = make_inputs(2, 384, 384, 8, 2, 128, BF16, seed=13)
+    plain = attention_grads(_two_attentions, q, k, v, do)
+    ckpt = attention_grads(lambda *xs: checkpoint(_two_attentions, *xs, use_reentrant=reentrant), q, k, v, do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ckpt, plain):
+        assert torch.equal(a, b), f"{name} differs under checkpointing"
+
+
+@gpu
+def test_checkpointed_18_layer_stack_at_the_seed_shape_trains():
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    # The seed's attention shape: B=2, S=1024, H=8, Hkv=1, head_dim=256; fp32 weights under bf16 autocast.
+    layers = torch.nn.ModuleList(Block(dim=512, heads=8, kv_heads=1, head_dim=256) for _ in range(18)).cuda()
+    opt = torch.optim.Adam(layers.parameters(), lr=1e-4)
+    x = torch.randn(2, 1024, 512, device="cuda")
+    target = torch.randn_like(x)
+    losses = []
+    for _ in range(5):
+        with torch.autocast("cuda", dtype=BF16):
+            h = x
+            for layer in layers:
+                h = checkpoint(layer, h, use_reentrant=False)
+        loss = F.mse_loss(h.float(), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert losses[-1] < losses[0], f"loss did not decrease: {losses}"
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layers.parameters())
+
+
+# ---------------------------------------------------------------------------
+# GPU: flashrt.torch.scaled_dot_product_attention against torch's SDPA
+# ---------------------------------------------------------------------------
+# (B, H, Hkv, Sq, Sk, D, mask, scale, dtype); mask: None, "is_causal" or "lower_right"
+SDPA_CASES = [
+    (2, 8, 8, 256, 256, 64, "is_causal", None, BF16),
+    (2, 8, 2, 200, 333, 128, None, None, BF16),            # GQA through enable_gqa
+    (1, 4, 4, 100, 300, 256, "lower_right", None, FP16),   # bottom-right causal through causal_lower_right
+    (2, 6, 3, 128, 128, 96, None, 0.2, FP16),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", SDPA_CASES, ids=lambda c: f"H{c[1]}-Hkv{c[2]}-Sq{c[3]}-Sk{c[4]}-D{c[5]}-{c[6]}")
+def test_sdpa_entry_matches_torch_sdpa(case):
+    from torch.nn.attention.bias import causal_lower_right
+    B, H, Hkv, Sq, Sk, D, mask, scale, dtype = case
+    g = torch.Generator(device="cuda").manual_seed(Sq * Sk)
+    q = torch.randn(B, H, Sq, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype, generator=g)
+    do = torch.randn(B, H, Sq, D, device="cuda", dtype=dtype, generator=g)
+    kwargs = dict(scale=scale, enable_gqa=H != Hkv, is_causal=mask == "is_causal")
+    if mask == "lower_right":
+        kwargs["attn_mask"] = causal_lower_right(Sq, Sk)
+
+    def run(fn, dt):
+        ql, kl, vl = leaves(q, k, v, dtype=dt)
+        out = fn(ql, kl, vl, **kwargs)
+        out.backward(do.to(dt))
+        return [out, ql.grad, kl.grad, vl.grad]
+
+    ref = run(F.scaled_dot_product_attention, torch.float64)
+    theirs = run(F.scaled_dot_product_attention, dtype)
+    ours = run(flashrt.torch.scaled_dot_product_attention, dtype)
+    assert ours[0].shape == (B, H, Sq, D) and ours[0].dtype == dtype
+    for name, o, t, r in zip(("out", "dq", "dk", "dv"), ours, theirs, ref):
+        e, et = rel_error(o, r), rel_error(t, r)
+        assert e <= max(2 * et, 1e-3), f"{name}: rel err {e:.2e} > 2x torch SDPA's ({et:.2e})"
+
+
+@gpu
+def test_sdpa_entry_reads_bhsd_tensors_in_place():
+    B, H, S, D = 2, 16, 1024, 128
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=BF16) for _ in range(3))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = flashrt.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    outputs = out.numel() * out.element_size() + B * H * S * 4  # out and the fp32 lse
+    assert extra < outputs + q.numel() * q.element_size() // 2, f"an input was copied: {extra} bytes allocated"
+    assert out.shape == (B, H, S, D) and out.transpose(1, 2).is_contiguous()
+    dense = flashrt.attention(*(x.transpose(1, 2).contiguous() for x in (q, k, v)), causal=True)
+    assert torch.equal(out, dense.transpose(1, 2))
+
+
+# ---------------------------------------------------------------------------
+# GPU: autocast, dtypes and streams
+# ---------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_autocast_casts_fp32_inputs_as_sdpa_does(dtype):
+    q, k, v, do = make_inputs(2, 256, 256, 4, 2, 64, torch.float32, seed=17)
+    q32, k32, v32 = leaves(q, k, v)
+    with torch.autocast("cuda", dtype=dtype):
+        out = flashrt.attention(q32, k32, v32, causal=True)
+    out.backward(do.to(dtype))
+    assert out.dtype == dtype and out.device == q.device
+    assert all(x.grad.dtype == torch.float32 and x.grad.device == x.device for x in (q32, k32, v32))
+    by_hand = attention_grads(lambda *xs: flashrt.attention(*xs, causal=True), q.to(dtype), k.to(dtype),
+                              v.to(dtype), do.to(dtype))
+    assert torch.equal(out.detach(), by_hand[0])
+    for x, g in zip((q32, k32, v32), by_hand[1:]):
+        assert torch.equal(x.grad, g.float())
+
+    # torch's SDPA, and flashrt's SDPA entry, give the same dtypes under autocast.
+    for fn in (F.scaled_dot_product_attention, flashrt.torch.scaled_dot_product_attention):
+        xs = leaves(q, k, v)
+        with torch.autocast("cuda", dtype=dtype):
+            o = fn(*(x.transpose(1, 2) for x in xs), is_causal=True, enable_gqa=True)
+        o.backward(do.transpose(1, 2).to(dtype))
+        assert o.dtype == dtype and all(x.grad.dtype == torch.float32 for x in xs), fn.__module__
+
+
+@gpu
+def test_mixed_streams_with_events():
+    q, k, v, do = make_inputs(2, 512, 512, 8, 2, 128, BF16, seed=19)
+    expected = attention_grads(lambda *xs: flashrt.attention(*xs, causal=True), q, k, v, do)
+
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    producer.wait_stream(torch.cuda.current_stream())
+    consumer.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(50_000_000)  # a launch on any other stream would now read the inputs before they exist
+        ql, kl, vl = leaves(q, k, v)   # inputs produced on the side stream
+        out = flashrt.attention(ql, kl, vl, causal=True)
+        ready = producer.record_event()
+    with torch.cuda.stream(consumer):
+        consumer.wait_event(ready)
+        out.record_stream(consumer)
+        got = [out.detach().clone()]   # consumed on another stream
+        out.backward(do)               # autograd runs the backward on the forward's stream, synced to this one
+        got += [x.grad.clone() for x in (ql, kl, vl)]
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        assert torch.equal(a, b), f"{name} differs across streams"
