@@ -115,10 +115,6 @@ IMPLS = ("auto", "split", "fused")
 def _check_impl(impl: str, deterministic: bool) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "fused" and deterministic:
-        raise ValueError("impl='fused' adds dq up with fp32 atomics, so its dq is not bitwise reproducible; "
-                         "pass deterministic=False to allow that, or impl='split' (or 'auto') for a "
-                         "deterministic backward")
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
@@ -126,11 +122,12 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v).
 
     impl="split": a dQ kernel over query tiles and a dK/dV kernel over key tiles, no atomics.
-    impl="fused": one kernel over key tiles that also adds dQ up with fp32 atomics (5 matmuls
-    instead of 7, but dq's bits depend on scheduling): needs deterministic=False.
-    impl="auto": "split" when deterministic, else the faster of the two for this shape
-    (tiles.backward_impl). With deterministic=True (the default) dq, dk and dv are
-    bitwise identical for identical inputs, run after run and process after process.
+    impl="fused": one kernel over key tiles that also adds dQ up in an fp32 buffer with
+    atomics (5 matmuls instead of 7). With deterministic=True the key tiles add in a fixed
+    order (a counter per query tile), else in whatever order they finish.
+    impl="auto": the faster of the two for this shape (tiles.backward_impl).
+    With deterministic=True (the default) dq, dk and dv are bitwise identical for
+    identical inputs, run after run and process after process, for every impl.
     """
     _check_impl(impl, deterministic)
     Q, K, V, s = _inputs(q, k, v)
@@ -168,7 +165,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     dev = launch.device(Q.device)
     stream = interop.stream(Q)
     if impl == "auto":
-        impl = "split" if deterministic else tiles.backward_impl(D)
+        impl = tiles.backward_impl(D, bool(deterministic))
     main = "bwd_fused" if impl == "fused" else "bwd_dkdv"
     specs = {f: launch.pick(f, D, Q.dtype, bool(causal), dev) for f in ("bwd_preprocess", main, "bwd_dkdv_reduce")}
     splits = launch.dkdv_splits(specs[main], B, H, Hkv, Sq, Sk, dev.sm_count)
@@ -179,6 +176,9 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     if impl == "fused":
         dq_accum = interop.empty(Q, (B, H, Sq, D), float32=True)  # zeroed by bwd_preprocess
         p["dq_accum"] = interop.describe(dq_accum, "dq_accum").ptr
+        if deterministic:
+            sem = interop.full(Q, (B, H, -(-Sq // specs[main].block_m)), 0, int32=True)
+            p["dq_sem"] = interop.describe(sem, "dq_sem").ptr
         families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
     else:
         families = ["bwd_preprocess", "bwd_dq", "bwd_dkdv"]

@@ -52,18 +52,19 @@ def describe(x, name: str) -> Array:
     raise TypeError(f"{name} must be a torch CUDA tensor or a CuPy array, got {type(x).__module__}.{type(x).__name__}")
 
 
-def empty(like: Array, shape: tuple[int, ...], float32: bool = False):
-    """Uninitialised array in like's library and device; like's dtype, or fp32."""
+def empty(like: Array, shape: tuple[int, ...], float32: bool = False, int32: bool = False):
+    """Uninitialised array in like's library and device; like's dtype, or fp32 / int32."""
     if like.lib == "torch":
         import torch
-        return torch.empty(shape, dtype=torch.float32 if float32 else like.obj.dtype, device=like.obj.device)
+        dtype = torch.float32 if float32 else torch.int32 if int32 else like.obj.dtype
+        return torch.empty(shape, dtype=dtype, device=like.obj.device)
     import cupy
     with cupy.cuda.Device(like.device):
-        return cupy.empty(shape, dtype=cupy.float32 if float32 else like.obj.dtype)
+        return cupy.empty(shape, dtype=cupy.float32 if float32 else cupy.int32 if int32 else like.obj.dtype)
 
 
-def full(like: Array, shape: tuple[int, ...], value: float, float32: bool = False):
-    out = empty(like, shape, float32)
+def full(like: Array, shape: tuple[int, ...], value: float, float32: bool = False, int32: bool = False):
+    out = empty(like, shape, float32, int32)
     out.fill_(value) if like.lib == "torch" else out.fill(value)
     return out
 

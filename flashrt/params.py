@@ -25,7 +25,7 @@ FWD = np.dtype(
 
 BWD = np.dtype(
     [(n, _PTR) for n in ("q", "k", "v", "o", "dout", "lse", "lse2", "delta", "dq", "dk", "dv", "dkv_partial",
-                        "dq_accum")]
+                        "dq_accum", "dq_sem")]
     + [("splits", _I32)]
     + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
     + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk")]

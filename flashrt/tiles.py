@@ -79,12 +79,11 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
                       f"{smem_limit} bytes per block; required: " + ", ".join(tried))
 
 
-def backward_impl(head_dim: int) -> str:
-    """The faster backward when determinism is not required: "fused" or "split".
+def backward_impl(head_dim: int, deterministic: bool) -> str:
+    """The faster backward for a head_dim: "fused" or "split" (flashrt.backward's impl="auto").
 
     Measured on the H100 (docs/perf-notes.md, scripts/tune.py): the fused kernel's five
-    matmuls beat the split pair's seven by 8-28% up to head_dim 128; at 256 its dQ
-    atomics (64-key tiles, the most the dK/dV registers allow) cost what the recomputation
-    saves, and the split pass is within 2% while also deterministic.
+    matmuls beat the split pair's seven up to head_dim 128; at 256 its dQ atomics
+    (64-key tiles, the most the dK/dV registers allow) cost what the recomputation saves.
     """
     return "fused" if head_dim <= 128 else "split"

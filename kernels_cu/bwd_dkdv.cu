@@ -16,9 +16,17 @@
 // Q/dO/lse2/delta stream through a two-stage cp.async pipeline.
 //
 // Fused variant (FRT_FUSED_DQ=1, family bwd_fused): phase 3 computes this pair's
-// dQ contribution dS K and adds it into an fp32 buffer with atomics, which makes
-// dQ's summation order, and so its bits, depend on scheduling. flashrt runs it
-// only with deterministic=False; bwd_dq_convert.cu scales and casts the buffer.
+// dQ contribution dS K and adds it into an fp32 buffer with atomics;
+// bwd_dq_convert.cu scales and casts the buffer. Unordered (dq_sem == nullptr),
+// the summation order, and so dQ's bits, depend on scheduling. Ordered
+// (deterministic=True), the key tiles that see a query tile add in key-tile
+// order: key tile n waits until the tile's counter in dq_sem reads n, adds, and
+// sets it to n + 1. The tiles that see a query tile are always 0..n_last (a
+// prefix, also when causal), and every block visits its query tiles last to
+// first, so blocks of one (head, batch) meet each query tile in key-tile order
+// and wait only about one phase 3 per key tile before them. Waiting is only ever
+// on a lower key tile of the same (KV head, batch, split): a block launched
+// earlier; with splits > 1 the whole grid is one wave, all blocks resident.
 #include "params.cuh"
 
 #ifndef FRT_FUSED_DQ
@@ -107,9 +115,13 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const u32 sP = sQdO + 2 * T::SMEM_QDO_STAGE, sdS = sP + BN * LDP;
     float* s_stat = reinterpret_cast<float*>(smem + T::SMEM_KV + 2 * T::SMEM_QDO_STAGE + T::SMEM_P);
 
+    // Pair `it` -> (query head, query tile); query tiles last to first (see the ordered fused dQ above).
+    auto pair_head = [&](int it) { return hk * group + it / m_count; };
+    auto pair_tile = [&](int it) { return m_first + m_count - 1 - it % m_count; };
+
     auto load_q = [&](int it, int stage) {
-        const int h = hk * group + it / m_count;
-        const int m0 = (m_first + it % m_count) * BM;
+        const int h = pair_head(it);
+        const int m0 = pair_tile(it) * BM;
         const int rows = min(BM, p.Sq - m0);
         const u32 sQ = sQdO + stage * T::SMEM_QDO_STAGE;
         load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + (i64)m0 * p.q_ss + h * p.q_sh, p.q_ss, rows, tid);
@@ -138,7 +150,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
 
     for (int it = it_begin; it < it_end; ++it) {
         const int stage = (it - it_begin) & 1;
-        const int m0 = (m_first + it % m_count) * BM;
+        const int m0 = pair_tile(it) * BM;
         cp_async_wait<0>();
         __syncthreads();
         if (it + 1 < it_end) load_q(it + 1, stage ^ 1);
@@ -180,8 +192,9 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         gemm_ss<T::BF16, MT2, NT2, BM / 16, B_KN>(dk, sdS + krow2 * LDP, LDP, sQ + dcol2 * 2, LD, lane);
         if constexpr (T::FUSED) {
             // dQ_pair = dS K: A = dS^T read transposed from shared memory, B = K.
-            const int h = hk * group + it / m_count;
+            const int h = pair_head(it);
             float* dq_rows = p.dq_accum + (((i64)b * p.H + h) * p.Sq + m0) * T::D;
+            int* sem = p.dq_sem ? p.dq_sem + ((i64)b * p.H + h) * ceil_div(p.Sq, BM) + pair_tile(it) : nullptr;
 #pragma unroll 1
             for (int pass = 0; pass < T::NT3 / T::NQ; ++pass) {
                 const int col0 = dcol3 + pass * T::NQ * 8;
@@ -189,8 +202,19 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                 zero(dq);
                 gemm_ss<T::BF16, T::MT3, T::NQ, BN / 16, B_KN, A_KM>(dq, sdS + qrow3 * 2, LDP, sK + col0 * 2, LD,
                                                                     lane);
+                if (sem && pass == 0) {  // wait for the key tiles before this one (after the first GEMM)
+                    if (tid == 0)
+                        while (ld_acquire(sem) != n_block) {
+                        }
+                    __syncthreads();
+                }
                 acc_red_add<T::MT3, T::NQ>(dq_rows + (i64)qrow3 * T::D + col0, T::D, dq, p.Sq - m0 - qrow3,
                                            T::D - col0, lane);
+            }
+            if (sem) {
+                __threadfence();  // this thread's adds are performed before the counter moves on
+                __syncthreads();
+                if (tid == 0) st_release(sem, n_block + 1);
             }
         }
     }

@@ -293,6 +293,16 @@ FRT_DEVICE void acc_to_smem(u16* s, int ld, const float (&acc)[MT][NT][4], float
             }
 }
 
+// Acquire load / release store of a flag in global memory, GPU scope.
+FRT_DEVICE int ld_acquire(const int* at) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(at) : "memory");
+    return v;
+}
+FRT_DEVICE void st_release(int* at, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(at), "r"(v) : "memory");
+}
+
 // Fire-and-forget fp32 atomic add of four adjacent floats (16-byte aligned address).
 FRT_DEVICE void red_add4(float* at, float x, float y, float z, float w) {
 #if __CUDA_ARCH__ >= 900

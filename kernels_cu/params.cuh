@@ -38,6 +38,7 @@ struct BwdParams {
     u16* dv;
     float* dkv_partial;  // splits > 1: fp32 (2, splits, B, Hkv, Sk, D) dK then dV partials
     float* dq_accum;     // fused backward: fp32 (B, H, Sq, D) unscaled dQ, zeroed by bwd_preprocess
+    int* dq_sem;         // fused + deterministic: (B, H, ceil(Sq/BM)) key tiles added so far, zeroed
     int splits;          // blocks that share one key tile's (query head, query tile) pairs
     i64 q_sb, q_ss, q_sh;
     i64 k_sb, k_ss, k_sh;

@@ -17,12 +17,13 @@ SHAPES = [(2, 1024, 8, 1, 256, False), (2, 1024, 8, 1, 256, True), (2, 8192, 16,
           (2, 8192, 8, 8, 256, False), (2, 8192, 32, 32, 64, False)]
 REPEATS = 10
 
-for (B, S, H, Hkv, D, causal), impl in ((shape, impl) for shape in SHAPES for impl in ("split", "fused")):
+VARIANTS = (("split", True), ("fused", True), ("fused", False))  # (impl, deterministic)
+for (B, S, H, Hkv, D, causal), (impl, det) in ((shape, v) for shape in SHAPES for v in VARIANTS):
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     do = torch.randn_like(q)
-    opts = dict(causal=causal, impl=impl, deterministic=impl != "fused")
+    opts = dict(causal=causal, impl=impl, deterministic=det)
     for _ in range(3):
         out, lse = flashrt.forward(q, k, v, causal=causal)
         flashrt.backward(do, q, k, v, out, lse, **opts)
@@ -34,7 +35,7 @@ for (B, S, H, Hkv, D, causal), impl in ((shape, impl) for shape in SHAPES for im
         torch.cuda.synchronize()
     flops = 4 * B * H * S * S * D / (2 if causal else 1)
     total = 0.0
-    print(f"B={B} S={S} H={H} Hkv={Hkv} D={D} causal={causal} impl={impl}  (fwd {flops / 1e9:.1f} GFLOP, bwd x2.5)")
+    print(f"B={B} S={S} H={H} Hkv={Hkv} D={D} causal={causal} impl={impl} deterministic={det}  (fwd {flops / 1e9:.1f} GFLOP, bwd x2.5)")
     for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if ev.device_time_total and "flashrt" in ev.key:
             us = ev.device_time_total / REPEATS

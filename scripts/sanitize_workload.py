@@ -27,5 +27,6 @@ for B, Sq, Sk, H, Hkv, D, causal, dt in CASES:
     do = torch.randn_like(out)
     flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="split")
     flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=False)
+    flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True)
 torch.cuda.synchronize()
 print(f"sanitize workload: {len(CASES)} cases ran")

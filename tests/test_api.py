@@ -51,7 +51,5 @@ def test_backward_impl_options_are_checked_before_any_work():
     # Rejected before the inputs are even looked at (None would fail there).
     with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'split', 'fused'\), got 'fast'"):
         api.backward(None, None, None, None, None, None, impl="fast")
-    with pytest.raises(ValueError, match=r"impl='fused' .*atomics.*deterministic=False"):
-        api.backward(None, None, None, None, None, None, impl="fused")
-    with pytest.raises(ValueError, match=r"impl='fused'"):
-        api.backward(None, None, None, None, None, None, impl="fused", deterministic=True)
+    with pytest.raises(ValueError, match=r"impl must be one of"):
+        api.backward(None, None, None, None, None, None, impl=None, deterministic=False)

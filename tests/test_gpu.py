@@ -118,13 +118,14 @@ def test_matches_float64_reference(torch, poison, case):
     out, lse = flashrt.forward(cq, ck, cv, causal=causal)
     dq, dk, dv = flashrt.backward(cdo, cq, ck, cv, out, lse, causal=causal)
     fused = flashrt.backward(cdo, cq, ck, cv, out, lse, causal=causal, impl="fused", deterministic=False)
+    ordered = flashrt.backward(cdo, cq, ck, cv, out, lse, causal=causal, impl="fused", deterministic=True)
     cupy.cuda.get_current_stream().synchronize()
     assert isinstance(out, cupy.ndarray) and out.dtype == cq.dtype and lse.dtype == cupy.float32
     assert out.shape == q.shape and lse.shape == (B, H, Sq) and dk.shape == k.shape
 
     ro, rlse, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), causal=causal, dout=f64(do))
     for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv), ("fused dq", fused[0]),
-                    ("fused dk", fused[1]), ("fused dv", fused[2])):
+                    ("fused dk", fused[1]), ("fused dv", fused[2]), ("ordered fused dq", ordered[0])):
         assert not bool(cupy.isnan(f64(x)).any()), f"{name} has NaN: unwritten (poisoned) elements"
     empty_rows = ~cupy.isfinite(rlse)
     assert bool((lse[empty_rows] == -cupy.inf).all()), "rows with no visible key must have lse = -inf"
@@ -133,7 +134,7 @@ def test_matches_float64_reference(torch, poison, case):
 
     theirs, backend = sdpa_errors(torch, q, k, v, do, causal, (ro, rdq, rdk, rdv))
     fallback = {"bf16": 2e-2, "fp16": 4e-3}[dtype]
-    for impl, grads in (("split", (dq, dk, dv)), ("fused", fused)):
+    for impl, grads in (("split", (dq, dk, dv)), ("fused", fused), ("ordered fused", ordered)):
         ours = [reference.rel_error(f64(x), r) for x, r in zip((out, *grads), (ro, rdq, rdk, rdv))]
         for name, e, t in zip(("out", "dq", "dk", "dv"), ours, theirs):
             bound = 2 * t if math.isfinite(t) and t > 0 else fallback
@@ -183,7 +184,7 @@ def test_strided_views_run_in_place(torch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("impl", ["split", "auto"])
+@pytest.mark.parametrize("impl", ["split", "fused", "auto"])
 @pytest.mark.parametrize("H,Hkv", [(8, 8), (8, 2), (8, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_bitwise_deterministic(torch, impl, H, Hkv, causal):
@@ -207,8 +208,9 @@ _DIGEST_SCRIPT = textwrap.dedent("""
     k, v, do = (torch.randn(2, n, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
                 for n, h in ((389, 1), (389, 1), (517, 8)))
     out, lse = flashrt.forward(q, k, v, causal=True)
-    res = (q, k, v, do, out, lse, *flashrt.backward(do, q, k, v, out, lse, causal=True))
-    names = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv")
+    res = (q, k, v, do, out, lse, *flashrt.backward(do, q, k, v, out, lse, causal=True, impl="split"),
+           *flashrt.backward(do, q, k, v, out, lse, causal=True, impl="fused"))
+    names = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv", "fused dq", "fused dk", "fused dv")
     print(" ".join(f"{n}:{hashlib.sha256(x.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]}"
                    for n, x in zip(names, res)))
 """)

@@ -1,0 +1,67 @@
+"""Host-side cost of one flashrt call (Python validation, planning and launch), against torch SDPA.
+
+    python scripts/host_overhead.py          # per-call microseconds at a tiny shape, then a cProfile of each path
+
+At B=1, S=128 the kernels take a few microseconds, so a loop of calls with one
+synchronisation at the end measures what the CPU spends per call.
+"""
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import flashrt  # noqa: E402
+
+N = 2000
+q = torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+v = torch.randn_like(k, requires_grad=True)
+do = torch.randn_like(q)
+out, lse = flashrt.forward(q.detach(), k.detach(), v.detach(), causal=True)
+
+
+def fwd():
+    flashrt.forward(q.detach(), k.detach(), v.detach(), causal=True)
+
+
+def bwd():
+    flashrt.backward(do, q.detach(), k.detach(), v.detach(), out, lse, causal=True)
+
+
+def autograd():
+    flashrt.attention(q, k, v, causal=True).backward(do)
+
+
+def sdpa():
+    F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                   enable_gqa=True).transpose(1, 2).backward(do)
+
+
+def per_call_us(fn) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(N):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / N * 1e6
+
+
+rows = [(name, per_call_us(fn)) for name, fn in
+        (("flashrt.forward", fwd), ("flashrt.backward", bwd), ("flashrt.attention fwd+bwd", autograd),
+         ("torch SDPA fwd+bwd", sdpa))]
+for name, fn in (("forward", fwd), ("backward", bwd)):
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [fn() for _ in range(500)])
+    print(f"--- cProfile of 500 x flashrt.{name} (top 12 by own time)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+print(f"{'call':28s} {'us per call':>12s}")
+for name, us in rows:
+    print(f"{name:28s} {us:12.1f}")
