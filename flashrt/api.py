@@ -93,14 +93,13 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     if B * Sq * H == 0 or Sk == 0:
         # Defined results without a launch: nothing to attend to gives out = 0, lse = -inf.
         return interop.full(Q, (B, Sq, H, D), 0.0), interop.full(Q, (B, H, Sq), -math.inf, float32=True)
-    out = interop.empty(Q, (B, Sq, H, D))
+    out, O = interop.empty_like_layout(Q, (B, Sq, H, D))
     lse = interop.empty(Q, (B, H, Sq), float32=True)
-    O = interop.describe(out, "out")
 
     dev = launch.device(Q.device)
     spec = launch.pick("fwd", D, Q.dtype, bool(causal), dev)
     p = np.zeros(1, params.FWD)
-    p["q"], p["k"], p["v"], p["o"], p["lse"] = Q.ptr, K.ptr, V.ptr, O.ptr, interop.describe(lse, "lse").ptr
+    p["q"], p["k"], p["v"], p["o"], p["lse"] = Q.ptr, K.ptr, V.ptr, O.ptr, interop.data_ptr(lse)
     for prefix, a in (("q", Q), ("k", K), ("v", V), ("o", O)):
         _pack_strides(p, prefix, a)
     p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"] = B, H, Hkv, Sq, Sk
@@ -148,15 +147,14 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
 
     if B * Sq * H == 0 or Sk == 0:
         return (interop.full(Q, Q.shape, 0.0), interop.full(Q, K.shape, 0.0), interop.full(Q, K.shape, 0.0))
-    dq, dk, dv = interop.empty(Q, Q.shape), interop.empty(Q, K.shape), interop.empty(Q, K.shape)
+    (dq, dQ), (dk, dK), (dv, dV) = (interop.empty_like_layout(Q, shape) for shape in (Q.shape, K.shape, K.shape))
     lse2, delta = interop.empty(Q, (B, H, Sq), float32=True), interop.empty(Q, (B, H, Sq), float32=True)
-    dQ, dK, dV = interop.describe(dq, "dq"), interop.describe(dk, "dk"), interop.describe(dv, "dv")
 
     p = np.zeros(1, params.BWD)
     for field, a in (("q", Q), ("k", K), ("v", V), ("o", O), ("dout", dO), ("lse", L), ("dq", dQ), ("dk", dK),
-                     ("dv", dV), ("lse2", interop.describe(lse2, "lse2")),
-                     ("delta", interop.describe(delta, "delta"))):
+                     ("dv", dV)):
         p[field] = a.ptr
+    p["lse2"], p["delta"] = interop.data_ptr(lse2), interop.data_ptr(delta)
     for prefix, a in (("q", Q), ("k", K), ("v", V), ("o", O), ("do", dO), ("dq", dQ), ("dk", dK), ("dv", dV)):
         _pack_strides(p, prefix, a)
     p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"] = B, H, Hkv, Sq, Sk
@@ -172,13 +170,13 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     p["splits"] = splits
     if splits > 1:
         partial = interop.empty(Q, (2 * splits * B * Hkv * Sk * D,), float32=True)
-        p["dkv_partial"] = interop.describe(partial, "dkv_partial").ptr
+        p["dkv_partial"] = interop.data_ptr(partial)
     if impl == "fused":
         dq_accum = interop.empty(Q, (B, H, Sq, D), float32=True)  # zeroed by bwd_preprocess
-        p["dq_accum"] = interop.describe(dq_accum, "dq_accum").ptr
+        p["dq_accum"] = interop.data_ptr(dq_accum)
         if deterministic:
             sem = interop.full(Q, (B, H, -(-Sq // specs[main].block_m)), 0, int32=True)
-            p["dq_sem"] = interop.describe(sem, "dq_sem").ptr
+            p["dq_sem"] = interop.data_ptr(sem)
         families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
     else:
         families = ["bwd_preprocess", "bwd_dq", "bwd_dkdv"]

@@ -212,7 +212,8 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                                            T::D - col0, lane);
             }
             if (sem) {
-                __threadfence();  // this thread's adds are performed before the counter moves on
+                // The barrier orders every thread's adds before thread 0's release (release is
+                // cumulative), so only thread 0 waits for them to be performed.
                 __syncthreads();
                 if (tid == 0) st_release(sem, n_block + 1);
             }
