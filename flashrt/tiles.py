@@ -82,8 +82,12 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
 def backward_impl(head_dim: int, deterministic: bool) -> str:
     """The faster backward for a head_dim: "fused" or "split" (flashrt.backward's impl="auto").
 
-    Measured on the H100 (docs/perf-notes.md, scripts/tune.py): the fused kernel's five
-    matmuls beat the split pair's seven up to head_dim 128; at 256 its dQ atomics
-    (64-key tiles, the most the dK/dV registers allow) cost what the recomputation saves.
+    Measured on the H100 (docs/perf-notes.md: scripts/tune.py and scripts/kernel_times.py):
+    unordered, the fused kernel's five matmuls beat the split pair's seven up to head_dim
+    128; at 256 its dQ atomics (64-key tiles, the most the dK/dV registers allow) cost what
+    the recomputation saves. Ordered (deterministic), the key tiles' wait for each other
+    costs 17-30%, which leaves fused ahead only where its lead was largest, head_dim 65-128.
     """
+    if deterministic:
+        return "fused" if 64 < head_dim <= 128 else "split"
     return "fused" if head_dim <= 128 else "split"

@@ -1,10 +1,13 @@
-"""flashrt.attention: torch custom ops (flashrt::fwd, flashrt::bwd) with a registered autograd formula.
+"""flashrt.attention on torch tensors: torch custom ops (flashrt::fwd, flashrt::bwd) with a
+registered autograd formula for torch.compile, and the same computation as a plain
+autograd.Function for eager calls (where the custom-op dispatch would cost more than the
+kernels at small shapes).
 
 Custom ops are opaque to torch.compile (no graph break: their fake impls give
-Dynamo/AOTAutograd the output shapes), to CUDA graphs (kernels launch on torch's
-current stream, outputs come from torch's caching allocator, no host sync) and to
-activation checkpointing (the backward is deterministic, so recomputed
-activations are bitwise the same).
+Dynamo/AOTAutograd the output shapes). Both paths work under CUDA graphs (kernels launch
+on torch's current stream, outputs come from torch's caching allocator, no host sync) and
+activation checkpointing (the forward is deterministic, so recomputed activations are
+bitwise the same).
 """
 from typing import Optional
 
@@ -85,6 +88,29 @@ def _autocast(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x for x in xs)
 
 
+class _Eager(torch.autograd.Function):
+    """The same forward and backward as the custom ops, without the custom-op dispatch.
+
+    Dispatching a torch.library custom op from Python cost ~0.8 ms per forward+backward on
+    the H100 host (scripts/host_overhead.py), several times the kernels at small shapes; the
+    ops are only needed where torch traces (torch.compile), so eager calls come here.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, impl, deterministic):
+        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        _setup_context(ctx, (q, k, v, causal, softmax_scale, impl, deterministic), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, softmax_scale, impl, deterministic = ctx.options
+        dq, dk, dv = api.backward(_kernel_ready(dout), q, k, v, out, lse, causal=causal,
+                                  softmax_scale=softmax_scale, impl=impl, deterministic=deterministic)
+        return dq, dk, dv, None, None, None, None
+
+
 def attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None, return_lse: bool = False,
               impl: str = "auto", deterministic: bool = True):
     """Differentiable attention on torch tensors (B, S, H, D); see flashrt.forward for the semantics.
@@ -95,5 +121,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] =
     api._check_impl(impl, deterministic)  # here, not first in the backward pass
     q, k, v = _autocast(q, k, v)
     scale = None if softmax_scale is None else float(softmax_scale)
-    out, lse = torch.ops.flashrt.fwd.default(q, k, v, bool(causal), scale, impl, bool(deterministic))
+    args = (q, k, v, bool(causal), scale, impl, bool(deterministic))
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.flashrt.fwd.default(*args)
+    else:
+        out, lse = _Eager.apply(*args)
     return (out, lse) if return_lse else out
