@@ -122,8 +122,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] =
     q, k, v = _autocast(q, k, v)
     scale = None if softmax_scale is None else float(softmax_scale)
     args = (q, k, v, bool(causal), scale, impl, bool(deterministic))
-    if torch.compiler.is_compiling():
-        out, lse = torch.ops.flashrt.fwd.default(*args)
-    else:
+    if q.is_cuda and not torch.compiler.is_compiling():
         out, lse = _Eager.apply(*args)
+    else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls
+        out, lse = torch.ops.flashrt.fwd.default(*args)
     return (out, lse) if return_lse else out

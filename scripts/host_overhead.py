@@ -57,11 +57,12 @@ def per_call_us(fn) -> float:
 rows = [(name, per_call_us(fn)) for name, fn in
         (("flashrt.forward", fwd), ("flashrt.backward", bwd), ("flashrt.attention fwd+bwd", autograd),
          ("torch SDPA fwd+bwd", sdpa))]
-for name, fn in (("forward", fwd), ("backward", bwd)):
+for name, fn in (("forward", fwd), ("backward", bwd), ("attention fwd+bwd", autograd)):
     prof = cProfile.Profile()
-    prof.runcall(lambda: [fn() for _ in range(500)])
-    print(f"--- cProfile of 500 x flashrt.{name} (top 12 by own time)")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    with torch.autograd.set_multithreading_enabled(False):  # the backward in this thread, where cProfile sees it
+        prof.runcall(lambda: [fn() for _ in range(500)])
+    print(f"--- cProfile of 500 x flashrt.{name} (top 15 by own time)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 print(f"{'call':28s} {'us per call':>12s}")
 for name, us in rows:
     print(f"{name:28s} {us:12.1f}")
