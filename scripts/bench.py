@@ -473,7 +473,7 @@ def plot(points: list[dict], path: Path) -> bool:
             ax.grid(alpha=0.3)
     present = [impl for impl in IMPLS if any(r["impl"] == impl for r in points)]
     handles = [Line2D([], [], color=colour[impl], label=impl) for impl in present]
-    handles += [Line2D([], [], color="gray", label="non-causal"), Line2D([], [], color="gray", linestyle="--", label="causal")]
+    handles += [Line2D([], [], color="black", label="non-causal"), Line2D([], [], color="black", linestyle="--", label="causal")]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles))
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
