@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from . import interop, launch, params, tiles
 from .interop import Array
 
@@ -81,8 +79,10 @@ def _inputs(q, k, v) -> tuple[Array, Array, Array, dict]:
     return Q, K, V, dict(B=B, Sq=Sq, Sk=Sk, H=H, Hkv=Hkv, D=D)
 
 
-def _pack_strides(p: np.ndarray, prefix: str, a: Array) -> None:
-    p[f"{prefix}_sb"], p[f"{prefix}_ss"], p[f"{prefix}_sh"] = _strides(a)
+def _tensor_fields(p: dict, **arrays: Array) -> None:
+    """Pointer and (batch, seq, head) strides of each array into the params dict `p`."""
+    for prefix, a in arrays.items():
+        p[f"{prefix}_sb"], p[f"{prefix}_ss"], p[f"{prefix}_sh"] = _strides(a)
 
 
 def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None):
@@ -98,13 +98,10 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
 
     dev = launch.device(Q.device)
     spec = launch.pick("fwd", D, Q.dtype, bool(causal), dev)
-    p = np.zeros(1, params.FWD)
-    p["q"], p["k"], p["v"], p["o"], p["lse"] = Q.ptr, K.ptr, V.ptr, O.ptr, interop.data_ptr(lse)
-    for prefix, a in (("q", Q), ("k", K), ("v", V), ("o", O)):
-        _pack_strides(p, prefix, a)
-    p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"] = B, H, Hkv, Sq, Sk
-    p["scale_log2"] = scale * _LOG2E
-    launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk), p, interop.stream(Q))
+    p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, lse=interop.data_ptr(lse), B=B, H=H, Hkv=Hkv, Sq=Sq, Sk=Sk,
+             scale_log2=scale * _LOG2E)
+    _tensor_fields(p, q=Q, k=K, v=V, o=O)
+    launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk), params.pack(params.FWD, p), interop.stream(Q))
     return out, lse
 
 
@@ -150,15 +147,10 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     (dq, dQ), (dk, dK), (dv, dV) = (interop.empty_like_layout(Q, shape) for shape in (Q.shape, K.shape, K.shape))
     lse2, delta = interop.empty(Q, (B, H, Sq), float32=True), interop.empty(Q, (B, H, Sq), float32=True)
 
-    p = np.zeros(1, params.BWD)
-    for field, a in (("q", Q), ("k", K), ("v", V), ("o", O), ("dout", dO), ("lse", L), ("dq", dQ), ("dk", dK),
-                     ("dv", dV)):
-        p[field] = a.ptr
-    p["lse2"], p["delta"] = interop.data_ptr(lse2), interop.data_ptr(delta)
-    for prefix, a in (("q", Q), ("k", K), ("v", V), ("o", O), ("do", dO), ("dq", dQ), ("dk", dK), ("dv", dV)):
-        _pack_strides(p, prefix, a)
-    p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"] = B, H, Hkv, Sq, Sk
-    p["scale_log2"], p["scale"] = scale * _LOG2E, scale
+    p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, dout=dO.ptr, lse=L.ptr, dq=dQ.ptr, dk=dK.ptr, dv=dV.ptr,
+             lse2=interop.data_ptr(lse2), delta=interop.data_ptr(delta), B=B, H=H, Hkv=Hkv, Sq=Sq, Sk=Sk,
+             scale_log2=scale * _LOG2E, scale=scale)
+    _tensor_fields(p, q=Q, k=K, v=V, o=O, do=dO, dq=dQ, dk=dK, dv=dV)
 
     dev = launch.device(Q.device)
     stream = interop.stream(Q)
@@ -182,7 +174,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
         families = ["bwd_preprocess", "bwd_dq", "bwd_dkdv"]
     if splits > 1:
         families.append("bwd_dkdv_reduce")
+    args = params.pack(params.BWD, p)
     for family in families:
         spec = specs.get(family) or launch.pick(family, D, Q.dtype, bool(causal), dev)
-        launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk, dev.sm_count, splits), p, stream)
+        launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk, dev.sm_count, splits), args, stream)
     return dq, dk, dv

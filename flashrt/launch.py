@@ -173,15 +173,12 @@ def function_attributes(spec: KernelSpec, dev: Device) -> dict:
 
 
 def launch(spec: KernelSpec, dev: Device, grid_dims: tuple[int, int, int], args: np.ndarray, stream) -> None:
-    """Launch `spec` with its params struct `args` (a one-element structured array) on `stream`."""
+    """Launch `spec` with its params struct `args` (params.pack) on `stream`."""
     import cupy
     fn = function(spec, dev)
     with cupy.cuda.Device(dev.index):
         try:
-            # Passed as one field-less void element of the struct's size: CuPy reads a NumPy argument's
-            # bytes through __array_interface__, which costs ~0.1 ms per call for a structured dtype.
-            fn(grid_dims, (spec.threads, 1, 1), (args.view(np.dtype((np.void, args.dtype.itemsize))),),
-               shared_mem=spec.smem_bytes, stream=stream)
+            fn(grid_dims, (spec.threads, 1, 1), (args,), shared_mem=spec.smem_bytes, stream=stream)
         except Exception as exc:
             raise LaunchError(f"launch of {spec.name} failed (grid={grid_dims}, block={spec.threads}, "
                               f"dynamic smem={spec.smem_bytes} B): {exc}") from exc

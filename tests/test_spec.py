@@ -139,3 +139,17 @@ def test_reduce_grid_covers_every_chunk():
     red = KernelSpec("bwd_dkdv_reduce", 128, "bf16", 0, 0, 8, False, "sm_90a")
     assert red.name == "flashrt_bwd_dkdv_reduce_hd128_bf16_w8_sm_90a" and red.smem_bytes == 0
     assert launch.grid(red, B=2, H=8, Hkv=1, Sq=9, Sk=1000, sm_count=132) == (125, 1, 1)  # 2 * 1000 rows * 16 chunks / 256 threads
+
+
+@pytest.mark.parametrize("dtype", [params.FWD, params.BWD])
+def test_pack_lays_fields_out_as_the_struct(dtype):
+    values = {}
+    for i, name in enumerate(dtype.names):
+        kind = dtype.fields[name][0]
+        values[name] = (0.5 + i) if kind == np.float32 else (-(i + 1) if kind != np.uint64 else 2**40 + i)
+    del values[dtype.names[3]]  # a missing field is 0
+    packed = params.pack(dtype, values)
+    assert packed.dtype.itemsize == dtype.itemsize and packed.dtype.names is None and packed.size == 1
+    fields = packed.view(dtype)[0]
+    for name in dtype.names:
+        assert fields[name] == values.get(name, 0), name
