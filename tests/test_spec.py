@@ -64,8 +64,8 @@ def test_pick_nw_fits_every_head_dim(arch, limit):
 def test_pick_nw_prefers_large_tiles_when_they_fit():
     big = tiles.pick_nw("fwd", 128, "bf16", False, "sm_90a", SMEM_OPTIN[90])
     small = tiles.pick_nw("fwd", 128, "bf16", False, "sm_86", 48 * 1024)
-    assert (big.block_m, big.block_n) == (128, 128)
-    assert small.smem_bytes <= 48 * 1024 and small.block_m * small.block_n < 128 * 64
+    assert (big.block_m, big.block_n, big.warps) == tiles.candidates("fwd", 128)[0] and big.smem_bytes > 48 * 1024
+    assert small.smem_bytes <= 48 * 1024 and small.block_m * small.block_n < big.block_m * big.block_n
 
 
 def test_pick_nw_error_names_required_and_limit():
