@@ -90,7 +90,7 @@ def backward_impl(head_dim: int, deterministic: bool) -> str:
     unordered, the fused kernel's five matmuls beat the split pair's seven up to head_dim
     128; at 256 its dQ atomics (64-key tiles, the most the dK/dV registers allow) cost what
     the recomputation saves. Ordered (deterministic), the key tiles' wait for each other
-    costs 17-30%, which leaves fused ahead only where its lead was largest, head_dim 65-128.
+    costs 15-22%, which leaves fused ahead only where its lead was largest, head_dim 65-128.
     """
     if deterministic:
         return "fused" if 64 < head_dim <= 128 else "split"

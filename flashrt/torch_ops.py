@@ -118,7 +118,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] =
     `impl` and `deterministic` choose the backward kernels (see flashrt.backward).
     lse is returned without a gradient.
     """
-    api._check_impl(impl, deterministic)  # here, not first in the backward pass
+    api._check_impl(impl)  # here, not first in the backward pass
     q, k, v = _autocast(q, k, v)
     scale = None if softmax_scale is None else float(softmax_scale)
     args = (q, k, v, bool(causal), scale, impl, bool(deterministic))
