@@ -24,9 +24,11 @@
 // sets it to n + 1. The tiles that see a query tile are always 0..n_last (a
 // prefix, also when causal), and every block visits its query tiles last to
 // first, so blocks of one (head, batch) meet each query tile in key-tile order
-// and wait only about one phase 3 per key tile before them. Waiting is only ever
-// on a lower key tile of the same (KV head, batch, split): a block launched
-// earlier; with splits > 1 the whole grid is one wave, all blocks resident.
+// and wait only about one phase 3 per key tile before them. A block only ever
+// waits on a lower key tile of its (KV head, batch): with one split, a block of
+// lower linear index, dispatched earlier (as FlashAttention-3's deterministic
+// mode also relies on); with splits > 1 the grid fits in one wave
+// (launch.dkdv_splits), so every block it waits on is resident.
 #include "params.cuh"
 
 #ifndef FRT_FUSED_DQ
