@@ -53,6 +53,11 @@ def _scale(softmax_scale, head_dim: int) -> float:
 
 def _inputs(q, k, v) -> tuple[Array, Array, Array, dict]:
     Q, K, V = interop.describe(q, "q"), interop.describe(k, "k"), interop.describe(v, "v")
+    return Q, K, V, _check_qkv(Q, K, V)
+
+
+def _check_qkv(Q: Array, K: Array, V: Array) -> dict:
+    """Every rule q, k, v must meet before a kernel sees them; returns the problem's dimensions."""
     for a, name in ((Q, "q"), (K, "k"), (V, "v")):
         _check_tensor(a, name, 4)
     if len({Q.lib, K.lib, V.lib}) > 1:
@@ -76,7 +81,23 @@ def _inputs(q, k, v) -> tuple[Array, Array, Array, dict]:
         raise ValueError(f"q's heads ({H}) must be a multiple of k/v's heads ({Hkv}) (GQA/MQA)")
     for a, name in ((Q, "q"), (K, "k"), (V, "v")):
         _check_layout(a, name)
-    return Q, K, V, dict(B=B, Sq=Sq, Sk=Sk, H=H, Hkv=Hkv, D=D)
+    return dict(B=B, Sq=Sq, Sk=Sk, H=H, Hkv=Hkv, D=D)
+
+
+def _check_grad_inputs(Q: Array, dO: Array, O: Array, L: Array) -> None:
+    """The rules for backward's dout, out and lse, given a valid q."""
+    B, Sq, H, _ = Q.shape
+    for a, name in ((dO, "dout"), (O, "out")):
+        _check_tensor(a, name, 4)
+        if a.shape != Q.shape or a.dtype != Q.dtype or a.lib != Q.lib or a.device != Q.device:
+            raise ValueError(f"{name} must match q: expected {Q.lib} {Q.dtype} {Q.shape} on cuda:{Q.device}, "
+                             f"got {a.lib} {a.dtype} {a.shape} on cuda:{a.device}")
+        _check_layout(a, name)
+    if L.shape != (B, H, Sq) or L.dtype != "float32" or L.lib != Q.lib or L.device != Q.device:
+        raise ValueError(f"lse must be {Q.lib} float32 of shape {(B, H, Sq)} on cuda:{Q.device} (as returned by "
+                         f"flashrt.forward), got {L.lib} {L.dtype} {L.shape} on cuda:{L.device}")
+    if B * H * Sq and L.strides != (H * Sq, Sq, 1):
+        raise ValueError(f"lse must be contiguous, got strides {L.strides}; pass lse.contiguous()")
 
 
 def _tensor_fields(p: dict, **arrays: Array) -> None:
@@ -130,17 +151,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     B, Sq, Sk, H, Hkv, D = s["B"], s["Sq"], s["Sk"], s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
     dO, O, L = interop.describe(dout, "dout"), interop.describe(out, "out"), interop.describe(lse, "lse")
-    for a, name in ((dO, "dout"), (O, "out")):
-        _check_tensor(a, name, 4)
-        if a.shape != Q.shape or a.dtype != Q.dtype or a.lib != Q.lib or a.device != Q.device:
-            raise ValueError(f"{name} must match q: expected {Q.lib} {Q.dtype} {Q.shape} on cuda:{Q.device}, "
-                             f"got {a.lib} {a.dtype} {a.shape} on cuda:{a.device}")
-        _check_layout(a, name)
-    if L.shape != (B, H, Sq) or L.dtype != "float32" or L.lib != Q.lib or L.device != Q.device:
-        raise ValueError(f"lse must be {Q.lib} float32 of shape {(B, H, Sq)} on cuda:{Q.device} (as returned by "
-                         f"flashrt.forward), got {L.lib} {L.dtype} {L.shape} on cuda:{L.device}")
-    if B * H * Sq and L.strides != (H * Sq, Sq, 1):
-        raise ValueError(f"lse must be contiguous, got strides {L.strides}; pass lse.contiguous()")
+    _check_grad_inputs(Q, dO, O, L)
 
     if B * Sq * H == 0 or Sk == 0:
         return (interop.full(Q, Q.shape, 0.0), interop.full(Q, K.shape, 0.0), interop.full(Q, K.shape, 0.0))

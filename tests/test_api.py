@@ -5,13 +5,71 @@ from flashrt import api
 from flashrt.interop import Array
 
 
-def arr(shape, strides=None, ptr=0x10000, dtype="bf16", device=0):
+def arr(shape, strides=None, ptr=0x10000, dtype="bf16", device=0, lib="torch"):
     if strides is None:
         strides, acc = [], 1
         for n in reversed(shape):
             strides.insert(0, acc)
             acc *= n
-    return Array(None, "torch", ptr, tuple(shape), tuple(strides), dtype, device, 2)
+    return Array(None, lib, ptr, tuple(shape), tuple(strides), dtype, device, 2)
+
+
+Q, KV = (2, 64, 8, 64), (2, 80, 2, 64)
+
+
+# Each bad input of q, k, v: (changes to q, k, v descriptors) -> (error type, message pattern).
+QKV_ERRORS = {
+    "fp32": (dict(q=dict(dtype="float32"), k=dict(dtype="float32"), v=dict(dtype="float32")), TypeError,
+             r"q has dtype float32; flashrt supports bfloat16 and float16: cast with q\.to\(torch\.bfloat16\)"),
+    "int": (dict(q=dict(dtype="int32")), TypeError, r"q has dtype int32"),
+    "mixed dtypes": (dict(k=dict(dtype="fp16")), TypeError, r"share one dtype, got q: bf16, k: fp16, v: bf16"),
+    "host memory": (dict(q=dict(device=-1)), ValueError, r"q is in host memory.*q\.cuda\(\)"),
+    "two devices": (dict(v=dict(device=1)), ValueError, r"one device, got cuda:0, cuda:0, cuda:1"),
+    "torch and cupy": (dict(k=dict(lib="cupy")), TypeError, r"one library, got q: torch, k: cupy, v: torch"),
+    "rank": (dict(q=dict(shape=(64, 8, 64))), ValueError, r"q must have 4 dimensions .* got shape \(64, 8, 64\)"),
+    "batch": (dict(k=dict(shape=(3, 80, 2, 64)), v=dict(shape=(3, 80, 2, 64))), ValueError,
+              r"agree on batch \(axis 0\) and head_dim"),
+    "k vs v": (dict(v=dict(shape=(2, 81, 2, 64))), ValueError, r"k and v must have the same shape"),
+    "head_dim 264": (dict(q=dict(shape=(2, 64, 8, 264)), k=dict(shape=(2, 80, 2, 264)),
+                          v=dict(shape=(2, 80, 2, 264))), ValueError, r"multiple of 8 between 8 and 256, got 264"),
+    "head_dim 12": (dict(q=dict(shape=(2, 64, 8, 12)), k=dict(shape=(2, 80, 2, 12)),
+                         v=dict(shape=(2, 80, 2, 12))), ValueError, r"multiple of 8 between 8 and 256, got 12"),
+    "GQA ratio": (dict(k=dict(shape=(2, 80, 3, 64)), v=dict(shape=(2, 80, 3, 64))), ValueError,
+                  r"q's heads \(8\) must be a multiple of k/v's heads \(3\)"),
+    "last axis": (dict(k=dict(strides=(80 * 2 * 64, 2 * 64, 1, 2))), ValueError, r"k must be contiguous in its last"),
+    "stride": (dict(v=dict(strides=(80 * 2 * 68, 2 * 68, 68, 1))), ValueError, r"v has stride 68 on axis 2"),
+    "alignment": (dict(q=dict(ptr=0x10008)), ValueError, r"q's data pointer 0x10008 is not 16-byte aligned"),
+}
+
+
+@pytest.mark.parametrize("case", QKV_ERRORS)
+def test_every_bad_qkv_is_named_with_its_fix(case):
+    changes, error, pattern = QKV_ERRORS[case]
+    shapes = dict(q=Q, k=KV, v=KV)
+    q, k, v = (arr(**{"shape": shapes[n], **changes.get(n, {})}) for n in ("q", "k", "v"))
+    with pytest.raises(error, match=pattern):
+        api._check_qkv(q, k, v)
+
+
+def test_valid_qkv_gives_the_dimensions():
+    assert api._check_qkv(arr(Q), arr(KV), arr(KV)) == dict(B=2, Sq=64, Sk=80, H=8, Hkv=2, D=64)
+
+
+@pytest.mark.parametrize("name,bad,pattern", [
+    ("dout", dict(shape=(2, 64, 8, 32)), r"dout must match q: expected torch bf16 \(2, 64, 8, 64\)"),
+    ("dout", dict(dtype="fp16"), r"dout must match q"),
+    ("out", dict(device=1), r"out must match q"),
+    ("out", dict(ptr=0x10004), r"out's data pointer 0x10004 is not 16-byte aligned"),
+    ("lse", dict(shape=(2, 64, 8), dtype="float32"), r"lse must be torch float32 of shape \(2, 8, 64\)"),
+    ("lse", dict(dtype="bf16"), r"lse must be torch float32"),
+    ("lse", dict(strides=(1, 2, 16), dtype="float32"), r"lse must be contiguous.*lse\.contiguous\(\)"),
+])
+def test_every_bad_backward_input_is_named(name, bad, pattern):
+    good = dict(dout=dict(shape=Q), out=dict(shape=Q), lse=dict(shape=(2, 8, 64), dtype="float32"))
+    descs = {n: arr(**{**kw, **(bad if n == name else {})}) for n, kw in good.items()}
+    with pytest.raises(ValueError, match=pattern):
+        api._check_grad_inputs(arr(Q), descs["dout"], descs["out"], descs["lse"])
+    api._check_grad_inputs(arr(Q), *(arr(**good[n]) for n in ("dout", "out", "lse")))
 
 
 def test_contiguous_and_packed_layouts_pass():
