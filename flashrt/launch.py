@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import cache, tiles
+from . import cache, nvrtc, tiles
 from .spec import KEY_PARALLEL, KernelSpec
 
 _DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel gets without opting in
@@ -38,9 +38,21 @@ def arch_for(major: int, minor: int) -> str:
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
+def check_driver(driver_version: int, nvrtc_version: tuple[int, int]) -> None:
+    """Cubins from NVRTC of CUDA major N load only on drivers of major >= N: say so before a load fails."""
+    driver_major, driver_minor = driver_version // 1000, driver_version % 1000 // 10
+    if nvrtc_version[0] > driver_major:
+        raise LaunchError(
+            f"flashrt compiles with NVRTC {nvrtc_version[0]}.{nvrtc_version[1]}, whose kernels need a CUDA "
+            f"{nvrtc_version[0]} driver, but this driver supports CUDA {driver_major}.{driver_minor}: install the "
+            f"CUDA {driver_major} build (pip install 'flashrt[cuda{driver_major}]', which brings its NVRTC and "
+            f"CuPy) and uninstall the CUDA {nvrtc_version[0]} NVRTC wheel, or update the NVIDIA driver")
+
+
 @lru_cache(maxsize=None)
 def device(index: int) -> Device:
     import cupy
+    check_driver(cupy.cuda.runtime.driverGetVersion(), nvrtc.version())
     props = cupy.cuda.runtime.getDeviceProperties(index)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     return Device(index, name, arch_for(props["major"], props["minor"]), props["multiProcessorCount"],

@@ -153,3 +153,12 @@ def test_pack_lays_fields_out_as_the_struct(dtype):
     fields = packed.view(dtype)[0]
     for name in dtype.names:
         assert fields[name] == values.get(name, 0), name
+
+
+def test_driver_older_than_nvrtc_is_refused_with_the_extra_to_install():
+    launch.check_driver(13000, (13, 0))
+    launch.check_driver(13010, (12, 9))  # a newer driver runs older cubins
+    launch.check_driver(12080, (12, 9))  # minor-version compatibility within a major
+    with pytest.raises(launch.LaunchError, match=r"NVRTC 13\.0, whose kernels need a CUDA 13 driver, but this "
+                                                 r"driver supports CUDA 12\.4: .*flashrt\[cuda12\]"):
+        launch.check_driver(12040, (13, 0))
