@@ -13,8 +13,49 @@ def _xp(a):
     return __import__(type(a).__module__.split(".")[0])
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None):
-    """Returns (out, lse) and, when dout is given, (out, lse, dq, dk, dv); all float64."""
+def visible(B, Sq, Sk, *, causal=False, align="bottom_right", window=(-1, -1), seqlens_q=None, seqlens_k=None,
+            block_ids_q=None, block_ids_k=None, segment_ids_q=None, segment_ids_k=None, xp=None):
+    """Which keys each query sees, as a bool array (B, 1, Sq, Sk): the dense form of every mask kind.
+
+    Key j is visible to query i of batch b iff all of these hold:
+      - both exist: i < seqlens_q[b] and j < seqlens_k[b] (padding; default: the full extents);
+      - causal: j <= i + shift, where shift = seqlens_k[b] - seqlens_q[b] when aligned
+        "bottom_right" (the last query sees the last key) and 0 when "top_left";
+      - window (left, right), -1 = unbounded: i + shift - left <= j <= i + shift + right;
+      - block ids (non-decreasing): block_ids_k[b, j] <= block_ids_q[b, i];
+      - segment ids: segment_ids_q[b, i] == segment_ids_k[b, j].
+    A query row that sees no key gets out = 0, lse = -inf and zero gradients.
+    """
+    import numpy
+    xp = xp or numpy
+    if align not in ("bottom_right", "top_left"):
+        raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
+    lq = xp.asarray(seqlens_q if seqlens_q is not None else [Sq] * B).reshape(B, 1, 1, 1)
+    lk = xp.asarray(seqlens_k if seqlens_k is not None else [Sk] * B).reshape(B, 1, 1, 1)
+    i = xp.arange(Sq).reshape(1, 1, Sq, 1)
+    j = xp.arange(Sk).reshape(1, 1, 1, Sk)
+    keep = (i < lq) & (j < lk)
+    shift = lk - lq if align == "bottom_right" else xp.zeros_like(lk)
+    if causal:
+        keep &= j <= i + shift
+    left, right = window
+    if left >= 0:
+        keep &= j >= i + shift - left
+    if right >= 0:
+        keep &= j <= i + shift + right
+    if block_ids_q is not None:
+        keep &= xp.asarray(block_ids_k)[:, None, None, :] <= xp.asarray(block_ids_q)[:, None, :, None]
+    if segment_ids_q is not None:
+        keep &= xp.asarray(segment_ids_k)[:, None, None, :] == xp.asarray(segment_ids_q)[:, None, :, None]
+    return keep
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None):
+    """Returns (out, lse) and, when dout is given, (out, lse, dq, dk, dv); all float64.
+
+    mask: optional bool array broadcastable to (B, H, Sq, Sk) (see `visible`), applied on
+    top of `causal`; False hides a key from a query.
+    """
     xp = _xp(q)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
     B, Sq, H, D = q.shape
@@ -23,10 +64,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None):
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     ke, ve = xp.repeat(k, group, axis=2), xp.repeat(v, group, axis=2)
     s = xp.einsum("bqhd,bkhd->bhqk", q, ke) * scale
-    visible = xp.ones((Sq, Sk), dtype=bool)
+    keep = xp.ones((Sq, Sk), dtype=bool)
     if causal:  # bottom-right aligned: query i sees key j iff j <= i + Sk - Sq
-        visible = xp.arange(Sk)[None, :] <= xp.arange(Sq)[:, None] + (Sk - Sq)
-    s = xp.where(visible, s, -xp.inf)
+        keep = xp.arange(Sk)[None, :] <= xp.arange(Sq)[:, None] + (Sk - Sq)
+    if mask is not None:
+        keep = keep & xp.asarray(mask, dtype=bool)
+    s = xp.where(keep, s, -xp.inf)
     m = s.max(axis=-1, keepdims=True) if Sk else xp.full(s.shape[:-1] + (1,), -xp.inf)
     m = xp.where(xp.isfinite(m), m, 0.0)
     p = xp.exp(s - m)

@@ -38,14 +38,16 @@ def test_forward_matches_loop(Sq, Sk, causal):
     np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], atol=1e-12)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_gradients_match_finite_differences(causal):
+@pytest.mark.parametrize("causal,mask", [(False, None), (True, None), (False, "window+padding")])
+def test_gradients_match_finite_differences(causal, mask):
     rng = np.random.default_rng(1)
     q, k, v, do = _rand(rng, 1, 4, 4, 8), _rand(rng, 1, 6, 2, 8), _rand(rng, 1, 6, 2, 8), _rand(rng, 1, 4, 4, 8)
-    _, _, dq, dk, dv = reference.attention(q, k, v, causal=causal, dout=do)
+    if mask:
+        mask = reference.visible(1, 4, 6, window=(1, 1), seqlens_k=[5])
+    _, _, dq, dk, dv = reference.attention(q, k, v, causal=causal, dout=do, mask=mask)
 
     def loss(q_, k_, v_):
-        return float((reference.attention(q_, k_, v_, causal=causal)[0] * do).sum())
+        return float((reference.attention(q_, k_, v_, causal=causal, mask=mask)[0] * do).sum())
 
     eps = 1e-6
     for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
@@ -63,3 +65,74 @@ def test_rel_error():
     assert reference.rel_error(ref, ref) == 0
     assert reference.rel_error(ref * 1.5, ref) == pytest.approx(0.5)
     assert reference.rel_error(np.array([np.nan, 1, 1, 1]), ref) == np.inf
+
+
+def _loop_visible(b, i, j, Sq, Sk, causal, align, window, lq, lk, bq, bk, sq, sk):
+    if i >= lq[b] or j >= lk[b]:
+        return False
+    shift = lk[b] - lq[b] if align == "bottom_right" else 0
+    if causal and j > i + shift:
+        return False
+    if window[0] >= 0 and j < i + shift - window[0]:
+        return False
+    if window[1] >= 0 and j > i + shift + window[1]:
+        return False
+    if bq is not None and bk[b][j] > bq[b][i]:
+        return False
+    return sq is None or sq[b][i] == sk[b][j]
+
+
+@pytest.mark.parametrize("kind", ["causal-br", "causal-tl", "window", "causal+window", "padding", "blocks",
+                                  "segments", "everything"])
+def test_visible_matches_its_definition(kind):
+    rng = np.random.default_rng(2)
+    B, Sq, Sk = 2, 9, 12
+    opts = dict(causal=False, align="bottom_right", window=(-1, -1), seqlens_q=None, seqlens_k=None,
+                block_ids_q=None, block_ids_k=None, segment_ids_q=None, segment_ids_k=None)
+    blocks_k = np.sort(rng.integers(0, 4, (B, Sk)), axis=1)
+    blocks_q = np.sort(rng.integers(0, 4, (B, Sq)), axis=1)
+    segs_q, segs_k = np.sort(rng.integers(0, 3, (B, Sq)), axis=1), np.sort(rng.integers(0, 3, (B, Sk)), axis=1)
+    extra = {
+        "causal-br": dict(causal=True),
+        "causal-tl": dict(causal=True, align="top_left"),
+        "window": dict(window=(3, 1)),
+        "causal+window": dict(causal=True, window=(2, -1)),
+        "padding": dict(seqlens_q=[9, 4], seqlens_k=[7, 12], causal=True),
+        "blocks": dict(block_ids_q=blocks_q, block_ids_k=blocks_k),
+        "segments": dict(segment_ids_q=segs_q, segment_ids_k=segs_k),
+        "everything": dict(causal=True, window=(5, -1), seqlens_q=[8, 9], seqlens_k=[12, 10],
+                           block_ids_q=blocks_q, block_ids_k=blocks_k, segment_ids_q=segs_q, segment_ids_k=segs_k),
+    }[kind]
+    opts.update(extra)
+    got = reference.visible(B, Sq, Sk, **opts)
+    lq = opts["seqlens_q"] or [Sq] * B
+    lk = opts["seqlens_k"] or [Sk] * B
+    for b in range(B):
+        for i in range(Sq):
+            for j in range(Sk):
+                want = _loop_visible(b, i, j, Sq, Sk, opts["causal"], opts["align"], opts["window"], lq, lk,
+                                     opts["block_ids_q"], opts["block_ids_k"], opts["segment_ids_q"],
+                                     opts["segment_ids_k"])
+                assert got[b, 0, i, j] == want, (b, i, j)
+
+
+def test_masked_attention_and_padding_rows():
+    rng = np.random.default_rng(3)
+    B, Sq, Sk = 2, 6, 8
+    q, k, v, do = _rand(rng, B, Sq, 4, 8), _rand(rng, B, Sk, 2, 8), _rand(rng, B, Sk, 2, 8), _rand(rng, B, Sq, 4, 8)
+    mask = reference.visible(B, Sq, Sk, seqlens_q=[6, 3], seqlens_k=[8, 5], window=(2, 2))
+    out, lse, dq, dk, dv = reference.attention(q, k, v, dout=do, mask=mask)
+    # Padded query rows: no key, so out 0, lse -inf, dq 0; padded keys get no gradient.
+    assert (out[1, 3:] == 0).all() and np.isinf(lse[1, :, 3:]).all() and (dq[1, 3:] == 0).all()
+    assert (dk[1, 5:] == 0).all() and (dv[1, 5:] == 0).all()
+    # Each valid row equals attention over exactly its visible keys.
+    for b in range(B):
+        for i in range(Sq):
+            for h in range(4):
+                keys = np.flatnonzero(mask[b, 0, i])
+                if keys.size == 0:
+                    continue
+                s = np.array([q[b, i, h] @ k[b, j, h // 2] for j in keys]) / np.sqrt(8)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                np.testing.assert_allclose(out[b, i, h], p @ v[b, keys, h // 2], atol=1e-12)
