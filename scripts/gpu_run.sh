@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, on a machine with a GPU and no network (the device machine):
-#   scripts/gpu_run.sh [stage ...]     stages: env prewarm test check sanitize bench (default: all)
+#   scripts/gpu_run.sh [stage ...]     stages: env prewarm test check sanitize bench scale (default: all)
 # Wheels carried in .whl/ (platformdirs) are installed to /tmp/site first. Logs go to $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export FLASHRT_CACHE_DIR=${FLASHRT_CACHE_DIR:-/tmp/flashrt-cache}
-stages=${*:-env prewarm test check sanitize bench}
+stages=${*:-env prewarm test check sanitize bench scale}
 status=0
 for stage in $stages; do
     echo "=== $stage"
@@ -29,6 +29,9 @@ for stage in $stages; do
         sanitize) scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
         bench) python3 scripts/bench.py --set "${BENCH_SET:-quick}" --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
                tail -n 60 "$OUT/bench.md" ;;
+        scale) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_scale.py -k "128k or 2_31" 2>&1 \
+                   | tee "$OUT/scale.log" | grep -E "tokens|passed|failed"
+               [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
         *) echo "unknown stage $stage"; status=1 ;;
     esac
     echo "--- $stage: $(( $(date +%s) - t0 ))s"
