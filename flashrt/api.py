@@ -167,9 +167,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     stream = interop.stream(Q)
     if impl == "auto":
         impl = tiles.backward_impl(D, bool(deterministic))
-    main = "bwd_fused" if impl == "fused" else "bwd_dkdv"
-    specs = {f: launch.pick(f, D, Q.dtype, bool(causal), dev) for f in ("bwd_preprocess", main, "bwd_dkdv_reduce")}
-    splits = launch.dkdv_splits(specs[main], B, H, Hkv, Sq, Sk, dev.sm_count)
+    main = launch.pick("bwd_fused" if impl == "fused" else "bwd_dkdv", D, Q.dtype, bool(causal), dev)
+    splits = launch.dkdv_splits(main, B, H, Hkv, Sq, Sk, dev.sm_count)
     p["splits"] = splits
     if splits > 1:
         partial = interop.empty(Q, (2 * splits * B * Hkv * Sk * D,), float32=True)
@@ -178,7 +177,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
         dq_accum = interop.empty(Q, (B, H, Sq, D), float32=True)  # zeroed by bwd_preprocess
         p["dq_accum"] = interop.data_ptr(dq_accum)
         if deterministic:
-            sem = interop.full(Q, (B, H, -(-Sq // specs[main].block_m)), 0, int32=True)
+            sem = interop.full(Q, (B, H, -(-Sq // main.block_m)), 0, int32=True)
             p["dq_sem"] = interop.data_ptr(sem)
         families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
     else:
@@ -187,6 +186,6 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
         families.append("bwd_dkdv_reduce")
     args = params.pack(params.BWD, p)
     for family in families:
-        spec = specs.get(family) or launch.pick(family, D, Q.dtype, bool(causal), dev)
+        spec = launch.pick(family, D, Q.dtype, bool(causal), dev)
         launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk, dev.sm_count, splits), args, stream)
     return dq, dk, dv

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import cache, nvrtc, tiles
-from .spec import KEY_PARALLEL, KernelSpec
+from .spec import ELEMENTWISE, KEY_PARALLEL, KernelSpec
 
 _DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 _MAX_GRID_YZ = 65535
@@ -78,12 +78,11 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
         g = (_cdiv(Sq, spec.block_m), H, B)
     elif spec.family in KEY_PARALLEL:
         g = (_cdiv(Sk, spec.block_n), Hkv * splits, B)
-    elif spec.family == "bwd_preprocess":  # one warp per (b, h, query) row
-        g = (max(1, min(_cdiv(B * H * Sq, spec.warps), 32 * sm_count)), 1, 1)
-    elif spec.family == "bwd_dkdv_reduce":  # one thread per 8 elements of a (b, kv head, key) row
-        g = (max(1, min(_cdiv(B * Hkv * Sk * spec.head_dim // 8, spec.threads), 32 * sm_count)), 1, 1)
-    elif spec.family == "bwd_dq_convert":  # one thread per 8 elements of a (b, head, query) row
-        g = (max(1, min(_cdiv(B * H * Sq * spec.head_dim // 8, spec.threads), 32 * sm_count)), 1, 1)
+    elif spec.family in ELEMENTWISE:  # grid-stride loops: enough blocks for the work, at most 32 per SM
+        work = {"bwd_preprocess": (B * H * Sq, spec.warps),  # one warp per (b, h, query) row
+                "bwd_dkdv_reduce": (B * Hkv * Sk * spec.head_dim // 8, spec.threads),  # a thread per 8 elements
+                "bwd_dq_convert": (B * H * Sq * spec.head_dim // 8, spec.threads)}[spec.family]
+        g = (max(1, min(_cdiv(*work), 32 * sm_count)), 1, 1)
     else:
         raise ValueError(spec.family)
     if g[1] > _MAX_GRID_YZ or g[2] > _MAX_GRID_YZ:
@@ -128,21 +127,25 @@ def check_fits(spec: KernelSpec, dev: Device) -> None:
                           f"(tiles.pick_nw chooses one that fits)")
 
 
+def _capturing(dev: Device) -> bool:
+    """Whether CuPy's or torch's current stream on dev is being captured into a CUDA graph."""
+    import sys
+    import cupy
+    torch = sys.modules.get("torch")  # looked up, never imported: only a torch program captures with it
+    streams = [cupy.cuda.get_current_stream(dev.index).ptr]
+    if torch is not None and torch.cuda.is_initialized():
+        streams.append(torch.cuda.current_stream(dev.index).cuda_stream)
+    # 0 and 1 are the legacy stream: never captured, and querying it during another capture is an error.
+    return any(ptr > 1 and cupy.cuda.runtime.streamIsCapturing(ptr) for ptr in streams)
+
+
 def function(spec: KernelSpec, dev: Device):
     """The loaded kernel of `spec` on `dev` (compiled or read from cache on first use)."""
     fn = _functions.get((spec.name, dev.index))
     if fn is not None:
         return fn
-    # A compile or module load cannot be recorded into a CUDA graph (and stalls or breaks the capture).
-    # torch is looked up, never imported: only a program that uses torch can be capturing with it.
-    import sys
     import cupy
-    torch = sys.modules.get("torch")
-    streams = [cupy.cuda.get_current_stream(dev.index).ptr]
-    if torch is not None and torch.cuda.is_initialized():
-        streams.append(torch.cuda.current_stream(dev.index).cuda_stream)
-    # 0 and 1 are the legacy stream: never captured, and querying it during another capture is an error.
-    if any(ptr > 1 and cupy.cuda.runtime.streamIsCapturing(ptr) for ptr in streams):
+    if _capturing(dev):  # a compile or module load cannot be recorded into a CUDA graph
         raise LaunchError(f"{spec.name} is not loaded yet, and the current CUDA stream is being captured into a "
                           f"CUDA graph, where a kernel cannot be compiled or loaded: run the same attention call "
                           f"once before capture (a warm-up step, as torch.cuda.graph's docs recommend and "
