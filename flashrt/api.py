@@ -10,10 +10,12 @@ see no key (possible when Sq > Sk) get out = 0, lse = -inf and zero gradients.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from . import interop, launch, params, tiles
+from . import interop, launch, masks, params, tiles
 from .interop import Array
+from .spec import ELEMENTWISE
 
 _LOG2E = 1.4426950408889634
 
@@ -84,19 +86,19 @@ def _check_qkv(Q: Array, K: Array, V: Array) -> dict:
     return dict(B=B, Sq=Sq, Sk=Sk, H=H, Hkv=Hkv, D=D)
 
 
-def _check_grad_inputs(Q: Array, dO: Array, O: Array, L: Array) -> None:
+def _check_grad_inputs(Q: Array, dO: Array, O: Array, L: Array, lse_shape: tuple) -> None:
     """The rules for backward's dout, out and lse, given a valid q."""
-    B, Sq, H, _ = Q.shape
     for a, name in ((dO, "dout"), (O, "out")):
-        _check_tensor(a, name, 4)
+        _check_tensor(a, name, len(Q.shape))
         if a.shape != Q.shape or a.dtype != Q.dtype or a.lib != Q.lib or a.device != Q.device:
             raise ValueError(f"{name} must match q: expected {Q.lib} {Q.dtype} {Q.shape} on cuda:{Q.device}, "
                              f"got {a.lib} {a.dtype} {a.shape} on cuda:{a.device}")
         _check_layout(a, name)
-    if L.shape != (B, H, Sq) or L.dtype != "float32" or L.lib != Q.lib or L.device != Q.device:
-        raise ValueError(f"lse must be {Q.lib} float32 of shape {(B, H, Sq)} on cuda:{Q.device} (as returned by "
+    if L.shape != lse_shape or L.dtype != "float32" or L.lib != Q.lib or L.device != Q.device:
+        raise ValueError(f"lse must be {Q.lib} float32 of shape {lse_shape} on cuda:{Q.device} (as returned by "
                          f"flashrt.forward), got {L.lib} {L.dtype} {L.shape} on cuda:{L.device}")
-    if B * H * Sq and L.strides != (H * Sq, Sq, 1):
+    contiguous = tuple(int(math.prod(lse_shape[i + 1:])) for i in range(len(lse_shape)))
+    if math.prod(lse_shape) and L.strides != contiguous:
         raise ValueError(f"lse must be contiguous, got strides {L.strides}; pass lse.contiguous()")
 
 
@@ -106,26 +108,74 @@ def _tensor_fields(p: dict, **arrays: Array) -> None:
         p[f"{prefix}_sb"], p[f"{prefix}_ss"], p[f"{prefix}_sh"] = _strides(a)
 
 
-def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None):
+def _as_batch(a: Array) -> Array:
+    """A packed (total, H, D) array as one batch entry (1, total, H, D) with batch stride 0."""
+    return dataclasses.replace(a, shape=(1, *a.shape), strides=(0, *a.strides)) if len(a.shape) == 3 else a
+
+
+def _prepare(q, k, v, mask_args: dict, validate: bool):
+    """Descriptors of q, k, v (as 4-D), the problem's dimensions, and the parsed masking."""
+    Q, K, V = interop.describe(q, "q"), interop.describe(k, "k"), interop.describe(v, "v")
+    for a, name in ((Q, "q"), (K, "k"), (V, "v")):
+        if a.device < 0:
+            raise ValueError(f"{name} is in host memory; flashrt needs CUDA tensors: move it with {name}.cuda()")
+    arrays = any(mask_args.get(n) is not None for n in masks.ARRAY_ARGS)
+    if arrays and validate and Q.device >= 0:
+        validate = not launch._capturing(launch.device(Q.device))  # a host copy cannot be captured
+    m = masks.Masking.parse(Q, K, **mask_args, validate=validate)
+    Q4, K4, V4 = (_as_batch(a) if m.varlen else a for a in (Q, K, V))
+    s = _check_qkv(Q4, K4, V4)
+    return Q, K, V, Q4, K4, V4, s, m
+
+
+MASK_DOC = """
+    Masks (every kind composes with the others; flashrt.reference.visible is the specification):
+      causal: False, True (= "bottom_right": the last query sees the last key, as in
+        FlashAttention >= 2.1; query i sees key j iff j <= i + Sk - Sq) or "top_left" (j <= i).
+      window=(left, right): query i sees keys i + shift - left .. i + shift + right (-1 = unbounded),
+        shift as chosen by `causal`'s alignment (bottom-right unless causal="top_left").
+      seqlens_q, seqlens_k: (B,) int32 on the device, valid rows per batch entry (padding); rows past
+        them are neither attended to nor from: their out and gradients are 0 and lse -inf.
+      cu_seqlens_q, cu_seqlens_k: (B+1,) int32 row offsets of packed sequences (varlen): q is
+        (total_q, H, D), k and v (total_k, Hkv, D), lse (H, total_q); max_seqlen_q/k are the longest
+        lengths (computed with a host copy of cu_seqlens when not given).
+      block_ids_q, block_ids_k: (B, S) int32 (or (total,) when varlen), non-decreasing: key j is
+        visible to query i iff block_ids_k[j] <= block_ids_q[i] (block-causal, prefix-LM).
+      segment_ids_q, segment_ids_k: the same shapes, non-decreasing: visible iff equal (documents).
+      A query that sees no key gets out = 0, lse = -inf and zero gradients.
+      validate=True checks the data of the id/length arrays (non-decreasing ids, lengths within the
+        tensor, well-formed cu_seqlens) with one host copy, which synchronises; it is skipped during
+        CUDA-graph capture. Pass validate=False in hot loops once the inputs are known to be good.
+"""
+
+
+def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, validate: bool = True, **mask_args):
     """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library."""
-    Q, K, V, s = _inputs(q, k, v)
-    B, Sq, Sk, H, Hkv, D = s["B"], s["Sq"], s["Sk"], s["H"], s["Hkv"], s["D"]
+    masks.check_names(mask_args, "forward")
+    Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal), validate)
+    H, Hkv, D = s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
-    if B * Sq * H == 0 or Sk == 0:
+    if m.B * m.Sq * H == 0 or m.Sk == 0:
         # Defined results without a launch: nothing to attend to gives out = 0, lse = -inf.
-        return interop.full(Q, (B, Sq, H, D), 0.0), interop.full(Q, (B, H, Sq), -math.inf, float32=True)
-    out, O = interop.empty_like_layout(Q, (B, Sq, H, D))
-    lse = interop.empty(Q, (B, H, Sq), float32=True)
+        return interop.full(Q, Q.shape, 0.0), interop.full(Q, m.lse_shape(H), -math.inf, float32=True)
+    if m.varlen:  # rows outside every sequence are not written by the kernel: zeros, lse -inf
+        out, lse = interop.full(Q, Q.shape, 0.0), interop.full(Q, m.lse_shape(H), -math.inf, float32=True)
+        O = _as_batch(interop.describe(out, "out"))
+    else:
+        out, O = interop.empty_like_layout(Q, Q.shape)
+        lse = interop.empty(Q, m.lse_shape(H), float32=True)
 
     dev = launch.device(Q.device)
-    spec = launch.pick("fwd", D, Q.dtype, bool(causal), dev)
-    p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, lse=interop.data_ptr(lse), B=B, H=H, Hkv=Hkv, Sq=Sq, Sk=Sk,
-             scale_log2=scale * _LOG2E)
-    _tensor_fields(p, q=Q, k=K, v=V, o=O)
-    launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk), params.pack(params.FWD, p), interop.stream(Q))
+    spec = launch.pick("fwd", D, Q.dtype, m.causal, dev, m.bits)
+    p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, lse=interop.data_ptr(lse), H=H, Hkv=Hkv, scale_log2=scale * _LOG2E,
+             **m.kernel_fields(H))
+    _tensor_fields(p, q=Q4, k=K4, v=V4, o=O)
+    launch.launch(spec, dev, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), params.pack(params.FWD, p),
+                  interop.stream(Q))
     return out, lse
 
 
+forward.__doc__ += MASK_DOC
 IMPLS = ("auto", "split", "fused")
 
 
@@ -134,10 +184,11 @@ def _check_impl(impl: str) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-             impl: str = "auto", deterministic: bool = True):
+def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | None = None, impl: str = "auto",
+             deterministic: bool = True, validate: bool = True, **mask_args):
     """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v).
 
+    Pass the same mask arguments as to forward.
     impl="split": a dQ kernel over query tiles and a dK/dV kernel over key tiles, no atomics.
     impl="fused": one kernel over key tiles that also adds dQ up in an fp32 buffer with
     atomics (5 matmuls instead of 7). With deterministic=True the key tiles add in a fixed
@@ -147,37 +198,46 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     identical inputs, run after run and process after process, for every impl.
     """
     _check_impl(impl)
-    Q, K, V, s = _inputs(q, k, v)
-    B, Sq, Sk, H, Hkv, D = s["B"], s["Sq"], s["Sk"], s["H"], s["Hkv"], s["D"]
+    masks.check_names(mask_args, "backward")
+    Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal), validate)
+    H, Hkv, D = s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
     dO, O, L = interop.describe(dout, "dout"), interop.describe(out, "out"), interop.describe(lse, "lse")
-    _check_grad_inputs(Q, dO, O, L)
+    _check_grad_inputs(Q, dO, O, L, m.lse_shape(H))
+    if impl == "fused" and deterministic and not m.ordered_dq_ok:
+        raise ValueError("impl='fused' with deterministic=True cannot order its dQ additions under segment_ids "
+                         "masks; use impl='split' (or 'auto'), or deterministic=False")
 
-    if B * Sq * H == 0 or Sk == 0:
+    if m.B * m.Sq * H == 0 or m.Sk == 0:
         return (interop.full(Q, Q.shape, 0.0), interop.full(Q, K.shape, 0.0), interop.full(Q, K.shape, 0.0))
-    (dq, dQ), (dk, dK), (dv, dV) = (interop.empty_like_layout(Q, shape) for shape in (Q.shape, K.shape, K.shape))
-    lse2, delta = interop.empty(Q, (B, H, Sq), float32=True), interop.empty(Q, (B, H, Sq), float32=True)
+    if m.varlen:  # rows outside every sequence are not written by the kernels
+        dq, dk, dv = (interop.full(Q, shape, 0.0) for shape in (Q.shape, K.shape, K.shape))
+        dQ, dK, dV = (_as_batch(interop.describe(x, n)) for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
+    else:
+        (dq, dQ), (dk, dK), (dv, dV) = (interop.empty_like_layout(Q, shape) for shape in (Q.shape, K.shape, K.shape))
+    lse2, delta = (interop.empty(Q, m.lse_shape(H), float32=True) for _ in range(2))
 
     p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, dout=dO.ptr, lse=L.ptr, dq=dQ.ptr, dk=dK.ptr, dv=dV.ptr,
-             lse2=interop.data_ptr(lse2), delta=interop.data_ptr(delta), B=B, H=H, Hkv=Hkv, Sq=Sq, Sk=Sk,
-             scale_log2=scale * _LOG2E, scale=scale)
-    _tensor_fields(p, q=Q, k=K, v=V, o=O, do=dO, dq=dQ, dk=dK, dv=dV)
+             lse2=interop.data_ptr(lse2), delta=interop.data_ptr(delta), H=H, Hkv=Hkv,
+             scale_log2=scale * _LOG2E, scale=scale, **m.kernel_fields(H))
+    _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=_as_batch(dO), dq=dQ, dk=dK, dv=dV)
 
     dev = launch.device(Q.device)
     stream = interop.stream(Q)
     if impl == "auto":
-        impl = tiles.backward_impl(D, bool(deterministic))
-    main = launch.pick("bwd_fused" if impl == "fused" else "bwd_dkdv", D, Q.dtype, bool(causal), dev)
-    splits = launch.dkdv_splits(main, B, H, Hkv, Sq, Sk, dev.sm_count)
+        impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok)
+    main = launch.pick("bwd_fused" if impl == "fused" else "bwd_dkdv", D, Q.dtype, m.causal, dev, m.bits)
+    # Varlen: one split (a block past its sequence's end has no partials to write).
+    splits = 1 if m.varlen else launch.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
     if splits > 1:
-        partial = interop.empty(Q, (2 * splits * B * Hkv * Sk * D,), float32=True)
+        partial = interop.empty(Q, (2 * splits * m.B * Hkv * m.Sk * D,), float32=True)
         p["dkv_partial"] = interop.data_ptr(partial)
     if impl == "fused":
-        dq_accum = interop.empty(Q, (B, H, Sq, D), float32=True)  # zeroed by bwd_preprocess
+        dq_accum = interop.empty(Q, (m.total_q * H * D,), float32=True)  # zeroed by bwd_preprocess
         p["dq_accum"] = interop.data_ptr(dq_accum)
         if deterministic:
-            sem = interop.full(Q, (B, H, -(-Sq // main.block_m)), 0, int32=True)
+            sem = interop.full(Q, (m.B, H, -(-m.Sq // main.block_m)), 0, int32=True)
             p["dq_sem"] = interop.data_ptr(sem)
         families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
     else:
@@ -185,7 +245,13 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     if splits > 1:
         families.append("bwd_dkdv_reduce")
     args = params.pack(params.BWD, p)
+    rowwise = m.elementwise_fields(H)
+    rowwise_args = params.pack(params.BWD, {**p, **rowwise}) if rowwise else args
     for family in families:
-        spec = launch.pick(family, D, Q.dtype, bool(causal), dev)
-        launch.launch(spec, dev, launch.grid(spec, B, H, Hkv, Sq, Sk, dev.sm_count, splits), args, stream)
+        spec = launch.pick(family, D, Q.dtype, m.causal, dev, m.bits)
+        if family in ELEMENTWISE:
+            dims = (rowwise.get("B", m.B), H, Hkv, rowwise.get("Sq", m.Sq), rowwise.get("Sk", m.Sk))
+            launch.launch(spec, dev, launch.grid(spec, *dims, dev.sm_count, splits), rowwise_args, stream)
+        else:
+            launch.launch(spec, dev, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, splits), args, stream)
     return dq, dk, dv

@@ -68,6 +68,14 @@ def data_ptr(x) -> int:
     return x.data_ptr() if type(x).__module__.startswith("torch") else x.data.ptr
 
 
+def to_numpy(a: Array):
+    """A host copy of a small array (synchronises with the device)."""
+    if a.lib == "torch":
+        return a.obj.detach().cpu().numpy()
+    import cupy
+    return cupy.asnumpy(a.obj)
+
+
 def empty_like_layout(like: Array, shape: tuple[int, ...]) -> tuple[object, Array]:
     """A new contiguous array of like's dtype, with its descriptor built without querying it."""
     out = empty(like, shape)

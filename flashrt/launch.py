@@ -60,8 +60,8 @@ def device(index: int) -> Device:
 
 
 @lru_cache(maxsize=None)
-def pick(family: str, head_dim: int, dtype: str, causal: bool, dev: Device) -> KernelSpec:
-    return tiles.pick_nw(family, head_dim, dtype, causal, dev.arch, dev.smem_optin)
+def pick(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0) -> KernelSpec:
+    return tiles.pick_nw(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask)
 
 
 # ---------------------------------------------------------------------------

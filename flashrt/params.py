@@ -18,10 +18,16 @@ def _strides(*tensors: str) -> list[tuple[str, type]]:
     return [(f"{t}_{axis}", _I64) for t in tensors for axis in ("sb", "ss", "sh")]
 
 
+# kernels_cu/mask.cuh's run-time inputs, in both structs.
+_MASK_PTRS = [(n, _PTR) for n in ("seqlens_q", "seqlens_k", "cu_q", "cu_k", "block_q", "block_k", "seg_q", "seg_k")]
+_STATS = [("st_sb", _I64), ("st_sh", _I64)]
+_DIMS = [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk", "win_left", "win_right", "top_left")]
+
 FWD = np.dtype(
     [(n, _PTR) for n in ("q", "k", "v", "o", "lse")]
+    + _MASK_PTRS
     + _strides("q", "k", "v", "o")
-    + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk")]
+    + _STATS + _DIMS
     + [("scale_log2", _F32)],
     align=True,
 )
@@ -30,8 +36,9 @@ BWD = np.dtype(
     [(n, _PTR) for n in ("q", "k", "v", "o", "dout", "lse", "lse2", "delta", "dq", "dk", "dv", "dkv_partial",
                         "dq_accum", "dq_sem")]
     + [("splits", _I32)]
+    + _MASK_PTRS
     + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
-    + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk")]
+    + _STATS + _DIMS
     + [("scale_log2", _F32), ("scale", _F32)],
     align=True,
 )

@@ -29,6 +29,9 @@ ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
 # Key-parallel families (bwd_dkdv.cu): grid over key tiles, warp layouts per phase.
 KEY_PARALLEL = ("bwd_dkdv", "bwd_fused")
 DTYPES = ("bf16", "fp16")
+# Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
+MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8}
+_MASK_TAGS = {1: "len", 2: "win", 4: "blk", 8: "seg"}
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
 HEAD_DIMS = tuple(range(8, 257, 8))
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -66,6 +69,7 @@ class KernelSpec:
     warps: int
     causal: bool
     arch: str
+    mask: int = 0  # MASK_BITS of the mask features compiled in (0 for ELEMENTWISE families)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -76,6 +80,8 @@ class KernelSpec:
             raise ValueError(f"head_dim must be a multiple of 8 in [8, 256], got {self.head_dim}")
         if not ARCH_RE.fullmatch(self.arch):
             raise ValueError(f"arch must look like sm_80 or sm_90a, got {self.arch!r}")
+        if self.mask & ~sum(MASK_BITS.values()) or (self.mask and self.family in ELEMENTWISE):
+            raise ValueError(f"mask bits {self.mask} are not valid for {self.family} (MASK_BITS: {MASK_BITS})")
         problem = self.layout_problem()
         if problem:
             raise ValueError(f"invalid tiling for {self.name}: {problem}")
@@ -86,6 +92,7 @@ class KernelSpec:
         if self.family in ELEMENTWISE:
             return f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_w{self.warps}_{self.arch}"
         mask = "causal" if self.causal else "full"
+        mask += "".join(f"_{tag}" for bit, tag in _MASK_TAGS.items() if self.mask & bit)
         return (f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_{mask}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}_{self.arch}")
 
@@ -141,6 +148,7 @@ class KernelSpec:
             "FRT_BF16": int(self.dtype == "bf16"),
             "FRT_CAUSAL": int(self.causal),
             "FRT_SMEM_BYTES": self.smem_bytes,
+            "FRT_MASK": self.mask,
             **FAMILIES[self.family][2],
         }
         return [*NVRTC_OPTIONS, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in defines.items())]

@@ -67,12 +67,18 @@ def candidates(family: str, head_dim: int) -> list[tuple[int, int, int]]:
     raise ValueError(f"head_dim must be at most 256, got {head_dim}")
 
 
-def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int) -> KernelSpec:
-    """Tiles and warps for one kernel: the first preferred tiling that fits `smem_limit` bytes."""
+def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int,
+            mask: int = 0) -> KernelSpec:
+    """Tiles and warps for one kernel: the first preferred tiling that fits `smem_limit` bytes.
+
+    `mask` (spec.MASK_BITS) does not change the tiling: masked variants share the dense ones' tiles.
+    """
+    elementwise = family in ELEMENTWISE
     tried = []
     for bm, bn, nw in candidates(family, head_dim):
         try:
-            spec = KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and family not in ELEMENTWISE, arch)
+            spec = KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise, arch,
+                              0 if elementwise else mask)
         except ValueError as exc:  # this tiling does not divide this head_dim; try the next
             tried.append(str(exc))
             continue
@@ -83,7 +89,7 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
                       f"{smem_limit} bytes per block; required: " + ", ".join(tried))
 
 
-def backward_impl(head_dim: int, deterministic: bool) -> str:
+def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True) -> str:
     """The faster backward for a head_dim: "fused" or "split" (flashrt.backward's impl="auto").
 
     Measured on the H100 (docs/perf-notes.md: scripts/tune.py and scripts/kernel_times.py):
@@ -91,7 +97,10 @@ def backward_impl(head_dim: int, deterministic: bool) -> str:
     128; at 256 its dQ atomics (64-key tiles, the most the dK/dV registers allow) cost what
     the recomputation saves. Ordered (deterministic), the key tiles' wait for each other
     costs 15-22%, which leaves fused ahead only where its lead was largest, head_dim 65-128.
+    `ordered_ok`: whether the mask lets the fused kernel order its dQ additions (masks.Masking).
     """
     if deterministic:
+        if not ordered_ok:
+            return "split"
         return "fused" if 64 < head_dim <= 128 else "split"
     return "fused" if head_dim <= 128 else "split"

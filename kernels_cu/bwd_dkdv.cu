@@ -63,6 +63,7 @@ template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
 struct DkdvTraits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_, FUSED = FRT_FUSED_DQ;
+    static constexpr int MASK = FRT_MASK;
     static constexpr int DP = round_up(D, 16);
     static constexpr int NTHREADS = NW * 32;
     static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
@@ -102,12 +103,15 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const int n_block = blockIdx.x, hk = blockIdx.y % p.Hkv, split = blockIdx.y / p.Hkv, b = blockIdx.z;
     const int group = p.H / p.Hkv;
     const int n0 = n_block * BN;
-    const int rows_k = min(BN, p.Sk - n0);
-    const int shift = causal_offset(p.Sq, p.Sk);
+    const Visibility<T::CAUSAL, T::MASK> vis(p, b);
+    const int rows_k = min(BN, vis.Ek - n0);
+    if (rows_k <= 0) return;  // past a packed sequence's end (the launcher uses one split when varlen)
 
-    // Query tiles that can see this key tile: query i sees key j iff j <= i + shift.
-    const int m_first = T::CAUSAL ? max(0, n0 - shift) / BM : 0;
-    const int m_count = ceil_div(p.Sq, BM) - m_first;
+    // Query tiles that can see this key tile.
+    int q_lo, q_hi;
+    vis.query_span(n0, BN, q_lo, q_hi, tid, T::NTHREADS);
+    const int m_first = q_lo / BM;
+    const int m_count = q_hi > q_lo ? ceil_div(q_hi, BM) - m_first : 0;
     const int n_pairs = m_count > 0 ? group * m_count : 0;
     const int chunk = ceil_div(n_pairs, p.splits);
     const int it_begin = min(n_pairs, split * chunk), it_end = min(n_pairs, it_begin + chunk);
@@ -124,12 +128,13 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     auto load_q = [&](int it, int stage) {
         const int h = pair_head(it);
         const int m0 = pair_tile(it) * BM;
-        const int rows = min(BM, p.Sq - m0);
+        const int rows = min(BM, vis.Eq - m0);
+        const i64 row0 = vis.q_row0 + m0;
         const u32 sQ = sQdO + stage * T::SMEM_QDO_STAGE;
-        load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + (i64)m0 * p.q_ss + h * p.q_sh, p.q_ss, rows, tid);
-        load_tile<BM, T::D, T::NTHREADS>(sQ + BM * LD, p.dout + b * p.do_sb + (i64)m0 * p.do_ss + h * p.do_sh,
+        load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + row0 * p.q_ss + h * p.q_sh, p.q_ss, rows, tid);
+        load_tile<BM, T::D, T::NTHREADS>(sQ + BM * LD, p.dout + b * p.do_sb + row0 * p.do_ss + h * p.do_sh,
                                          p.do_ss, rows, tid);
-        const i64 stat0 = ((i64)b * p.H + h) * p.Sq + m0;
+        const i64 stat0 = (i64)b * p.st_sb + (i64)h * p.st_sh + row0;
         const u32 st = smem_u32(s_stat + stage * 2 * BM);
         for (int r = tid; r < BM; r += T::NTHREADS) {
             cp_async4(st + r * 4, p.lse2 + stat0 + (r < rows ? r : 0), r < rows);
@@ -137,8 +142,9 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         }
     };
 
-    load_tile<BN, T::D, T::NTHREADS>(sK, p.k + b * p.k_sb + (i64)n0 * p.k_ss + hk * p.k_sh, p.k_ss, rows_k, tid);
-    load_tile<BN, T::D, T::NTHREADS>(sV, p.v + b * p.v_sb + (i64)n0 * p.v_ss + hk * p.v_sh, p.v_ss, rows_k, tid);
+    const i64 krow0 = vis.k_row0 + n0;
+    load_tile<BN, T::D, T::NTHREADS>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, rows_k, tid);
+    load_tile<BN, T::D, T::NTHREADS>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, rows_k, tid);
     if (it_begin < it_end) load_q(it_begin, 0);
     cp_async_commit();
 
@@ -167,7 +173,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK>(s, sK + krow1 * LD, LD, sQ + qcol1 * LD, LD, lane);
         gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK>(dp, sV + krow1 * LD, LD, sdO + qcol1 * LD, LD, lane);
 
-        const bool need_mask = m0 + BM > p.Sq || n0 + BN > p.Sk || (T::CAUSAL && n0 + BN - 1 > m0 + shift);
+        const bool need_mask = !vis.all_visible(m0, BM, n0, BN);
         u16* p_tile = reinterpret_cast<u16*>(smem + (sP - sK));
         u16* ds_tile = reinterpret_cast<u16*>(smem + (sdS - sK));
 #pragma unroll
@@ -180,8 +186,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                     const int qc = qcol1 + nt * 8 + 2 * t + (c & 1);     // query column within the tile
                     float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -s_lse2[qc]));
                     if (need_mask) {
-                        const int key = n0 + kr, query = m0 + qc;
-                        if (query >= p.Sq || hidden<T::CAUSAL>(query, key, p.Sk, shift)) pr = 0.f;
+                        if (!vis.visible(m0 + qc, n0 + kr)) pr = 0.f;
                     }
                     s[mt][nt][c] = pr;
                     dp[mt][nt][c] = pr * (dp[mt][nt][c] - s_delta[qc]);
@@ -195,8 +200,10 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         if constexpr (T::FUSED) {
             // dQ_pair = dS K: A = dS^T read transposed from shared memory, B = K.
             const int h = pair_head(it);
-            float* dq_rows = p.dq_accum + (((i64)b * p.H + h) * p.Sq + m0) * T::D;
+            float* dq_rows = p.dq_accum + ((i64)b * p.st_sb + (i64)h * p.st_sh + vis.q_row0 + m0) * T::D;
             int* sem = p.dq_sem ? p.dq_sem + ((i64)b * p.H + h) * ceil_div(p.Sq, BM) + pair_tile(it) : nullptr;
+            // Key tiles add into a query tile in order, counted from the first that visits it.
+            const int turn = sem ? n_block - vis.first_key_tile_of(pair_tile(it), BM, BN) : 0;
 #pragma unroll 1
             for (int pass = 0; pass < T::NT3 / T::NQ; ++pass) {
                 const int col0 = dcol3 + pass * T::NQ * 8;
@@ -206,18 +213,18 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                                                                     lane);
                 if (sem && pass == 0) {  // wait for the key tiles before this one (after the first GEMM)
                     if (tid == 0)
-                        while (ld_acquire(sem) != n_block) {
+                        while (ld_acquire(sem) != turn) {
                         }
                     __syncthreads();
                 }
-                acc_red_add<T::MT3, T::NQ>(dq_rows + (i64)qrow3 * T::D + col0, T::D, dq, p.Sq - m0 - qrow3,
+                acc_red_add<T::MT3, T::NQ>(dq_rows + (i64)qrow3 * T::D + col0, T::D, dq, vis.Eq - m0 - qrow3,
                                            T::D - col0, lane);
             }
             if (sem) {
                 // The barrier orders every thread's adds before thread 0's release (release is
                 // cumulative), so only thread 0 waits for them to be performed.
                 __syncthreads();
-                if (tid == 0) st_release(sem, n_block + 1);
+                if (tid == 0) st_release(sem, turn + 1);
             }
         }
     }
@@ -250,9 +257,9 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     acc_to_smem<T::BF16, MT2, NT2>(sdk + krow2 * Pitch<DP>::elems + dcol2, Pitch<DP>::elems, dk, p.scale, lane);
     acc_to_smem<T::BF16, MT2, NT2>(sdv + krow2 * Pitch<DP>::elems + dcol2, Pitch<DP>::elems, dv, 1.f, lane);
     __syncthreads();
-    store_tile<BN, T::D, T::NTHREADS>(p.dk + b * p.dk_sb + (i64)n0 * p.dk_ss + hk * p.dk_sh, p.dk_ss, sdk, rows_k,
+    store_tile<BN, T::D, T::NTHREADS>(p.dk + b * p.dk_sb + krow0 * p.dk_ss + hk * p.dk_sh, p.dk_ss, sdk, rows_k,
                                       tid);
-    store_tile<BN, T::D, T::NTHREADS>(p.dv + b * p.dv_sb + (i64)n0 * p.dv_ss + hk * p.dv_sh, p.dv_ss, sdv, rows_k,
+    store_tile<BN, T::D, T::NTHREADS>(p.dv + b * p.dv_sb + krow0 * p.dv_ss + hk * p.dv_sh, p.dv_ss, sdv, rows_k,
                                       tid);
 }
 

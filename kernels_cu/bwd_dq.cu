@@ -22,21 +22,25 @@ __device__ void bwd_dq(const BwdParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const QueryTile<BM, BN, T::CAUSAL> tile(p);
-    const int n_blocks = tile.n_blocks, m0 = tile.m0, h = tile.h, b = tile.b;
+    const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, T::NTHREADS);
+    if (tile.rows <= 0) return;
+    const int m0 = tile.m0, h = tile.h, b = tile.b;
 
     const u32 sQ = smem_u32(smem), sdO = sQ + T::SMEM_Q;
     const u32 sKV = sdO + T::SMEM_Q;
     const int wrow = warp * MT * 16;
 
-    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + (i64)m0 * p.q_ss + h * p.q_sh, p.q_ss, tile.rows, tid);
-    load_tile<BM, T::D, T::NTHREADS>(sdO, p.dout + b * p.do_sb + (i64)m0 * p.do_ss + h * p.do_sh, p.do_ss,
+    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.rows, tid);
+    load_tile<BM, T::D, T::NTHREADS>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss,
                                      tile.rows, tid);
-    if (n_blocks > 0) load_kv_tile<BN, T::D, T::NTHREADS>(sKV, p, b, tile.hk, 0, tid);
+    auto load_kv = [&](u32 stage, int j) {
+        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, b, tile.hk, tile.vis.k_row0, tile.vis.Ek, j, tid);
+    };
+    if (tile.n_end > tile.n_first) load_kv(sKV, tile.n_first);
     cp_async_commit();
 
     // Per-row statistics of the two rows each thread holds per m-tile.
-    const i64 stat0 = ((i64)b * p.H + h) * p.Sq + m0;
+    const i64 stat0 = tile.stat0;
     float lse2[MT][2], delta[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -49,12 +53,11 @@ __device__ void bwd_dq(const BwdParams& p) {
 
     float dq[MT][NT_D][4];
     zero(dq);
-    for (int j = 0; j < n_blocks; ++j) {
-        const int n0 = j * BN, stage = j & 1;
+    for (int j = tile.n_first; j < tile.n_end; ++j) {
+        const int n0 = j * BN, stage = (j - tile.n_first) & 1;
         cp_async_wait<0>();
         __syncthreads();
-        if (j + 1 < n_blocks)
-            load_kv_tile<BN, T::D, T::NTHREADS>(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, p, b, tile.hk, j + 1, tid);
+        if (j + 1 < tile.n_end) load_kv(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, j + 1);
         cp_async_commit();
         const u32 sK = sKV + stage * T::SMEM_KV_STAGE, sV = sK + BN * LD;
 
@@ -65,7 +68,7 @@ __device__ void bwd_dq(const BwdParams& p) {
         zero(dp);
         gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(dp, sdO + wrow * LD, LD, sV, LD, lane);
 
-        const bool need_mask = tile.needs_mask(j, p.Sk);
+        const bool need_mask = tile.needs_mask(j);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -77,7 +80,7 @@ __device__ void bwd_dq(const BwdParams& p) {
                     if (need_mask) {
                         const int row = m0 + wrow + mt * 16 + g + 8 * hh;
                         const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (hidden<T::CAUSAL>(row, col, p.Sk, tile.shift)) pr = 0.f;
+                        if (!tile.vis.visible(row, col)) pr = 0.f;
                     }
                     s[mt][nt][c] = pr * (dp[mt][nt][c] - delta[mt][hh]);  // dS
                 }
@@ -91,7 +94,8 @@ __device__ void bwd_dq(const BwdParams& p) {
     u16* sO = reinterpret_cast<u16*>(smem);
     acc_to_smem<T::BF16, MT, NT_D>(sO + wrow * Pitch<DP>::elems, Pitch<DP>::elems, dq, p.scale, lane);
     __syncthreads();
-    store_tile<BM, T::D, T::NTHREADS>(p.dq + b * p.dq_sb + (i64)m0 * p.dq_ss + h * p.dq_sh, p.dq_ss, sO, tile.rows, tid);
+    store_tile<BM, T::D, T::NTHREADS>(p.dq + b * p.dq_sb + tile.row0 * p.dq_ss + h * p.dq_sh, p.dq_ss, sO, tile.rows,
+                                      tid);
 }
 
 }  // namespace frt

@@ -25,16 +25,20 @@ __device__ void fwd(const FwdParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const QueryTile<BM, BN, T::CAUSAL> tile(p);
-    const int n_blocks = tile.n_blocks;
+    const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, T::NTHREADS);
+    if (tile.rows <= 0) return;
+    const int n_blocks = tile.n_end - tile.n_first;
 
     const u32 sQ = smem_u32(smem);
     const u32 sKV = sQ + T::SMEM_Q;  // stage s: K at sKV + s*STAGE, V right after K
     const int wrow = warp * MT * 16;
 
-    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + tile.b * p.q_sb + (i64)tile.m0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
+    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
                                      tile.rows, tid);
-    if (n_blocks > 0) load_kv_tile<BN, T::D, T::NTHREADS>(sKV, p, tile.b, tile.hk, n_blocks - 1, tid);
+    auto load_kv = [&](u32 stage, int j) {
+        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, tile.b, tile.hk, tile.vis.k_row0, tile.vis.Ek, j, tid);
+    };
+    if (n_blocks > 0) load_kv(sKV, tile.n_end - 1);
     cp_async_commit();
 
     float o[MT][NT_O][4];
@@ -49,12 +53,12 @@ __device__ void fwd(const FwdParams& p) {
     // Key blocks are visited last to first so that the blocks needing a mask
     // (the ragged tail and the causal diagonal) come first.
     for (int it = 0; it < n_blocks; ++it) {
-        const int j = n_blocks - 1 - it, stage = it & 1;
+        const int j = tile.n_end - 1 - it, stage = it & 1;
         const int n0 = j * BN;
         cp_async_wait<0>();
         __syncthreads();
         if (it + 1 < n_blocks)
-            load_kv_tile<BN, T::D, T::NTHREADS>(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, p, tile.b, tile.hk, j - 1, tid);
+            load_kv(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, j - 1);
         cp_async_commit();
 
         const u32 sK = sKV + stage * T::SMEM_KV_STAGE, sV = sK + BN * LD;
@@ -72,7 +76,7 @@ __device__ void fwd(const FwdParams& p) {
             gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(s, sQ + wrow * LD, LD, sK, LD, lane);
         }
 
-        if (tile.needs_mask(j, p.Sk)) {
+        if (tile.needs_mask(j)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -81,7 +85,7 @@ __device__ void fwd(const FwdParams& p) {
                     for (int c = 0; c < 4; ++c) {
                         const int row = tile.m0 + wrow + mt * 16 + g + 8 * (c >> 1);
                         const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (hidden<T::CAUSAL>(row, col, p.Sk, tile.shift)) s[mt][nt][c] = -FRT_INF;
+                        if (!tile.vis.visible(row, col)) s[mt][nt][c] = -FRT_INF;
                     }
         }
 
@@ -117,7 +121,7 @@ __device__ void fwd(const FwdParams& p) {
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with sQ; it now stages the output
 
-    float* glse = p.lse + ((i64)tile.b * p.H + tile.h) * p.Sq + tile.m0;
+    float* glse = p.lse + tile.stat0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -132,7 +136,7 @@ __device__ void fwd(const FwdParams& p) {
     u16* sO = reinterpret_cast<u16*>(smem);
     acc_to_smem<T::BF16, MT, NT_O>(sO + wrow * Pitch<DP>::elems, Pitch<DP>::elems, o, 1.f, lane);
     __syncthreads();
-    store_tile<BM, T::D, T::NTHREADS>(p.o + tile.b * p.o_sb + (i64)tile.m0 * p.o_ss + tile.h * p.o_sh, p.o_ss, sO,
+    store_tile<BM, T::D, T::NTHREADS>(p.o + tile.b * p.o_sb + tile.row0 * p.o_ss + tile.h * p.o_sh, p.o_ss, sO,
                                       tile.rows, tid);
 }
 

@@ -3,10 +3,11 @@
 // and a CPU test compares the field lists, so the two sides cannot drift apart.
 //
 // Tensors are (batch, seq, heads, head_dim) with arbitrary strides in elements
-// for the first three axes and a contiguous last axis. lse/lse2/delta are
-// contiguous fp32 (batch, heads, seq_q).
+// for the first three axes and a contiguous last axis (packed varlen: batch
+// stride 0, each sequence's rows start at cu_q[b] / cu_k[b]). lse/lse2/delta
+// are contiguous fp32 (batch, heads, seq_q), or (heads, total_q) when varlen.
 #pragma once
-#include "common.cuh"
+#include "mask.cuh"
 
 namespace frt {
 
@@ -16,11 +17,23 @@ struct FwdParams {
     const u16* v;
     u16* o;
     float* lse;
+    // Masks (kernels_cu/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
+    // offsets, (B, S) or packed (total,) non-decreasing ids.
+    const int* seqlens_q;
+    const int* seqlens_k;
+    const int* cu_q;
+    const int* cu_k;
+    const int* block_q;
+    const int* block_k;
+    const int* seg_q;
+    const int* seg_k;
     i64 q_sb, q_ss, q_sh;
     i64 k_sb, k_ss, k_sh;
     i64 v_sb, v_ss, v_sh;
     i64 o_sb, o_ss, o_sh;
-    int B, H, Hkv, Sq, Sk;
+    i64 st_sb, st_sh;  // lse of (b, h, row): b * st_sb + h * st_sh + row
+    int B, H, Hkv, Sq, Sk;  // Sq, Sk: the longest sequences when varlen
+    int win_left, win_right, top_left;
     float scale_log2;  // softmax_scale * log2(e)
 };
 
@@ -40,6 +53,16 @@ struct BwdParams {
     float* dq_accum;     // fused backward: fp32 (B, H, Sq, D) unscaled dQ, zeroed by bwd_preprocess
     int* dq_sem;         // fused + deterministic: (B, H, ceil(Sq/BM)) key tiles added so far, zeroed
     int splits;          // blocks that share one key tile's (query head, query tile) pairs
+    // Masks (kernels_cu/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
+    // offsets, (B, S) or packed (total,) non-decreasing ids.
+    const int* seqlens_q;
+    const int* seqlens_k;
+    const int* cu_q;
+    const int* cu_k;
+    const int* block_q;
+    const int* block_k;
+    const int* seg_q;
+    const int* seg_k;
     i64 q_sb, q_ss, q_sh;
     i64 k_sb, k_ss, k_sh;
     i64 v_sb, v_ss, v_sh;
@@ -48,7 +71,9 @@ struct BwdParams {
     i64 dq_sb, dq_ss, dq_sh;
     i64 dk_sb, dk_ss, dk_sh;
     i64 dv_sb, dv_ss, dv_sh;
+    i64 st_sb, st_sh;  // lse / lse2 / delta of (b, h, row), and dq_accum's row: b * st_sb + h * st_sh + row
     int B, H, Hkv, Sq, Sk;
+    int win_left, win_right, top_left;
     float scale_log2;
     float scale;
 };
@@ -57,16 +82,6 @@ struct BwdParams {
 // Problem geometry shared by the kernel families.
 // ---------------------------------------------------------------------------
 
-// Causal masking is aligned to the bottom-right corner of the (Sq, Sk) score
-// matrix, as in FlashAttention >= 2.1: query i sees key j iff j <= i + Sk - Sq.
-FRT_DEVICE int causal_offset(int Sq, int Sk) { return Sk - Sq; }
-
-// Whether key `key` is hidden from query `query` (past the end, or in the causal future).
-template <bool CAUSAL>
-FRT_DEVICE bool hidden(int query, int key, int Sk, int shift) {
-    return key >= Sk || (CAUSAL && key > query + shift);
-}
-
 // Compile-time shape of an elementwise kernel (bwd_preprocess, bwd_dkdv_reduce):
 // grid-stride over rows or 8-element chunks. Block sizes and the mask mode do
 // not apply; they are accepted so that every family instantiates through FRT_ENTRY.
@@ -74,6 +89,7 @@ template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
 struct ElementwiseTraits {
     static constexpr int D = D_, NW = NW_;
     static constexpr bool BF16 = BF16_;
+    static constexpr int MASK = 0;
     static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
     static constexpr int SMEM = 0;
 };
@@ -84,6 +100,7 @@ template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
 struct RowTraits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
+    static constexpr int MASK = FRT_MASK;
     static constexpr int DP = round_up(D, 16);
     static constexpr int NTHREADS = NW * 32;
     static constexpr int MT = BM / (16 * NW);
@@ -96,40 +113,43 @@ struct RowTraits {
 };
 
 // The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid
-// (ceil(Sq/BM), H, B)) owns, and the key tiles [0, n_blocks) it can see.
-template <int BM, int BN, bool CAUSAL>
+// (ceil(Sq/BM), H, B)) owns, and the key tiles [n_first, n_end) it can see.
+template <int BM, int BN, bool CAUSAL, int MASK>
 struct QueryTile {
-    int h, b, hk, m0, rows, shift, n_blocks;
+    Visibility<CAUSAL, MASK> vis;
+    int h, b, hk, m0, rows, n_first, n_end;
+    i64 row0;   // the tile's first row on the seq axis of q / out / dout / dq
+    i64 stat0;  // lse / lse2 / delta index of the tile's first row
 
     template <class P>
-    FRT_DEVICE explicit QueryTile(const P& p) {
+    FRT_DEVICE QueryTile(const P& p, int tid, int nthreads) : vis(p, blockIdx.z) {
         // Causal: the last query tiles see the most keys; launch them first.
         const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
         h = blockIdx.y;
         b = blockIdx.z;
         hk = h / (p.H / p.Hkv);
         m0 = m_block * BM;
-        rows = min(BM, p.Sq - m0);
-        shift = causal_offset(p.Sq, p.Sk);
-        const int key_end = CAUSAL ? min(p.Sk, m0 + BM + shift) : p.Sk;
-        n_blocks = key_end > 0 ? ceil_div(key_end, BN) : 0;
+        rows = min(BM, vis.Eq - m0);  // <= 0: past a packed sequence's end, nothing to do
+        row0 = vis.q_row0 + m0;
+        stat0 = (i64)b * p.st_sb + (i64)h * p.st_sh + row0;
+        int lo = 0, hi = 0;
+        if (rows > 0) vis.key_span(m0, BM, lo, hi, tid, nthreads);
+        n_first = lo / BN;
+        n_end = hi > lo ? ceil_div(hi, BN) : n_first;
     }
 
-    // Key tile j holds some (query, key) pair of this tile that `hidden` masks.
-    FRT_DEVICE bool needs_mask(int j, int Sk) const {
-        const int n0 = j * BN;
-        return n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + shift);
-    }
+    // Key tile j holds some (query, key) pair of this tile that is not visible.
+    FRT_DEVICE bool needs_mask(int j) const { return !vis.all_visible(m0, BM, j * BN, BN); }
 };
 
-// Copy key tile j of K and V (KV head hk of batch b) into one pipeline stage:
-// K at sK, V right after it.
+// Copy key tile j of K and V (KV head hk of batch b; the sequence's rows start at
+// k_row0, ek of them are stored) into one pipeline stage: K at sK, V right after it.
 template <int BN, int D, int NTHREADS, class P>
-FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, int j, int tid) {
-    const int n0 = j * BN;
-    load_tile<BN, D, NTHREADS>(sK, p.k + b * p.k_sb + (i64)n0 * p.k_ss + hk * p.k_sh, p.k_ss, p.Sk - n0, tid);
-    load_tile<BN, D, NTHREADS>(sK + BN * Pitch<round_up(D, 16)>::bytes,
-                               p.v + b * p.v_sb + (i64)n0 * p.v_ss + hk * p.v_sh, p.v_ss, p.Sk - n0, tid);
+FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, i64 k_row0, int ek, int j, int tid) {
+    const i64 n0 = k_row0 + j * BN;
+    load_tile<BN, D, NTHREADS>(sK, p.k + b * p.k_sb + n0 * p.k_ss + hk * p.k_sh, p.k_ss, ek - j * BN, tid);
+    load_tile<BN, D, NTHREADS>(sK + BN * Pitch<round_up(D, 16)>::bytes, p.v + b * p.v_sb + n0 * p.v_ss + hk * p.v_sh,
+                               p.v_ss, ek - j * BN, tid);
 }
 
 }  // namespace frt

@@ -19,14 +19,35 @@ CASES = [
     (2, 200, 200, 8, 1, 96, True, torch.bfloat16),  # MQA, small grid: split dK/dV with partials
 ]
 
+
+def ids(*lengths):
+    return torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)]).cuda()
+
+
+def run(q, k, v, causal, **mask):
+    out, lse = flashrt.forward(q, k, v, causal=causal, **mask)
+    do = torch.randn_like(out)
+    flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="split", **mask)
+    flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=False, **mask)
+    if "segment_ids_q" not in mask:
+        flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True, **mask)
+
+
 for B, Sq, Sk, H, Hkv, D, causal, dt in CASES:
     q = torch.randn(B, Sq, H, D, device="cuda", dtype=dt)
     k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
     v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
-    out, lse = flashrt.forward(q, k, v, causal=causal)
-    do = torch.randn_like(out)
-    flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="split")
-    flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=False)
-    flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True)
+    run(q, k, v, causal)
+
+# Masks (kernels_cu/mask.cuh): padding + window + block ids, segments, top-left causal, packed varlen.
+q, k, v = (torch.randn(2, 150, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+run(q, k, v, False, seqlens_q=torch.tensor([150, 33], dtype=torch.int32, device="cuda"),
+    seqlens_k=torch.tensor([0, 140], dtype=torch.int32, device="cuda"), window=(20, 40),
+    block_ids_q=torch.stack([ids(70, 80)] * 2), block_ids_k=torch.stack([ids(100, 50)] * 2))
+run(q, k, v, True, segment_ids_q=torch.stack([ids(70, 80)] * 2), segment_ids_k=torch.stack([ids(30, 120)] * 2))
+run(q[:, :90], k, v, "top_left", window=(-1, 10))
+cu = torch.tensor([0, 50, 51, 150], dtype=torch.int32, device="cuda")
+pq, pk, pv = (x.reshape(300, 2, 64)[:150] for x in (q, k, v))
+run(pq, pk, pv, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=99, max_seqlen_k=99)
 torch.cuda.synchronize()
-print(f"sanitize workload: {len(CASES)} cases ran")
+print(f"sanitize workload: {len(CASES) + 4} cases ran")

@@ -68,8 +68,8 @@ def test_every_bad_backward_input_is_named(name, bad, pattern):
     good = dict(dout=dict(shape=Q), out=dict(shape=Q), lse=dict(shape=(2, 8, 64), dtype="float32"))
     descs = {n: arr(**{**kw, **(bad if n == name else {})}) for n, kw in good.items()}
     with pytest.raises(ValueError, match=pattern):
-        api._check_grad_inputs(arr(Q), descs["dout"], descs["out"], descs["lse"])
-    api._check_grad_inputs(arr(Q), *(arr(**good[n]) for n in ("dout", "out", "lse")))
+        api._check_grad_inputs(arr(Q), descs["dout"], descs["out"], descs["lse"], (2, 8, 64))
+    api._check_grad_inputs(arr(Q), *(arr(**good[n]) for n in ("dout", "out", "lse")), (2, 8, 64))
 
 
 def test_contiguous_and_packed_layouts_pass():

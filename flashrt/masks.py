@@ -1,0 +1,192 @@
+"""Mask and batching arguments of flashrt.forward / backward: checks and kernel fields.
+
+kernels_cu/mask.cuh applies them; flashrt/reference.py: visible() is their
+specification. `Masking.parse` checks every argument (a clear error naming it),
+and `Masking` carries what the launcher needs: the compile-time feature bits
+(spec.MASK_BITS), the kernels' run-time fields, and the problem's geometry
+(for packed varlen: number of sequences, longest lengths, total rows).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import interop
+from .interop import Array
+from .spec import MASK_BITS
+
+CAUSAL_MODES = (False, True, "bottom_right", "top_left")
+# Keyword arguments of forward / backward that are device arrays, and all mask keywords.
+ARRAY_ARGS = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "block_ids_q", "block_ids_k",
+              "segment_ids_q", "segment_ids_k")
+ARGS = ARRAY_ARGS + ("window", "max_seqlen_q", "max_seqlen_k")
+
+
+def check_names(mask_args: dict, fn: str) -> None:
+    for name in mask_args:
+        if name not in ARGS:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r} (mask arguments: {', '.join(ARGS)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Masking:
+    causal: bool
+    bits: int               # spec.MASK_BITS compiled into the kernels
+    fields: dict            # params fields: id / length pointers, window, alignment
+    varlen: bool
+    B: int                  # sequences (varlen: len(cu_seqlens) - 1)
+    Sq: int                 # longest query / key sequence (the grid's extent)
+    Sk: int
+    total_q: int            # rows of q / k (varlen), else B * Sq / B * Sk
+    total_k: int
+    arrays: tuple = ()      # the id / length arrays, kept alive for the launch
+
+    @property
+    def ordered_dq_ok(self) -> bool:
+        """The fused backward can add dQ in a fixed order (kernels_cu/mask.cuh: first_key_tile_of)."""
+        return not self.bits & MASK_BITS["segments"]
+
+    def stat_strides(self, H: int) -> dict:
+        """lse (and delta, dq_accum rows) layout: (B, H, Sq), or (H, total_q) when varlen."""
+        return dict(st_sb=0, st_sh=self.total_q) if self.varlen else dict(st_sb=H * self.Sq, st_sh=self.Sq)
+
+    def lse_shape(self, H: int) -> tuple[int, ...]:
+        return (H, self.total_q) if self.varlen else (self.B, H, self.Sq)
+
+    def kernel_fields(self, H: int) -> dict:
+        """Every params field this masking sets (params.FWD / BWD)."""
+        return {**self.fields, **self.stat_strides(H), "B": self.B, "Sq": self.Sq, "Sk": self.Sk}
+
+    def elementwise_fields(self, H: int) -> dict:
+        """Overrides for the row-wise families (bwd_preprocess, bwd_dq_convert): packed rows are one batch."""
+        return dict(B=1, Sq=self.total_q, Sk=self.total_k, st_sb=0, st_sh=self.total_q) if self.varlen else {}
+
+    @staticmethod
+    def parse(Q: Array, K: Array, *, causal=False, window=None, seqlens_q=None, seqlens_k=None,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_ids_q=None,
+              block_ids_k=None, segment_ids_q=None, segment_ids_k=None, validate: bool = True) -> "Masking":
+        """Q, K: the descriptors of q and k as given ((B, S, H, D), or (total, H, D) when varlen)."""
+        if causal not in CAUSAL_MODES or isinstance(causal, (int, float)) and not isinstance(causal, bool):
+            raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
+        fields: dict = {"top_left": int(causal == "top_left")}
+        bits, arrays, host = 0, [], {}
+        varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+
+        def int_array(x, name, shape):
+            a = interop.describe(x, name)
+            if a.lib != Q.lib or a.device != Q.device:
+                raise ValueError(f"{name} must be a {Q.lib} array on cuda:{Q.device} like q, got {a.lib} on "
+                                 f"{'cuda:%d' % a.device if a.device >= 0 else 'the host'}")
+            if a.dtype != "int32":
+                raise TypeError(f"{name} must be int32, got {a.dtype}: pass {name}.to(torch.int32) / "
+                                f"{name}.astype(cupy.int32)")
+            if a.shape != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+            if a.shape and a.strides[-1] != 1 or len(shape) == 2 and shape[0] > 1 and a.strides[0] != shape[1]:
+                raise ValueError(f"{name} must be contiguous, got strides {a.strides}; pass {name}.contiguous()")
+            arrays.append(x)
+            if validate:
+                host[name] = interop.to_numpy(a)
+            return a.ptr
+
+        if varlen:
+            if cu_seqlens_q is None or cu_seqlens_k is None:
+                raise ValueError("packed varlen needs both cu_seqlens_q and cu_seqlens_k")
+            if seqlens_q is not None or seqlens_k is not None:
+                raise ValueError("pass either cu_seqlens_q/k (packed varlen) or seqlens_q/k (padding), not both")
+            if len(Q.shape) != 3 or len(K.shape) != 3:
+                raise ValueError(f"with cu_seqlens, q, k and v are packed (total_tokens, heads, head_dim); got q "
+                                 f"{Q.shape}, k {K.shape}")
+            total_q, total_k = Q.shape[0], K.shape[0]
+            cu_len = interop.describe(cu_seqlens_q, "cu_seqlens_q").shape
+            if len(cu_len) != 1 or cu_len[0] < 1:
+                raise ValueError(f"cu_seqlens_q must have shape (batch + 1,), got {cu_len}")
+            B = cu_len[0] - 1
+            fields["cu_q"] = int_array(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
+            fields["cu_k"] = int_array(cu_seqlens_k, "cu_seqlens_k", (B + 1,))
+            if validate:
+                for name, total in (("cu_seqlens_q", total_q), ("cu_seqlens_k", total_k)):
+                    cu = host[name]
+                    if cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] > total:
+                        raise ValueError(f"{name} must start at 0, be non-decreasing and end at most at the "
+                                         f"packed length {total}; got {cu.tolist()[:16]}"
+                                         f"{' ...' if len(cu) > 16 else ''}")
+            Sq = _max_len(max_seqlen_q, "max_seqlen_q", host.get("cu_seqlens_q"), cu_seqlens_q)
+            Sk = _max_len(max_seqlen_k, "max_seqlen_k", host.get("cu_seqlens_k"), cu_seqlens_k)
+            q_ids_shape, k_ids_shape = (total_q,), (total_k,)
+            bits |= MASK_BITS["lengths"]
+        else:
+            for a, name in ((Q, "q"), (K, "k")):
+                if len(a.shape) != 4:
+                    raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape "
+                                     f"{a.shape} (packed (total, heads, head_dim) inputs need cu_seqlens_q / "
+                                     f"cu_seqlens_k)")
+            B, Sq, Sk = Q.shape[0], Q.shape[1], K.shape[1]
+            total_q, total_k = B * Sq, B * Sk
+            q_ids_shape, k_ids_shape = (B, Sq), (B, Sk)
+            for x, name, extent, key in ((seqlens_q, "seqlens_q", Sq, "seqlens_q"),
+                                         (seqlens_k, "seqlens_k", Sk, "seqlens_k")):
+                if x is None:
+                    continue
+                fields[key] = int_array(x, name, (B,))
+                bits |= MASK_BITS["lengths"]
+                if validate and ((host[name] < 0) | (host[name] > extent)).any():
+                    raise ValueError(f"{name} must lie in [0, {extent}] (the tensor's seqlen axis), got "
+                                     f"{host[name].tolist()[:16]}")
+
+        if window is not None:
+            try:
+                left, right = (int(w) for w in window)
+            except (TypeError, ValueError):
+                raise ValueError(f"window must be a pair (left, right) of ints, -1 = unbounded; got {window!r}")
+            if left < -1 or right < -1:
+                raise ValueError(f"window sizes must be >= 0, or -1 for unbounded; got {window!r}")
+            if (left, right) != (-1, -1):
+                fields.update(win_left=left, win_right=right)
+                bits |= MASK_BITS["window"]
+
+        for kind, (xq, xk), (fq, fk), bit in (
+                ("block_ids", (block_ids_q, block_ids_k), ("block_q", "block_k"), "block_ids"),
+                ("segment_ids", (segment_ids_q, segment_ids_k), ("seg_q", "seg_k"), "segments")):
+            if xq is None and xk is None:
+                continue
+            if xq is None or xk is None:
+                raise ValueError(f"{kind}_q and {kind}_k go together; got only {kind}_{'q' if xk is None else 'k'}")
+            fields[fq] = int_array(xq, f"{kind}_q", q_ids_shape)
+            fields[fk] = int_array(xk, f"{kind}_k", k_ids_shape)
+            bits |= MASK_BITS[bit]
+            if validate:
+                for name in (f"{kind}_q", f"{kind}_k"):
+                    _check_non_decreasing(host[name], name, host.get("cu_seqlens_" + name[-1]))
+        return Masking(bool(causal), bits, fields, varlen, B, Sq, Sk, total_q, total_k, tuple(arrays))
+
+
+def _max_len(given, name: str, cu_host, cu) -> int:
+    if given is not None:
+        if int(given) < 0:
+            raise ValueError(f"{name} must be >= 0, got {given}")
+        if cu_host is not None and int(given) < int(np.diff(cu_host).max(initial=0)):
+            raise ValueError(f"{name}={given} is below the longest sequence in cu_seqlens "
+                             f"({int(np.diff(cu_host).max())})")
+        return int(given)
+    if cu_host is None:
+        cu_host = interop.to_numpy(interop.describe(cu, name.replace("max_seqlen", "cu_seqlens")))
+    return int(np.diff(cu_host).max(initial=0))
+
+
+def _check_non_decreasing(ids: np.ndarray, name: str, cu: np.ndarray | None) -> None:
+    """Ids must not decrease within a sequence (the kernels skip tiles by binary search)."""
+    if cu is None:
+        bad = np.nonzero((np.diff(ids, axis=-1) < 0).any(axis=-1))[0] if ids.size else []
+        where = f"batch {int(bad[0])}" if len(bad) else None
+    else:
+        where = None
+        for b in range(len(cu) - 1):
+            if (np.diff(ids[cu[b]:cu[b + 1]]) < 0).any():
+                where = f"sequence {b}"
+                break
+    if where is not None:
+        raise ValueError(f"{name} must be non-decreasing along each sequence (key j is visible to query i iff "
+                         f"{'block_ids_k[j] <= block_ids_q[i]' if 'block' in name else 'the ids are equal'}; "
+                         f"flashrt skips tiles by that order); {name} decreases in {where}")

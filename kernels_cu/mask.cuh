@@ -1,0 +1,147 @@
+// Which keys each query sees: per-sequence lengths (padding, packed varlen), causal
+// (bottom-right or top-left aligned), sliding window, block ids, segment ids.
+// flashrt/reference.py: visible() is the specification this file implements.
+//
+// Mask features are compile-time bits (FRT_MASK, flashrt/spec.py: MASK_BITS), so the
+// plain kernels carry none of this code; their run-time parameters are fields of
+// FwdParams / BwdParams. Every kernel classifies tiles from cheap bounds, without a
+// tile map: a query tile sees a contiguous span of keys and a key tile is seen by a
+// contiguous span of queries (block ids and segment ids are non-decreasing within a
+// sequence: flashrt/api.py validates them), tiles outside the span are never loaded,
+// and the element predicate runs only on tiles that are not entirely visible.
+#pragma once
+#include "common.cuh"
+
+#ifndef FRT_MASK
+#define FRT_MASK 0
+#endif
+
+namespace frt {
+
+enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8 };
+
+// How many elements of the non-decreasing a[0, n) are below x (< x when STRICT, else <= x).
+// The whole block searches together: each round every thread tests one probe, so a
+// round shrinks the interval NTHREADS-fold (3 rounds of loads for n = 128k, 128 threads).
+// Every thread of the block must call it with the same arguments.
+template <bool STRICT>
+FRT_DEVICE int block_rank(const int* a, int n, int x, int tid, int nthreads) {
+    int lo = 0, hi = n;  // a[0, lo) are below, a[hi] (if hi < n) is not; the answer is in [lo, hi]
+    while (lo < hi) {
+        const int step = ceil_div(hi - lo, nthreads);
+        const int probes = ceil_div(hi - lo, step);
+        const int pos = min(lo + (tid + 1) * step - 1, hi - 1);
+        const bool below = tid < probes && (STRICT ? a[pos] < x : a[pos] <= x);
+        const int c = __syncthreads_count(below);  // monotone: the probes below are a prefix
+        if (c == probes) {
+            lo = hi;
+        } else {
+            const int first_not_below = min(lo + (c + 1) * step - 1, hi - 1);
+            lo += c * step;
+            hi = first_not_below;
+        }
+    }
+    return lo;
+}
+
+// The visibility rules of one sequence (batch entry b).
+template <bool CAUSAL, int MASK>
+struct Visibility {
+    static constexpr bool LENGTHS = MASK & MASK_LENGTHS, WINDOW = MASK & MASK_WINDOW;
+    static constexpr bool BLOCK_IDS = MASK & MASK_BLOCK_IDS, SEGMENTS = MASK & MASK_SEGMENTS;
+    int Lq, Lk;          // queries and keys that take part
+    int Eq, Ek;          // rows stored in memory (padding: the tensor's extent; varlen: Lq, Lk)
+    i64 q_row0, k_row0;  // the sequence's first row on the seq axis (0 unless varlen)
+    int shift;           // query i's diagonal key is i + shift
+    int wl, wr;          // window (left, right); -1 = unbounded
+    const int *bq, *bk, *sq, *sk;  // this sequence's block / segment ids
+
+    template <class P>
+    FRT_DEVICE Visibility(const P& p, int b) {
+        Eq = Lq = p.Sq, Ek = Lk = p.Sk;
+        q_row0 = k_row0 = 0;
+        if constexpr (LENGTHS) {
+            if (p.cu_q) {  // packed varlen: the tensors are (total, H, D), batch stride 0
+                q_row0 = p.cu_q[b], Eq = Lq = min(p.cu_q[b + 1] - p.cu_q[b], p.Sq);
+                k_row0 = p.cu_k[b], Ek = Lk = min(p.cu_k[b + 1] - p.cu_k[b], p.Sk);
+            } else {  // padding: lengths clamped to the extent, so a bad length cannot fault
+                if (p.seqlens_q) Lq = max(0, min(p.seqlens_q[b], p.Sq));
+                if (p.seqlens_k) Lk = max(0, min(p.seqlens_k[b], p.Sk));
+            }
+        }
+        shift = p.top_left ? 0 : Lk - Lq;
+        wl = WINDOW ? p.win_left : -1, wr = WINDOW ? p.win_right : -1;
+        // ids are (B, S) contiguous, or packed (total,) when varlen
+        const i64 iq = LENGTHS && p.cu_q ? q_row0 : (i64)b * p.Sq, ik = LENGTHS && p.cu_q ? k_row0 : (i64)b * p.Sk;
+        bq = BLOCK_IDS ? p.block_q + iq : nullptr, bk = BLOCK_IDS ? p.block_k + ik : nullptr;
+        sq = SEGMENTS ? p.seg_q + iq : nullptr, sk = SEGMENTS ? p.seg_k + ik : nullptr;
+    }
+
+    FRT_DEVICE bool visible(int i, int j) const {
+        if (i >= Lq || j >= Lk) return false;
+        const int d = j - i - shift;  // the key's offset from the query's diagonal
+        if (CAUSAL && d > 0) return false;
+        if (WINDOW && ((wl >= 0 && d < -wl) || (wr >= 0 && d > wr))) return false;
+        if (BLOCK_IDS && bk[j] > bq[i]) return false;
+        if (SEGMENTS && sk[j] != sq[i]) return false;
+        return true;
+    }
+
+    // Every (query, key) pair of rows [m0, m0 + bm) x keys [n0, n0 + bn) is visible.
+    FRT_DEVICE bool all_visible(int m0, int bm, int n0, int bn) const {
+        const int m1 = m0 + bm - 1, n1 = n0 + bn - 1;
+        if (m1 >= Lq || n1 >= Lk) return false;
+        const int d_max = n1 - m0 - shift, d_min = n0 - m1 - shift;
+        if (CAUSAL && d_max > 0) return false;
+        if (WINDOW && ((wl >= 0 && d_min < -wl) || (wr >= 0 && d_max > wr))) return false;
+        if (BLOCK_IDS && bk[n1] > bq[m0]) return false;
+        if (SEGMENTS && !(sq[m0] == sq[m1] && sk[n0] == sk[n1] && sq[m0] == sk[n0])) return false;
+        return true;
+    }
+
+    // Keys [lo, hi) outside of which no query of rows [m0, m0 + bm) sees anything.
+    // Whole-block call (block_rank).
+    FRT_DEVICE void key_span(int m0, int bm, int& lo, int& hi, int tid, int nthreads) const {
+        lo = 0, hi = Lk;
+        const int m1 = min(m0 + bm, Lq) - 1;
+        if (m1 < m0) { hi = 0; return; }
+        if (CAUSAL) hi = min(hi, m1 + shift + 1);
+        if (WINDOW && wr >= 0) hi = min(hi, m1 + shift + wr + 1);
+        if (WINDOW && wl >= 0) lo = max(lo, m0 + shift - wl);
+        if (BLOCK_IDS) hi = min(hi, block_rank<false>(bk, Lk, bq[m1], tid, nthreads));
+        if (SEGMENTS) {
+            lo = max(lo, block_rank<true>(sk, Lk, sq[m0], tid, nthreads));
+            hi = min(hi, block_rank<false>(sk, Lk, sq[m1], tid, nthreads));
+        }
+        hi = max(hi, lo);
+    }
+
+    // Queries [lo, hi) outside of which no query sees a key of [n0, n0 + bn).
+    // Both ends are non-decreasing in n0 (the ordered fused dQ relies on it). Whole-block call.
+    FRT_DEVICE void query_span(int n0, int bn, int& lo, int& hi, int tid, int nthreads) const {
+        lo = 0, hi = Lq;
+        const int n1 = min(n0 + bn, Lk) - 1;
+        if (n1 < n0) { hi = 0; return; }
+        if (CAUSAL) lo = max(lo, n0 - shift);
+        if (WINDOW && wr >= 0) lo = max(lo, n0 - shift - wr);
+        if (WINDOW && wl >= 0) hi = min(hi, n1 - shift + wl + 1);
+        if (BLOCK_IDS) lo = max(lo, block_rank<true>(bq, Lq, bk[n0], tid, nthreads));
+        if (SEGMENTS) {
+            lo = max(lo, block_rank<true>(sq, Lq, sk[n0], tid, nthreads));
+            hi = min(hi, block_rank<false>(sq, Lq, sk[n1], tid, nthreads));
+        }
+        hi = max(hi, lo);
+    }
+
+    // The first key tile (of bn keys) whose query_span reaches query tile m (of bm rows):
+    // with query_span's ends non-decreasing, the key tiles that visit m are this one and
+    // the ones after it, up to the last whose span starts at or before m's rows.
+    FRT_DEVICE int first_key_tile_of(int m, int bm, int bn) const {
+        if (!(WINDOW && wl >= 0)) return 0;
+        // query_span's hi > m * bm  <=>  n1 - shift + wl + 1 > m * bm  <=>  n1 >= m * bm + shift - wl
+        const int need = m * bm + shift - wl;  // the smallest n1 that reaches
+        return need <= 0 ? 0 : max(0, ceil_div(need - (bn - 1), bn));
+    }
+};
+
+}  // namespace frt

@@ -1,0 +1,222 @@
+"""GPU tests of every mask kind and of padded / packed batches against the float64 reference.
+
+The reference applies reference.visible's dense mask (the specification); flashrt skips
+tiles from bounds and masks elements only on partial tiles. Outputs come from a NaN-poisoned
+CuPy pool, so an element a kernel forgets to write shows. Each case checks the forward,
+every backward impl, bitwise determinism of the deterministic impls, and that rows with no
+visible key give out 0, lse -inf and zero gradients.
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+import flashrt
+from flashrt import reference
+
+from test_gpu import f64, poison  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.gpu
+
+TOL = {"bf16": 2e-2, "fp16": 4e-3}
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    return pytest.importorskip("cupy")
+
+
+def _rel(x, ref):
+    """Relative error, floored for gradients that are (nearly) zero (dq with one visible key)."""
+    import cupy
+    num = float(cupy.linalg.norm((f64(x) - ref).ravel()))
+    return num / max(float(cupy.linalg.norm(ref.ravel())), 1e-3 * (ref.size ** 0.5))
+
+
+def _ids_blocks(lengths):
+    return np.concatenate([np.full(n, i) for i, n in enumerate(lengths)]).astype(np.int32)
+
+
+def _sorted_ids(rng, S, n_segments):
+    return np.sort(rng.integers(0, n_segments, S)).astype(np.int32)
+
+
+def _inputs(cupy, shape_q, shape_k, dtype, seed):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    q, do = (torch.randn(*shape_q, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    k, v = (torch.randn(*shape_k, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    return tuple(cupy.from_dlpack(x) for x in (q, k, v, do))
+
+
+# (id, B, Sq, Sk, H, Hkv, D, dtype, kwargs builder(rng, B, Sq, Sk) -> (flashrt kwargs, reference kwargs))
+def _padding(rng, B, Sq, Sk):
+    lq = np.array([Sq, 77, 0][:B], np.int32)
+    lk = np.array([1, Sk, 150][:B], np.int32)
+    return dict(seqlens_q=lq, seqlens_k=lk), dict(seqlens_q=lq, seqlens_k=lk)
+
+
+def _block_causal_seed(rng, B, Sq, Sk):
+    ids = np.stack([_ids_blocks([768, 1, 255])] * B)  # prefix, state, action chunk
+    return dict(block_ids_q=ids, block_ids_k=ids), dict(block_ids_q=ids, block_ids_k=ids)
+
+
+def _prefix_lm(rng, B, Sq, Sk):
+    ids = np.stack([np.concatenate([np.zeros(p, np.int32), np.arange(1, Sq - p + 1, dtype=np.int32)])
+                    for p in (100, 7, 0, Sq)[:B]])
+    return dict(block_ids_q=ids, block_ids_k=ids), dict(block_ids_q=ids, block_ids_k=ids)
+
+
+def _segments(rng, B, Sq, Sk):
+    iq = np.stack([_sorted_ids(rng, Sq, 5) for _ in range(B)])
+    ik = np.stack([_sorted_ids(rng, Sk, 5) for _ in range(B)])
+    return dict(segment_ids_q=iq, segment_ids_k=ik), dict(segment_ids_q=iq, segment_ids_k=ik)
+
+
+def _random_blocks(rng, B, Sq, Sk):
+    iq = np.stack([_sorted_ids(rng, Sq, 4) for _ in range(B)])
+    ik = np.stack([_sorted_ids(rng, Sk, 4) for _ in range(B)])
+    return dict(block_ids_q=iq, block_ids_k=ik), dict(block_ids_q=iq, block_ids_k=ik)
+
+
+def _window(left, right):
+    def make(rng, B, Sq, Sk):
+        return dict(window=(left, right)), dict(window=(left, right))
+    return make
+
+
+def _both(*makers):
+    def make(rng, B, Sq, Sk):
+        a, r = {}, {}
+        for m in makers:
+            x, y = m(rng, B, Sq, Sk)
+            a.update(x), r.update(y)
+        return a, r
+    return make
+
+
+CASES = [
+    ("padding", 3, 200, 300, 4, 4, 64, "bf16", False, _padding),
+    ("padding-causal-gqa", 3, 200, 300, 4, 2, 128, "bf16", True, _padding),
+    ("top_left-sq>sk", 2, 300, 200, 2, 1, 64, "bf16", "top_left", None),
+    ("top_left-sq<sk", 2, 130, 333, 2, 2, 96, "fp16", "top_left", None),
+    ("window-causal", 2, 513, 513, 2, 1, 128, "bf16", True, _window(64, 0)),
+    ("window-both", 2, 257, 300, 2, 2, 96, "bf16", False, _window(32, 16)),
+    ("window-left-only-d256", 1, 300, 300, 2, 2, 256, "bf16", False, _window(40, -1)),
+    ("block-causal-seed", 2, 1024, 1024, 8, 1, 256, "bf16", False, _block_causal_seed),
+    ("prefix-lm", 3, 300, 300, 4, 1, 64, "bf16", False, _prefix_lm),
+    ("segments", 2, 333, 333, 4, 2, 128, "bf16", False, _segments),
+    ("segments-causal-fp16", 2, 200, 200, 2, 2, 64, "fp16", True, _segments),
+    ("padding-blocks-window", 3, 200, 300, 2, 2, 64, "bf16", False, _both(_padding, _window(50, 50), _random_blocks)),
+    ("blocks-causal-window-fused", 2, 400, 400, 4, 4, 128, "bf16", True, _both(_window(100, -1), _random_blocks)),
+]
+
+
+def _impls(kwargs):
+    impls = [("split", True), ("fused", False)]
+    if "segment_ids_q" not in kwargs:
+        impls.append(("fused", True))
+    return impls
+
+
+def _check(cupy, name, got, ref, tol):
+    assert not bool(cupy.isnan(f64(got)).any()), f"{name} has NaN: unwritten (poisoned) elements"
+    err = _rel(got, ref)
+    assert err <= tol, f"{name}: rel err {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_mask_matches_float64_reference(cupy, poison, case):  # noqa: F811
+    cid, B, Sq, Sk, H, Hkv, D, dtype, causal, make = case
+    rng = np.random.default_rng(zlib.crc32(cid.encode()))
+    kw, rkw = make(rng, B, Sq, Sk) if make else ({}, {})
+    kw = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+    q, k, v, do = _inputs(cupy, (B, Sq, H, D), (B, Sk, Hkv, D), dtype, zlib.crc32(cid.encode()))
+
+    out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
+    align = "top_left" if causal == "top_left" else "bottom_right"
+    keep = reference.visible(B, Sq, Sk, causal=bool(causal), align=align, xp=cupy,
+                             **{n: cupy.asarray(a) if isinstance(a, np.ndarray) else a for n, a in rkw.items()})
+    ro, rlse, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+    tol = TOL[dtype]
+    _check(cupy, "out", out, ro, tol)
+    empty_rows = ~cupy.isfinite(rlse)
+    assert bool((lse[empty_rows] == -cupy.inf).all()), "rows with no visible key must have lse = -inf"
+    assert float(cupy.abs(cupy.where(empty_rows, 0, f64(lse) - rlse)).max()) < 1e-3
+    for impl, det in _impls(kw):
+        runs = [flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, deterministic=det, **kw)
+                for _ in range(2 if det else 1)]
+        for name, x, r in zip(("dq", "dk", "dv"), runs[0], (rdq, rdk, rdv)):
+            _check(cupy, f"{impl}{' det' if det else ''} {name}", x, r, tol)
+        if det:
+            assert all(bool((a == b).all()) for a, b in zip(*runs)), f"{impl} deterministic: runs differ"
+    # A query row that sees nothing has zero gradient.
+    dq = runs[0][0]
+    rows = cupy.asarray(empty_rows.transpose(0, 2, 1))  # (B, Sq, H)
+    assert float(cupy.abs(f64(dq)[rows]).max(initial=0)) == 0.0
+
+
+def _pack(cupy, x, lengths):
+    return cupy.concatenate([x[b, :n] for b, n in enumerate(lengths)])
+
+
+@pytest.mark.parametrize("causal,window,with_segments", [(True, None, False), (False, (20, 5), False),
+                                                          ("top_left", None, True)])
+def test_varlen_matches_per_sequence_reference(cupy, poison, causal, window, with_segments):  # noqa: F811
+    lq, lk = [100, 1, 0, 257, 64], [50, 300, 7, 257, 64]
+    B, H, Hkv, D, S = len(lq), 4, 2, 64, 300
+    q, k, v, do = _inputs(cupy, (B, S, H, D), (B, S, Hkv, D), "bf16", 5 + with_segments)
+    pq, pk, pv, pdo = (_pack(cupy, x, n) for x, n in ((q, lq), (k, lk), (v, lk), (do, lq)))
+    cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(lq)]).astype(np.int32))
+    cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lk)]).astype(np.int32))
+    rng = np.random.default_rng(3)
+    seg_q = [_sorted_ids(rng, n, 3) for n in lq]
+    seg_k = [_sorted_ids(rng, n, 3) for n in lk]
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk), window=window)
+    if with_segments:
+        kw.update(segment_ids_q=cupy.asarray(np.concatenate(seg_q)), segment_ids_k=cupy.asarray(np.concatenate(seg_k)))
+    out, lse = flashrt.forward(pq, pk, pv, causal=causal, **kw)
+    assert out.shape == pq.shape and lse.shape == (H, sum(lq))
+    grads = {(impl, det): flashrt.backward(pdo, pq, pk, pv, out, lse, causal=causal, impl=impl, deterministic=det,
+                                           **kw) for impl, det in _impls(kw)}
+    align = "top_left" if causal == "top_left" else "bottom_right"
+    for b in range(B):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ids = dict(segment_ids_q=seg_q[b][None], segment_ids_k=seg_k[b][None]) if with_segments else {}
+        keep = reference.visible(1, lq[b], lk[b], causal=bool(causal), align=align, window=window or (-1, -1),
+                                 **ids)
+        if lq[b] == 0:
+            continue
+        ro, rlse, rdq, rdk, rdv = reference.attention(f64(q[b:b + 1, :lq[b]]), f64(k[b:b + 1, :lk[b]]),
+                                                      f64(v[b:b + 1, :lk[b]]), dout=f64(do[b:b + 1, :lq[b]]),
+                                                      mask=cupy.asarray(keep))
+        _check(cupy, f"seq {b} out", out[rq][None], ro, TOL["bf16"])
+        got_lse = lse[:, rq][None]
+        assert bool((got_lse[~cupy.isfinite(rlse)] == -cupy.inf).all())
+        for (impl, det), (dq, dk, dv) in grads.items():
+            for name, x, r in (("dq", dq[rq][None], rdq), ("dk", dk[rk][None], rdk), ("dv", dv[rk][None], rdv)):
+                _check(cupy, f"seq {b} {impl}{' det' if det else ''} {name}", x, r, TOL["bf16"])
+
+
+def test_mask_input_errors_name_the_argument(cupy):
+    q = cupy.zeros((2, 64, 2, 64), dtype=cupy.float16)
+    ids = cupy.zeros((2, 64), dtype=cupy.int32)
+    bad = ids.copy()
+    bad[1, 10] = -1  # decreases
+    with pytest.raises(ValueError, match=r"block_ids_k must be non-decreasing.*batch 1"):
+        flashrt.forward(q, q, q, block_ids_q=ids, block_ids_k=bad)
+    with pytest.raises(TypeError, match=r"segment_ids_q must be int32"):
+        flashrt.forward(q, q, q, segment_ids_q=ids.astype(cupy.int64), segment_ids_k=ids)
+    with pytest.raises(ValueError, match=r"seqlens_k must lie in \[0, 64\]"):
+        flashrt.forward(q, q, q, seqlens_k=cupy.asarray([64, 65], dtype=cupy.int32))
+    packed = cupy.zeros((100, 2, 64), dtype=cupy.float16)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0"):
+        flashrt.forward(packed, packed, packed, cu_seqlens_q=cupy.asarray([1, 50, 100], dtype=cupy.int32),
+                        cu_seqlens_k=cupy.asarray([0, 50, 100], dtype=cupy.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must start at 0, be non-decreasing and end at most at"):
+        flashrt.forward(packed, packed, packed, cu_seqlens_q=cupy.asarray([0, 50, 100], dtype=cupy.int32),
+                        cu_seqlens_k=cupy.asarray([0, 60, 50], dtype=cupy.int32))
+    with pytest.raises(ValueError, match=r"impl='fused' with deterministic=True"):
+        out, lse = flashrt.forward(q, q, q, segment_ids_q=ids, segment_ids_k=ids)
+        flashrt.backward(q, q, q, q, out, lse, segment_ids_q=ids, segment_ids_k=ids, impl="fused")
