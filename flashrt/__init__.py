@@ -11,16 +11,18 @@ from ._version import __version__
 from .api import backward, forward
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, impl="auto", deterministic=True):
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, impl="auto", deterministic=True,
+              validate=True, **mask_args):
     """Differentiable attention for torch tensors (imports torch on first use).
 
     A torch custom op with an autograd formula: works under torch.compile(fullgraph=True),
-    CUDA graphs, activation checkpointing and autocast. For torch's SDPA layout and
-    signature, see flashrt.torch.scaled_dot_product_attention.
+    CUDA graphs, activation checkpointing and autocast. Takes flashrt.forward's mask
+    arguments (window, seqlens_*, cu_seqlens_*, block_ids_*, segment_ids_*). For torch's
+    SDPA layout and signature, see flashrt.torch.scaled_dot_product_attention.
     """
     from .torch_ops import attention as _attention
     return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, impl=impl,
-                      deterministic=deterministic)
+                      deterministic=deterministic, validate=validate, **mask_args)
 
 
 def __getattr__(name):

@@ -9,7 +9,7 @@ for each bucket the first entry is the fastest spill-free tiling measured there
 """
 from __future__ import annotations
 
-from .spec import ELEMENTWISE, KernelSpec
+from .spec import ELEMENTWISE, MASK_BITS, KernelSpec
 
 # family -> [(max head_dim, [(block_m, block_n, warps), ...] in order of preference)]
 _PREFERENCES = {
@@ -44,6 +44,13 @@ _PREFERENCES = {
     "bwd_dkdv_reduce": [(256, [(0, 0, 8)])],
     "bwd_dq_convert": [(256, [(0, 0, 8)])],
 }
+# With element masks beyond lengths (window, block / segment ids), the mask predicate's
+# registers make some preferred tilings spill (NVRTC 12.9, tests/test_compile.py); these
+# replace them for masked variants.
+_MASKED_PREFERENCES = {
+    "fwd": [(192, [(128, 64, 8), (64, 64, 4)]), (256, [(64, 32, 4)])],
+    "bwd_fused": [(256, [(64, 64, 8), (64, 32, 8)])],
+}
 # Smaller tilings, tried in order when none of the preferred ones fits.
 _FALLBACKS = {
     "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
@@ -60,8 +67,11 @@ class TilingError(RuntimeError):
     """No tiling of a kernel fits the device."""
 
 
-def candidates(family: str, head_dim: int) -> list[tuple[int, int, int]]:
-    for max_d, prefs in _PREFERENCES[family]:
+def candidates(family: str, head_dim: int, mask: int = 0) -> list[tuple[int, int, int]]:
+    table = _PREFERENCES[family]
+    if mask & ~MASK_BITS["lengths"]:
+        table = _MASKED_PREFERENCES.get(family, table)
+    for max_d, prefs in table:
         if head_dim <= max_d:
             return prefs + [f for f in _FALLBACKS[family] if f not in prefs]
     raise ValueError(f"head_dim must be at most 256, got {head_dim}")
@@ -71,11 +81,11 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
             mask: int = 0) -> KernelSpec:
     """Tiles and warps for one kernel: the first preferred tiling that fits `smem_limit` bytes.
 
-    `mask` (spec.MASK_BITS) does not change the tiling: masked variants share the dense ones' tiles.
+    `mask` (spec.MASK_BITS): element masks beyond lengths take _MASKED_PREFERENCES where a family has them.
     """
     elementwise = family in ELEMENTWISE
     tried = []
-    for bm, bn, nw in candidates(family, head_dim):
+    for bm, bn, nw in candidates(family, head_dim, mask):
         try:
             spec = KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise, arch,
                               0 if elementwise else mask)

@@ -6,8 +6,8 @@ flashrt's native layout is (B, S, H, D) with any strides on the first three axes
 so SDPA's (B, H, S, D) tensors are read through a transposed view, never copied,
 and the output is SDPA's shape (a transposed view of a (B, S, H, D) buffer, as
 torch's own flash backend returns). What flashrt does not compute raises instead
-of silently differing: explicit masks, dropout, and SDPA's top-left causal
-alignment when Sq != Sk.
+of silently differing: explicit mask tensors and dropout. is_causal=True and
+causal_upper_left are top-left aligned, as in SDPA; causal_lower_right is bottom-right.
 """
 from typing import Optional
 
@@ -16,8 +16,8 @@ import torch
 from . import torch_ops
 
 
-def _causal_from_mask(attn_mask, is_causal: bool, Sq: int, Sk: int) -> bool:
-    """torch.nn.attention.bias causal biases map onto flashrt's causal flag; any other mask raises."""
+def _causal_from_mask(attn_mask, is_causal: bool, Sq: int, Sk: int):
+    """torch.nn.attention.bias causal biases map onto flashrt's causal modes; any other mask raises."""
     from torch.nn.attention.bias import CausalBias, CausalVariant
     if not isinstance(attn_mask, CausalBias):
         kind = "boolean" if attn_mask.dtype == torch.bool else f"{attn_mask.dtype} (additive)"
@@ -29,17 +29,7 @@ def _causal_from_mask(attn_mask, is_causal: bool, Sq: int, Sk: int) -> bool:
     if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (Sq, Sk):
         raise ValueError(f"attn_mask is a causal bias for (Sq, Sk) = {(attn_mask.seq_len_q, attn_mask.seq_len_kv)} "
                          f"but query and key have (Sq, Sk) = {(Sq, Sk)}")
-    if attn_mask.variant == CausalVariant.UPPER_LEFT and Sq != Sk:
-        raise ValueError(_top_left_message(Sq, Sk))
-    return True
-
-
-def _top_left_message(Sq: int, Sk: int) -> str:
-    return (f"causal attention with Sq != Sk ({Sq} != {Sk}) is ambiguous: torch's SDPA (is_causal=True or "
-            f"causal_upper_left) aligns the mask to the top-left corner (query i sees keys j <= i), flashrt to the "
-            f"bottom-right, as FlashAttention >= 2.1 (query i sees keys j <= i + Sk - Sq, the rule for decoding "
-            f"with a KV cache). For bottom-right pass attn_mask=torch.nn.attention.bias.causal_lower_right({Sq}, "
-            f"{Sk}) instead of is_causal=True; top-left with Sq != Sk is not supported")
+    return "top_left" if attn_mask.variant == CausalVariant.UPPER_LEFT else "bottom_right"
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -50,9 +40,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     query (B, H, Sq, D), key and value (B, Hkv, Sk, D), bf16 or fp16 (or any float dtype
     under torch.autocast, cast as SDPA casts); returns (B, H, Sq, D). attn_mask may only
-    be None or a causal bias from torch.nn.attention.bias (causal_lower_right, or
-    causal_upper_left when Sq == Sk); is_causal=True requires Sq == Sk. With
-    causal_lower_right and Sq > Sk, query rows that see no key give 0 (SDPA gives NaN).
+    be None or a causal bias from torch.nn.attention.bias (causal_lower_right or
+    causal_upper_left); is_causal=True is top-left aligned like SDPA's. Query rows that
+    see no key give 0 (SDPA gives NaN). flashrt.attention takes the other mask kinds.
     """
     if dropout_p:
         raise ValueError(f"flashrt has no attention dropout, got dropout_p={dropout_p}: pass dropout_p=0.0 "
@@ -64,10 +54,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     Sq, Sk = query.shape[2], key.shape[2]
     if attn_mask is not None:
         causal = _causal_from_mask(attn_mask, bool(is_causal), Sq, Sk)
-    elif is_causal and Sq != Sk:
-        raise ValueError(_top_left_message(Sq, Sk))
     else:
-        causal = bool(is_causal)
+        causal = "top_left" if is_causal else False
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass enable_gqa=True "
                          f"for grouped-query attention (as torch's SDPA requires)")

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from . import api
+from . import api, masks
 
 
 def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
@@ -28,49 +28,87 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     return x if aligned else x.contiguous()
 
 
+# The mask arguments travel through the ops as a fixed list (masks.ARRAY_ARGS order) of optional
+# tensors, the window and the varlen maximum lengths; `causal` as "none" | "bottom_right" | "top_left".
+_CAUSAL = {False: "none", True: "bottom_right", "bottom_right": "bottom_right", "top_left": "top_left"}
+
+
+def _mask_kwargs(causal: str, window, max_seqlen_q, max_seqlen_k, tensors) -> dict:
+    kw = {n: t for n, t in zip(masks.ARRAY_ARGS, tensors) if t is not None}
+    if window is not None:
+        kw["window"] = tuple(window)
+    if max_seqlen_q is not None:
+        kw["max_seqlen_q"] = max_seqlen_q
+    if max_seqlen_k is not None:
+        kw["max_seqlen_k"] = max_seqlen_k
+    return dict(kw, causal=False if causal == "none" else causal)
+
+
 # impl and deterministic only matter to the backward; the forward op takes them so that
 # setup_context can hand them on (an autograd formula sees only the op's own arguments).
 @torch.library.custom_op("flashrt::fwd", mutates_args=())
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-         impl: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax_scale: Optional[float],
+         impl: str, deterministic: bool, window: Optional[list[int]], max_seqlen_q: Optional[int],
+         max_seqlen_k: Optional[int], validate: bool,
+         mask_tensors: list[Optional[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_impl(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k,
+                         validate, mask_tensors)
+
+
+def _forward_impl(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
+                  mask_tensors):
+    return api.forward(q, k, v, softmax_scale=softmax_scale, validate=validate,
+                       **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors))
+
+
+def _lse_shape(q, mask_tensors):
+    if mask_tensors[masks.ARRAY_ARGS.index("cu_seqlens_q")] is not None:  # packed: (total, H, D) -> (H, total)
+        return (q.shape[1], q.shape[0])
+    B, Sq, H, _ = q.shape
+    return (B, H, Sq)
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic):
-    B, Sq, H, _ = q.shape
+def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
+              mask_tensors):
     # api.forward allocates both outputs contiguous, whatever q's strides.
-    return q.new_empty(q.shape), q.new_empty((B, H, Sq), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashrt::bwd", mutates_args=())
 def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-         lse: torch.Tensor, causal: bool, softmax_scale: Optional[float], impl: str,
-         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         lse: torch.Tensor, causal: str, softmax_scale: Optional[float], impl: str, deterministic: bool,
+         window: Optional[list[int]], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+         mask_tensors: list[Optional[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (the forward output is `o`: an argument named `out` reads as an out= variant in op schemas)
-    return api.backward(_kernel_ready(dout), q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                        impl=impl, deterministic=deterministic)
+    return api.backward(_kernel_ready(dout), q, k, v, o, lse, softmax_scale=softmax_scale, impl=impl,
+                        deterministic=deterministic, validate=False,  # the forward validated them
+                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors))
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, o, lse, causal, softmax_scale, impl, deterministic):
+def _bwd_fake(dout, q, k, v, o, lse, causal, softmax_scale, impl, deterministic, window, max_seqlen_q,
+              max_seqlen_k, mask_tensors):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, impl, deterministic = inputs
+    q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, _, tensors = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (causal, softmax_scale, impl, deterministic)
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.options = (causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k)
     # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
     ctx.mark_non_differentiable(lse)
 
 
+_NO_GRADS = (None,) * 9  # the forward op's arguments after q, k, v
+
+
 def _backward(ctx, dout, _dlse):
     # One read of saved_tensors: non-reentrant checkpointing unpacks each saved tensor once.
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options, tensors)
+    return (dq, dk, dv, *_NO_GRADS)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -98,31 +136,40 @@ class _Eager(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, impl, deterministic):
-        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        _setup_context(ctx, (q, k, v, causal, softmax_scale, impl, deterministic), (out, lse))
+    def forward(ctx, *args):
+        out, lse = _forward_impl(*args)
+        _setup_context(ctx, args, (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, softmax_scale, impl, deterministic = ctx.options
-        dq, dk, dv = api.backward(_kernel_ready(dout), q, k, v, out, lse, causal=causal,
-                                  softmax_scale=softmax_scale, impl=impl, deterministic=deterministic)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k = ctx.options
+        dq, dk, dv = api.backward(_kernel_ready(dout), q, k, v, out, lse, softmax_scale=softmax_scale, impl=impl,
+                                  deterministic=deterministic, validate=False,
+                                  **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, tensors))
+        return (dq, dk, dv, *_NO_GRADS)
 
 
-def attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None, return_lse: bool = False,
-              impl: str = "auto", deterministic: bool = True):
-    """Differentiable attention on torch tensors (B, S, H, D); see flashrt.forward for the semantics.
+def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, return_lse: bool = False,
+              impl: str = "auto", deterministic: bool = True, validate: bool = True, **mask_args):
+    """Differentiable attention on torch tensors (B, S, H, D); see flashrt.forward for the semantics
+    and the mask arguments.
 
     `impl` and `deterministic` choose the backward kernels (see flashrt.backward).
     lse is returned without a gradient.
     """
     api._check_impl(impl)  # here, not first in the backward pass
+    masks.check_names(mask_args, "attention")
+    if causal not in _CAUSAL or isinstance(causal, (int, float)) and not isinstance(causal, bool):
+        raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
     scale = None if softmax_scale is None else float(softmax_scale)
-    args = (q, k, v, bool(causal), scale, impl, bool(deterministic))
+    window = mask_args.get("window")
+    window = None if window is None else [int(w) for w in window]
+    tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS]
+    args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
+            mask_args.get("max_seqlen_k"), bool(validate), tensors)
     if q.is_cuda and not torch.compiler.is_compiling():
         out, lse = _Eager.apply(*args)
     else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls

@@ -103,7 +103,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const int n_block = blockIdx.x, hk = blockIdx.y % p.Hkv, split = blockIdx.y / p.Hkv, b = blockIdx.z;
     const int group = p.H / p.Hkv;
     const int n0 = n_block * BN;
-    const Visibility<T::CAUSAL, T::MASK> vis(p, b);
+    const auto& vis = block_visibility<T::CAUSAL, T::MASK>(p, b);
     const int rows_k = min(BN, vis.Ek - n0);
     if (rows_k <= 0) return;  // past a packed sequence's end (the launcher uses one split when varlen)
 

@@ -57,7 +57,7 @@ struct Visibility {
     const int *bq, *bk, *sq, *sk;  // this sequence's block / segment ids
 
     template <class P>
-    FRT_DEVICE Visibility(const P& p, int b) {
+    FRT_DEVICE void init(const P& p, int b) {
         Eq = Lq = p.Sq, Ek = Lk = p.Sk;
         q_row0 = k_row0 = 0;
         if constexpr (LENGTHS) {
@@ -143,5 +143,16 @@ struct Visibility {
         return need <= 0 ? 0 : max(0, ceil_div(need - (bn - 1), bn));
     }
 };
+
+// The block's Visibility for batch entry b, in shared memory: the kernels read it where
+// they need it, so its fields do not hold registers that the accumulators need (kept in
+// registers, they made the D >= 128 variants spill). Whole-block call.
+template <bool CAUSAL, int MASK, class P>
+FRT_DEVICE const Visibility<CAUSAL, MASK>& block_visibility(const P& p, int b) {
+    __shared__ Visibility<CAUSAL, MASK> vis;
+    if (threadIdx.x == 0) vis.init(p, b);
+    __syncthreads();
+    return vis;
+}
 
 }  // namespace frt

@@ -116,13 +116,13 @@ struct RowTraits {
 // (ceil(Sq/BM), H, B)) owns, and the key tiles [n_first, n_end) it can see.
 template <int BM, int BN, bool CAUSAL, int MASK>
 struct QueryTile {
-    Visibility<CAUSAL, MASK> vis;
+    const Visibility<CAUSAL, MASK>& vis;  // in shared memory (block_visibility)
     int h, b, hk, m0, rows, n_first, n_end;
     i64 row0;   // the tile's first row on the seq axis of q / out / dout / dq
     i64 stat0;  // lse / lse2 / delta index of the tile's first row
 
     template <class P>
-    FRT_DEVICE QueryTile(const P& p, int tid, int nthreads) : vis(p, blockIdx.z) {
+    FRT_DEVICE QueryTile(const P& p, int tid, int nthreads) : vis(block_visibility<CAUSAL, MASK>(p, blockIdx.z)) {
         // Causal: the last query tiles see the most keys; launch them first.
         const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
         h = blockIdx.y;

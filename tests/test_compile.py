@@ -11,7 +11,7 @@ import pytest
 
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import FAMILIES, KernelSpec
+from flashrt.spec import ELEMENTWISE, FAMILIES, MASK_BITS, KernelSpec
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -26,6 +26,12 @@ def _variants():
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
                         out.add(tiles.pick_nw(family, d, dtype, causal, arch, limit))
+    # Masked variants (kernels_cu/mask.cuh): every feature at once, and lengths alone (padding / varlen).
+    for family in set(FAMILIES) - set(ELEMENTWISE):
+        for d in (64, 128, 160, 256):
+            for causal in (False, True):
+                for mask in (sum(MASK_BITS.values()), MASK_BITS["lengths"]):
+                    out.add(tiles.pick_nw(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
     return sorted(out, key=lambda s: s.name)
 
 

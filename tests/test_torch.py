@@ -101,13 +101,9 @@ def test_sdpa_entry_refuses_what_flashrt_does_not_compute(kwargs, match):
         flashrt.torch.scaled_dot_product_attention(*_cpu_bhsd(), **kwargs)
 
 
-def test_sdpa_entry_refuses_top_left_causal_when_sq_differs_from_sk():
-    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+def test_sdpa_entry_checks_causal_biases():
+    from torch.nn.attention.bias import causal_lower_right
     q, k, v = _cpu_bhsd(Sq=3, Sk=5)
-    with pytest.raises(ValueError, match="top-left.*causal_lower_right"):
-        flashrt.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
-    with pytest.raises(ValueError, match="top-left"):
-        flashrt.torch.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(3, 5))
     with pytest.raises(ValueError, match="causal bias for"):
         flashrt.torch.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(3, 6))
     with pytest.raises(ValueError, match="not both"):
@@ -138,12 +134,32 @@ OPCHECK_CASES = [
 def test_opcheck(case):
     B, Sq, Sk, H, Hkv, D, causal, scale, dtype = case
     q, k, v, do = make_inputs(B, Sq, Sk, H, Hkv, D, dtype, seed=Sq)
-    options = (causal, scale, "auto", True)
+    options = ("bottom_right" if causal else "none", scale, "auto", True, None, None, None)
     # schema (no mutation, no aliasing), autograd registration, fake impl vs real outputs (shapes, strides),
     # and AOTAutograd (static and dynamic shapes) against eager, gradients included.
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, [None] * 8))
     out, lse = flashrt.forward(q, k, v, causal=causal, softmax_scale=scale)
-    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options))
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, [None] * 8))
+
+
+@gpu
+def test_opcheck_with_masks_and_varlen():
+    """The ops' mask arguments: padding + window + block ids, and packed varlen (lse (H, total))."""
+    B, S, H, D = 2, 96, 4, 64
+    q, k, v, do = make_inputs(B, S, S, H, H, D, BF16, seed=1)
+    lengths = torch.tensor([96, 40], dtype=torch.int32, device="cuda")
+    ids = torch.cat([torch.zeros(50, dtype=torch.int32), torch.ones(46, dtype=torch.int32)]).cuda().expand(B, S)
+    tensors = [lengths, lengths, None, None, ids.contiguous(), ids.contiguous(), None, None]
+    options = ("none", None, "split", True, [16, 16], None, None)
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors))
+    cu = torch.tensor([0, 30, 96], dtype=torch.int32, device="cuda")
+    pq, pk, pv = (x[0] for x in (q, k, v))  # (96, H, D) packed: sequences of 30 and 66
+    options = ("bottom_right", None, "auto", True, None, 66, 66)
+    varlen = [None, None, cu, cu, None, None, None, None]
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen))
+    out, lse = flashrt.forward(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert lse.shape == (H, 96)
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen))
 
 
 def _block_grads(model, x, dy):
@@ -290,6 +306,8 @@ SDPA_CASES = [
     (2, 8, 2, 200, 333, 128, None, None, BF16),            # GQA through enable_gqa
     (1, 4, 4, 100, 300, 256, "lower_right", None, FP16),   # bottom-right causal through causal_lower_right
     (2, 6, 3, 128, 128, 96, None, 0.2, FP16),
+    (1, 4, 2, 300, 200, 64, "is_causal", None, BF16),      # top-left causal (SDPA's is_causal), Sq > Sk
+    (1, 4, 4, 100, 300, 128, "is_causal", None, BF16),     # and Sq < Sk
 ]
 
 
@@ -389,3 +407,21 @@ def test_mixed_streams_with_events():
     torch.cuda.synchronize()
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         assert torch.equal(a, b), f"{name} differs across streams"
+
+
+@gpu
+def test_eager_autograd_carries_mask_arguments():
+    """flashrt.attention's gradients under masks are flashrt.backward's, bitwise (deterministic split)."""
+    B, S, H, D = 2, 130, 4, 64
+    q, k, v, do = make_inputs(B, S, S, H, 2, D, BF16, seed=2)
+    ids = torch.cat([torch.zeros(64, dtype=torch.int32), torch.ones(66, dtype=torch.int32)]).cuda().expand(B, S)
+    mask = dict(window=(32, 8), seqlens_k=torch.tensor([130, 100], dtype=torch.int32, device="cuda"),
+                block_ids_q=ids.contiguous(), block_ids_k=ids.contiguous())
+    ql, kl, vl = leaves(q, k, v)
+    out = flashrt.attention(ql, kl, vl, causal="top_left", impl="split", **mask)
+    out.backward(do)
+    ref_out, lse = flashrt.forward(q, k, v, causal="top_left", **mask)
+    ref = flashrt.backward(do, q, k, v, ref_out, lse, causal="top_left", impl="split", **mask)
+    assert torch.equal(out, ref_out)
+    for got, want in zip((ql.grad, kl.grad, vl.grad), ref):
+        assert torch.equal(got, want)
