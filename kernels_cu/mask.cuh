@@ -144,15 +144,33 @@ struct Visibility {
     }
 };
 
-// The block's Visibility for batch entry b, in shared memory: the kernels read it where
-// they need it, so its fields do not hold registers that the accumulators need (kept in
-// registers, they made the D >= 128 variants spill). Whole-block call.
+// The block's Visibility for batch entry b. With mask features it lives in shared memory:
+// the kernels read it where they need it, so its fields do not hold registers that the
+// accumulators need (kept in registers, they made the D >= 128 masked variants spill).
+// Without them (MASK == 0) it is a value made of run-time constants (Sq, Sk), which the
+// compiler folds into the index arithmetic as before masks existed (the shared copy cost
+// the dense kernels 5-12%). Whole-block call.
+template <bool CAUSAL, int MASK>
+struct VisibilityOf {
+    using type = const Visibility<CAUSAL, MASK>&;
+};
+template <bool CAUSAL>
+struct VisibilityOf<CAUSAL, 0> {
+    using type = Visibility<CAUSAL, 0>;
+};
+
 template <bool CAUSAL, int MASK, class P>
-FRT_DEVICE const Visibility<CAUSAL, MASK>& block_visibility(const P& p, int b) {
-    __shared__ Visibility<CAUSAL, MASK> vis;
-    if (threadIdx.x == 0) vis.init(p, b);
-    __syncthreads();
-    return vis;
+FRT_DEVICE typename VisibilityOf<CAUSAL, MASK>::type block_visibility(const P& p, int b) {
+    if constexpr (MASK == 0) {
+        Visibility<CAUSAL, 0> vis;
+        vis.init(p, b);
+        return vis;
+    } else {
+        __shared__ Visibility<CAUSAL, MASK> vis;
+        if (threadIdx.x == 0) vis.init(p, b);
+        __syncthreads();
+        return vis;
+    }
 }
 
 }  // namespace frt

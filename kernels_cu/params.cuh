@@ -116,7 +116,7 @@ struct RowTraits {
 // (ceil(Sq/BM), H, B)) owns, and the key tiles [n_first, n_end) it can see.
 template <int BM, int BN, bool CAUSAL, int MASK>
 struct QueryTile {
-    const Visibility<CAUSAL, MASK>& vis;  // in shared memory (block_visibility)
+    typename VisibilityOf<CAUSAL, MASK>::type vis;  // in shared memory when MASK != 0 (block_visibility)
     int h, b, hk, m0, rows, n_first, n_end;
     i64 row0;   // the tile's first row on the seq axis of q / out / dout / dq
     i64 stat0;  // lse / lse2 / delta index of the tile's first row

@@ -1,0 +1,33 @@
+"""Dense forward / backward time of the flashrt importable from sys.path (for A/B runs of two trees).
+
+    PYTHONPATH=<tree> python scripts/dense_ab.py LABEL
+"""
+import statistics
+import sys
+
+import torch
+
+import flashrt
+
+
+def time_ms(fn, reps=10):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+for B, S, H, D, causal in ((2, 8192, 16, 128, False), (2, 8192, 16, 128, True), (2, 8192, 32, 64, False),
+                           (2, 8192, 8, 256, False)):
+    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = flashrt.forward(q, k, v, causal=causal)
+    f = time_ms(lambda: flashrt.forward(q, k, v, causal=causal))
+    b = time_ms(lambda: flashrt.backward(do, q, k, v, out, lse, causal=causal))
+    print(f"{sys.argv[1]:6s} B={B} S={S} H={H} D={D} causal={causal!s:5s} fwd {f:6.2f} ms  bwd {b:6.2f} ms")
