@@ -2,26 +2,12 @@
 
     PYTHONPATH=<tree> python scripts/dense_ab.py LABEL
 """
-import statistics
 import sys
 
 import torch
 
 import flashrt
-
-
-def time_ms(fn, reps=10):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from mask_times import time_ms  # scripts/ is sys.path[0] when run as a script
 
 
 for B, S, H, D, causal in ((2, 8192, 16, 128, False), (2, 8192, 16, 128, True), (2, 8192, 32, 64, False),
