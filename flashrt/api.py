@@ -53,11 +53,6 @@ def _scale(softmax_scale, head_dim: int) -> float:
     return scale
 
 
-def _inputs(q, k, v) -> tuple[Array, Array, Array, dict]:
-    Q, K, V = interop.describe(q, "q"), interop.describe(k, "k"), interop.describe(v, "v")
-    return Q, K, V, _check_qkv(Q, K, V)
-
-
 def _check_qkv(Q: Array, K: Array, V: Array) -> dict:
     """Every rule q, k, v must meet before a kernel sees them; returns the problem's dimensions."""
     for a, name in ((Q, "q"), (K, "k"), (V, "v")):
@@ -120,7 +115,7 @@ def _prepare(q, k, v, mask_args: dict, validate: bool):
         if a.device < 0:
             raise ValueError(f"{name} is in host memory; flashrt needs CUDA tensors: move it with {name}.cuda()")
     arrays = any(mask_args.get(n) is not None for n in masks.ARRAY_ARGS)
-    if arrays and validate and Q.device >= 0:
+    if arrays and validate:
         validate = not launch._capturing(launch.device(Q.device))  # a host copy cannot be captured
     m = masks.Masking.parse(Q, K, **mask_args, validate=validate)
     Q4, K4, V4 = (_as_batch(a) if m.varlen else a for a in (Q, K, V))
