@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import interop, launch, masks, params, tiles
+from . import interop, launch, masks, nvrtc, params, tiles
 from .interop import Array
 from .spec import ELEMENTWISE
 
@@ -108,6 +108,32 @@ def _as_batch(a: Array) -> Array:
     return dataclasses.replace(a, shape=(1, *a.shape), strides=(0, *a.strides)) if len(a.shape) == 3 else a
 
 
+def _pick(family: str, D: int, Q: Array, m: masks.Masking, dev):
+    return launch.pick(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors)
+
+
+def _classify(consumer, family: str, p: dict, m: masks.Masking, H: int, Q: Array, dev, stream) -> tuple:
+    """mask_mod: launch the classification kernel that lists the tiles `consumer` visits.
+
+    Sets the lists' pointers in the params dict `p` (mod_rows / mod_cols) and returns the
+    arrays, to keep alive until the consumer has run.
+    """
+    heads, batches = m.mod_lists(H)
+    spec = consumer.classifier(family)
+    try:  # the classifier is the smallest kernel with the expression in it: its compile checks the expression
+        launch.function(spec, dev)
+    except nvrtc.CompileError as exc:
+        raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
+    m_tiles, n_tiles = -(-m.Sq // spec.block_m), -(-m.Sk // spec.block_n)
+    outer = m_tiles if family == "mask_rows" else n_tiles
+    lists = interop.empty(Q, (batches * heads * m_tiles * n_tiles,), int32=True)
+    counts = interop.empty(Q, (batches * heads * outer,), int32=True)
+    prefix = "mod_rows" if family == "mask_rows" else "mod_cols"
+    p[prefix], p[prefix + "_count"] = interop.data_ptr(lists), interop.data_ptr(counts)
+    launch.launch(spec, dev, launch.grid(spec, batches, heads, 0, m.Sq, m.Sk), params.pack(params.FWD, p), stream)
+    return lists, counts
+
+
 def _prepare(q, k, v, mask_args: dict, validate: bool):
     """Descriptors of q, k, v (as 4-D), the problem's dimensions, and the parsed masking."""
     Q, K, V = interop.describe(q, "q"), interop.describe(k, "k"), interop.describe(v, "v")
@@ -137,6 +163,14 @@ MASK_DOC = """
       block_ids_q, block_ids_k: (B, S) int32 (or (total,) when varlen), non-decreasing: key j is
         visible to query i iff block_ids_k[j] <= block_ids_q[i] (block-causal, prefix-LM).
       segment_ids_q, segment_ids_k: the same shapes, non-decreasing: visible iff equal (documents).
+      mask_mod: a CUDA boolean expression over int b (batch entry / sequence), h (query head), q, k
+        (query and key positions in the sequence) and Lq, Lk (the sequence's lengths), such as
+        "k <= q || k < 256"; mask_tensors={"name": int32 device array, ...} (at most 4, contiguous)
+        gives it arrays to read, as `const int* name` (it indexes them itself: "doc[b * 4096 + q] ==
+        doc[b * 4096 + k]"). It is compiled into the kernels (cached like any variant; a compile error
+        shows the expression with the fault marked). A small kernel evaluates it on every pair first
+        and lists the tiles to visit, per head only when it names h, per batch entry only when it
+        names b or a tensor (or a built-in mask differs by batch entry).
       A query that sees no key gets out = 0, lse = -inf and zero gradients.
       validate=True checks the data of the id/length arrays (non-decreasing ids, lengths within the
         tensor, well-formed cu_seqlens) with one host copy, which synchronises; it is skipped during
@@ -161,12 +195,13 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, valida
         lse = interop.empty(Q, m.lse_shape(H), float32=True)
 
     dev = launch.device(Q.device)
-    spec = launch.pick("fwd", D, Q.dtype, m.causal, dev, m.bits)
+    stream = interop.stream(Q)
+    spec = _pick("fwd", D, Q, m, dev)
     p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, lse=interop.data_ptr(lse), H=H, Hkv=Hkv, scale_log2=scale * _LOG2E,
              **m.kernel_fields(H))
     _tensor_fields(p, q=Q4, k=K4, v=V4, o=O)
-    launch.launch(spec, dev, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), params.pack(params.FWD, p),
-                  interop.stream(Q))
+    keep = _classify(spec, "mask_rows", p, m, H, Q, dev, stream) if m.mask_mod else ()  # noqa: F841
+    launch.launch(spec, dev, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), params.pack(params.FWD, p), stream)
     return out, lse
 
 
@@ -201,7 +236,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     _check_grad_inputs(Q, dO, O, L, m.lse_shape(H))
     if impl == "fused" and deterministic and not m.ordered_dq_ok:
         raise ValueError("impl='fused' with deterministic=True cannot order its dQ additions under segment_ids "
-                         "masks; use impl='split' (or 'auto'), or deterministic=False")
+                         "or mask_mod masks; use impl='split' (or 'auto'), or deterministic=False")
 
     if m.B * m.Sq * H == 0 or m.Sk == 0:
         return (interop.full(Q, Q.shape, 0.0), interop.full(Q, K.shape, 0.0), interop.full(Q, K.shape, 0.0))
@@ -221,7 +256,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     stream = interop.stream(Q)
     if impl == "auto":
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok)
-    main = launch.pick("bwd_fused" if impl == "fused" else "bwd_dkdv", D, Q.dtype, m.causal, dev, m.bits)
+    main = _pick("bwd_fused" if impl == "fused" else "bwd_dkdv", D, Q, m, dev)
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else launch.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
@@ -239,11 +274,16 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
         families = ["bwd_preprocess", "bwd_dq", "bwd_dkdv"]
     if splits > 1:
         families.append("bwd_dkdv_reduce")
+    keep = []  # mask_mod's tile lists, alive until the kernels that read them are launched
+    if m.mask_mod:
+        keep += _classify(main, "mask_cols", p, m, H, Q, dev, stream)
+        if impl != "fused":
+            keep += _classify(_pick("bwd_dq", D, Q, m, dev), "mask_rows", p, m, H, Q, dev, stream)
     args = params.pack(params.BWD, p)
     rowwise = m.elementwise_fields(H)
     rowwise_args = params.pack(params.BWD, {**p, **rowwise}) if rowwise else args
     for family in families:
-        spec = launch.pick(family, D, Q.dtype, m.causal, dev, m.bits)
+        spec = _pick(family, D, Q, m, dev)
         if family in ELEMENTWISE:
             dims = (rowwise.get("B", m.B), H, Hkv, rowwise.get("Sq", m.Sq), rowwise.get("Sk", m.Sk))
             launch.launch(spec, dev, launch.grid(spec, *dims, dev.sm_count, splits), rowwise_args, stream)

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import cache, nvrtc, tiles
-from .spec import ELEMENTWISE, KEY_PARALLEL, KernelSpec
+from .spec import CLASSIFY, ELEMENTWISE, KEY_PARALLEL, KernelSpec
 
 _DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 _MAX_GRID_YZ = 65535
@@ -60,8 +60,9 @@ def device(index: int) -> Device:
 
 
 @lru_cache(maxsize=None)
-def pick(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0) -> KernelSpec:
-    return tiles.pick_nw(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask)
+def pick(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0, mask_mod: str = "",
+         mod_tensors: tuple = ()) -> KernelSpec:
+    return tiles.pick_nw(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask, mask_mod, mod_tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -74,8 +75,10 @@ def _cdiv(a: int, b: int) -> int:
 def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132,
          splits: int = 1) -> tuple[int, int, int]:
     """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu."""
-    if spec.family in ("fwd", "bwd_dq"):
+    if spec.family in ("fwd", "bwd_dq", "mask_rows"):  # mask_*: B, H are the lists' batch entries, heads
         g = (_cdiv(Sq, spec.block_m), H, B)
+    elif spec.family == "mask_cols":
+        g = (_cdiv(Sk, spec.block_n), H, B)
     elif spec.family in KEY_PARALLEL:
         g = (_cdiv(Sk, spec.block_n), Hkv * splits, B)
     elif spec.family in ELEMENTWISE:  # grid-stride loops: enough blocks for the work, at most 32 per SM

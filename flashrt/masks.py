@@ -9,18 +9,21 @@ and `Masking` carries what the launcher needs: the compile-time feature bits
 from __future__ import annotations
 
 import dataclasses
+import keyword
+import re
 
 import numpy as np
 
 from . import interop
 from .interop import Array
-from .spec import MASK_BITS
+from .spec import MASK_BITS, MAX_MOD_TENSORS, MOD_VARIABLES
 
 CAUSAL_MODES = (False, True, "bottom_right", "top_left")
 # Keyword arguments of forward / backward that are device arrays, and all mask keywords.
 ARRAY_ARGS = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "block_ids_q", "block_ids_k",
               "segment_ids_q", "segment_ids_k")
-ARGS = ARRAY_ARGS + ("window", "max_seqlen_q", "max_seqlen_k")
+ARGS = ARRAY_ARGS + ("window", "max_seqlen_q", "max_seqlen_k", "mask_mod", "mask_tensors")
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 
 
 def check_names(mask_args: dict, fn: str) -> None:
@@ -41,11 +44,19 @@ class Masking:
     total_q: int            # rows of q / k (varlen), else B * Sq / B * Sk
     total_k: int
     arrays: tuple = ()      # the id / length arrays, kept alive for the launch
+    mask_mod: str = ""      # the user's expression, and the names of its tensors
+    mod_tensors: tuple = ()
+    mod_per_head: bool = False   # the expression names h: tile lists per query head
+    mod_per_batch: bool = False  # it names b or a tensor, or a built-in mask varies by batch entry
 
     @property
     def ordered_dq_ok(self) -> bool:
         """The fused backward can add dQ in a fixed order (kernels_cu/mask.cuh: first_key_tile_of)."""
-        return not self.bits & MASK_BITS["segments"]
+        return not self.bits & (MASK_BITS["segments"] | MASK_BITS["mod"])
+
+    def mod_lists(self, H: int) -> tuple[int, int]:
+        """(heads, batch entries) with a tile list of their own (kernels_cu/mask.cuh: ModLists)."""
+        return (H if self.mod_per_head else 1), (self.B if self.mod_per_batch else 1)
 
     def stat_strides(self, H: int) -> dict:
         """lse (and delta, dq_accum rows) layout: (B, H, Sq), or (H, total_q) when varlen."""
@@ -55,8 +66,10 @@ class Masking:
         return (H, self.total_q) if self.varlen else (self.B, H, self.Sq)
 
     def kernel_fields(self, H: int) -> dict:
-        """Every params field this masking sets (params.FWD / BWD)."""
-        return {**self.fields, **self.stat_strides(H), "B": self.B, "Sq": self.Sq, "Sk": self.Sk}
+        """Every params field this masking sets (params.FWD / BWD); the tile lists' pointers aside."""
+        heads, batches = self.mod_lists(H)
+        return {**self.fields, **self.stat_strides(H), "B": self.B, "Sq": self.Sq, "Sk": self.Sk,
+                "mod_heads": heads, "mod_batches": batches}
 
     def elementwise_fields(self, H: int) -> dict:
         """Overrides for the row-wise families (bwd_preprocess, bwd_dq_convert): packed rows are one batch."""
@@ -65,7 +78,8 @@ class Masking:
     @staticmethod
     def parse(Q: Array, K: Array, *, causal=False, window=None, seqlens_q=None, seqlens_k=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_ids_q=None,
-              block_ids_k=None, segment_ids_q=None, segment_ids_k=None, validate: bool = True) -> "Masking":
+              block_ids_k=None, segment_ids_q=None, segment_ids_k=None, mask_mod=None, mask_tensors=None,
+              validate: bool = True) -> "Masking":
         """Q, K: the descriptors of q and k as given ((B, S, H, D), or (total, H, D) when varlen)."""
         if causal not in CAUSAL_MODES or isinstance(causal, (int, float)) and not isinstance(causal, bool):
             raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
@@ -73,7 +87,8 @@ class Masking:
         bits, arrays, host = 0, [], {}
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
 
-        def int_array(x, name, shape):
+        def int_array(x, name, shape, data_checked=True):
+            """The pointer of an int32 device array; its host copy in `host` when its data are validated."""
             a = interop.describe(x, name)
             if a.lib != Q.lib or a.device != Q.device:
                 raise ValueError(f"{name} must be a {Q.lib} array on cuda:{Q.device} like q, got {a.lib} on "
@@ -83,10 +98,11 @@ class Masking:
                                 f"{name}.astype(cupy.int32)")
             if a.shape != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-            if a.shape and a.strides[-1] != 1 or len(shape) == 2 and shape[0] > 1 and a.strides[0] != shape[1]:
+            contiguous = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+            if any(n > 1 and st != c for n, st, c in zip(shape, a.strides, contiguous)):
                 raise ValueError(f"{name} must be contiguous, got strides {a.strides}; pass {name}.contiguous()")
             arrays.append(x)
-            if validate:
+            if validate and data_checked:
                 host[name] = interop.to_numpy(a)
             return a.ptr
 
@@ -159,7 +175,19 @@ class Masking:
             if validate:
                 for name in (f"{kind}_q", f"{kind}_k"):
                     _check_non_decreasing(host[name], name, host.get("cu_seqlens_" + name[-1]))
-        return Masking(bool(causal), bits, fields, varlen, B, Sq, Sk, total_q, total_k, tuple(arrays))
+
+        mod, names, per_head, per_batch = "", (), False, False
+        if mask_mod is not None or mask_tensors:
+            mod, names = _check_mask_mod(mask_mod, mask_tensors)
+            for i, (name, x) in enumerate((mask_tensors or {}).items()):
+                a = interop.describe(x, f"mask_tensors[{name!r}]")
+                fields[f"mod_t{i}"] = int_array(x, f"mask_tensors[{name!r}]", a.shape, data_checked=False)
+            used = set(_IDENTIFIER.findall(mod))
+            per_head = "h" in used
+            per_batch = "b" in used or bool(names) or bool(bits & ~MASK_BITS["window"])
+            bits |= MASK_BITS["mod"]
+        return Masking(bool(causal), bits, fields, varlen, B, Sq, Sk, total_q, total_k, tuple(arrays), mod, names,
+                       per_head, per_batch)
 
 
 def _max_len(given, name: str, cu_host, cu) -> int:
@@ -190,3 +218,31 @@ def _check_non_decreasing(ids: np.ndarray, name: str, cu: np.ndarray | None) -> 
         raise ValueError(f"{name} must be non-decreasing along each sequence (key j is visible to query i iff "
                          f"{'block_ids_k[j] <= block_ids_q[i]' if 'block' in name else 'the ids are equal'}; "
                          f"flashrt skips tiles by that order); {name} decreases in {where}")
+
+
+def _check_mask_mod(expr, tensors) -> tuple[str, tuple]:
+    """The expression and its tensors' names, checked for what can be checked before NVRTC sees them."""
+    if not isinstance(expr, str) or not expr.strip():
+        raise ValueError(f"mask_mod must be a CUDA boolean expression over {', '.join(MOD_VARIABLES)} (and the "
+                         f"names of mask_tensors), such as \"k <= q || k < 256\"; got {expr!r}")
+    tensors = tensors or {}
+    if not isinstance(tensors, dict):
+        raise TypeError(f"mask_tensors must be a dict of name -> int32 device array, got {type(tensors).__name__}")
+    if len(tensors) > MAX_MOD_TENSORS:
+        raise ValueError(f"mask_tensors holds at most {MAX_MOD_TENSORS} arrays, got {len(tensors)}")
+    for name in tensors:
+        if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name) or keyword.iskeyword(name) \
+                or name in MOD_VARIABLES or re.fullmatch(r"t\d|frt\w*|mask_mod_fn", name):
+            raise ValueError(f"mask_tensors key {name!r} must be a C identifier other than "
+                             f"{', '.join(MOD_VARIABLES)}, t0-t3 and frt*: it names the tensor in the expression")
+    return expr.strip(), tuple(tensors)
+
+
+def mask_mod_error(expr: str, tensors: tuple, log: str) -> ValueError:
+    """A mask_mod that NVRTC rejected: its messages about the expression, with NVRTC's caret under the fault."""
+    from .spec import MOD_FILE
+    lines = [ln.replace("flashrt_mask_mod_end(1)", f"{MOD_FILE} (at its end)") for ln in log.rstrip().splitlines()
+             if not ln.rstrip().endswith('.cu".') and "error detected" not in ln and "errors detected" not in ln]
+    names = ", ".join(MOD_VARIABLES + tuple(f"const int* {n}" for n in tensors))
+    return ValueError(f"mask_mod does not compile as a CUDA boolean expression over {names}:\n  " +
+                      "\n  ".join(ln for ln in lines if ln.strip()) + f"\n(the expression: {expr!r})")

@@ -22,13 +22,18 @@ def _strides(*tensors: str) -> list[tuple[str, type]]:
 _MASK_PTRS = [(n, _PTR) for n in ("seqlens_q", "seqlens_k", "cu_q", "cu_k", "block_q", "block_k", "seg_q", "seg_k")]
 _STATS = [("st_sb", _I64), ("st_sh", _I64)]
 _DIMS = [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk", "win_left", "win_right", "top_left")]
+# mask_mod's fields, last in both structs.
+_MOD = ([(n, _PTR) for n in ("mod_rows", "mod_rows_count", "mod_cols", "mod_cols_count", "mod_t0", "mod_t1",
+                             "mod_t2", "mod_t3")]
+        + [("mod_heads", _I32), ("mod_batches", _I32)])
 
 FWD = np.dtype(
     [(n, _PTR) for n in ("q", "k", "v", "o", "lse")]
     + _MASK_PTRS
     + _strides("q", "k", "v", "o")
     + _STATS + _DIMS
-    + [("scale_log2", _F32)],
+    + [("scale_log2", _F32)]
+    + _MOD,
     align=True,
 )
 
@@ -39,7 +44,8 @@ BWD = np.dtype(
     + _MASK_PTRS
     + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
     + _STATS + _DIMS
-    + [("scale_log2", _F32), ("scale", _F32)],
+    + [("scale_log2", _F32), ("scale", _F32)]
+    + _MOD,
     align=True,
 )
 

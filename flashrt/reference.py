@@ -14,8 +14,10 @@ def _xp(a):
 
 
 def visible(B, Sq, Sk, *, causal=False, align="bottom_right", window=(-1, -1), seqlens_q=None, seqlens_k=None,
-            block_ids_q=None, block_ids_k=None, segment_ids_q=None, segment_ids_k=None, xp=None):
-    """Which keys each query sees, as a bool array (B, 1, Sq, Sk): the dense form of every mask kind.
+            block_ids_q=None, block_ids_k=None, segment_ids_q=None, segment_ids_k=None, mask_mod=None, heads=1,
+            xp=None):
+    """Which keys each query sees, as a bool array (B, 1, Sq, Sk) ((B, heads, Sq, Sk) with mask_mod):
+    the dense form of every mask kind.
 
     Key j is visible to query i of batch b iff all of these hold:
       - both exist: i < seqlens_q[b] and j < seqlens_k[b] (padding; default: the full extents);
@@ -23,7 +25,10 @@ def visible(B, Sq, Sk, *, causal=False, align="bottom_right", window=(-1, -1), s
         "bottom_right" (the last query sees the last key) and 0 when "top_left";
       - window (left, right), -1 = unbounded: i + shift - left <= j <= i + shift + right;
       - block ids (non-decreasing): block_ids_k[b, j] <= block_ids_q[b, i];
-      - segment ids: segment_ids_q[b, i] == segment_ids_k[b, j].
+      - segment ids: segment_ids_q[b, i] == segment_ids_k[b, j];
+      - mask_mod(b, h, i, j, Lq, Lk) is true: the Python form of a mask_mod expression, called once
+        with broadcasting integer arrays (b: (B,1,1,1), h: (1,heads,1,1), i: (1,1,Sq,1), j: (1,1,1,Sk),
+        Lq, Lk: the lengths, (B,1,1,1)).
     A query row that sees no key gets out = 0, lse = -inf and zero gradients.
     """
     import numpy
@@ -47,6 +52,9 @@ def visible(B, Sq, Sk, *, causal=False, align="bottom_right", window=(-1, -1), s
         keep &= xp.asarray(block_ids_k)[:, None, None, :] <= xp.asarray(block_ids_q)[:, None, :, None]
     if segment_ids_q is not None:
         keep &= xp.asarray(segment_ids_k)[:, None, None, :] == xp.asarray(segment_ids_q)[:, None, :, None]
+    if mask_mod is not None:
+        b, h = xp.arange(B).reshape(B, 1, 1, 1), xp.arange(heads).reshape(1, heads, 1, 1)
+        keep = keep & xp.asarray(mask_mod(b, h, i, j, lq, lk), dtype=bool)
     return keep
 
 

@@ -10,6 +10,7 @@ Sequence lengths, batch, heads and strides are run-time arguments.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 
 from . import params
@@ -23,15 +24,25 @@ FAMILIES = {
     "bwd_dkdv_reduce": ("bwd_dkdv_reduce.cu", params.BWD, {}),
     "bwd_fused": ("bwd_dkdv.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # dK/dV + atomic dQ
     "bwd_dq_convert": ("bwd_dq_convert.cu", params.BWD, {}),
+    # mask_mod tile lists (ModLists): per query tile (fwd, bwd_dq) and per key tile (bwd_dkdv, bwd_fused)
+    "mask_rows": ("mask_classify.cu", params.FWD, {}),
+    "mask_cols": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY_COLS": 1}),
 }
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
 ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
 # Key-parallel families (bwd_dkdv.cu): grid over key tiles, warp layouts per phase.
 KEY_PARALLEL = ("bwd_dkdv", "bwd_fused")
+# mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
+# (KernelSpec.classifier); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
+CLASSIFY = ("mask_rows", "mask_cols")
+CLASSIFY_WARPS = 8
 DTYPES = ("bf16", "fp16")
 # Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
-MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8}
-_MASK_TAGS = {1: "len", 2: "win", 4: "blk", 8: "seg"}
+MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16}
+_MASK_TAGS = {1: "len", 2: "win", 4: "blk", 8: "seg", 16: "mod"}
+# What a mask_mod expression sees besides its tensors (kernels_cu/mask.cuh: mask_mod_fn).
+MOD_VARIABLES = ("b", "h", "q", "k", "Lq", "Lk")
+MAX_MOD_TENSORS = 4
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
 HEAD_DIMS = tuple(range(8, 257, 8))
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -70,6 +81,8 @@ class KernelSpec:
     causal: bool
     arch: str
     mask: int = 0  # MASK_BITS of the mask features compiled in (0 for ELEMENTWISE families)
+    mask_mod: str = ""              # the user's expression (MASK_BITS["mod"])
+    mod_tensors: tuple = ()         # names the expression gives its int32 tensors, in order
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -82,6 +95,12 @@ class KernelSpec:
             raise ValueError(f"arch must look like sm_80 or sm_90a, got {self.arch!r}")
         if self.mask & ~sum(MASK_BITS.values()) or (self.mask and self.family in ELEMENTWISE):
             raise ValueError(f"mask bits {self.mask} are not valid for {self.family} (MASK_BITS: {MASK_BITS})")
+        if bool(self.mask & MASK_BITS["mod"]) != bool(self.mask_mod) or (self.mod_tensors and not self.mask_mod):
+            raise ValueError("a mask_mod expression goes with the mod mask bit, and tensors with an expression")
+        if self.family in CLASSIFY and not self.mask_mod:
+            raise ValueError(f"{self.family} classifies tiles for a mask_mod expression; it needs one")
+        if len(self.mod_tensors) > MAX_MOD_TENSORS:
+            raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
         problem = self.layout_problem()
         if problem:
             raise ValueError(f"invalid tiling for {self.name}: {problem}")
@@ -93,8 +112,14 @@ class KernelSpec:
             return f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_w{self.warps}_{self.arch}"
         mask = "causal" if self.causal else "full"
         mask += "".join(f"_{tag}" for bit, tag in _MASK_TAGS.items() if self.mask & bit)
-        return (f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_{mask}"
-                f"_m{self.block_m}n{self.block_n}w{self.warps}_{self.arch}")
+        if self.mask_mod:  # the expression's identity
+            mask += hashlib.sha256(repr((self.mask_mod, self.mod_tensors)).encode()).hexdigest()[:12]
+        what = self.family if self.family in CLASSIFY else f"{self.family}_hd{self.head_dim}_{self.dtype}"
+        return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}_{self.arch}"
+
+    def classifier(self, family: str) -> "KernelSpec":
+        """The mask_mod classification kernel (CLASSIFY) whose tile lists this kernel reads."""
+        return dataclasses.replace(self, family=family, head_dim=64, dtype="bf16", warps=CLASSIFY_WARPS)
 
     @property
     def threads(self) -> int:
@@ -108,6 +133,9 @@ class KernelSpec:
             return "warps must be in [1, 16]"
         if self.family in ELEMENTWISE:
             return None
+        if self.family in CLASSIFY:
+            return None if bm % 16 == 0 and bn % 16 == 0 and bm > 0 and bn > 0 else \
+                "block_m and block_n must be positive multiples of 16"
         if bn % 16 or bm % 16 or bm <= 0 or bn <= 0:
             return "block_m and block_n must be positive multiples of 16"
         if self.family in ("fwd", "bwd_dq"):
@@ -154,7 +182,31 @@ class KernelSpec:
         return [*NVRTC_OPTIONS, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in defines.items())]
 
     def translation_unit(self) -> str:
-        return f'#include "{self.source_file}"\n' + params.static_asserts(FAMILIES[self.family][1])
+        return (f'#include "{self.source_file}"\n' + params.static_asserts(FAMILIES[self.family][1])
+                + (mask_mod_source(self.mask_mod, self.mod_tensors) if self.mask_mod else ""))
 
     def key_fields(self) -> dict:
         return dataclasses.asdict(self)
+
+
+MOD_FILE = "mask_mod"  # the file name NVRTC gives the expression in its messages
+
+
+def mask_mod_source(expr: str, tensors: tuple) -> str:
+    """The definition of kernels_cu/mask.cuh's mask_mod_fn around a user's expression.
+
+    `#line` makes NVRTC report errors in the expression as `mask_mod(LINE): error: ...`, with
+    the expression's own line and a caret under the fault.
+    """
+    names = "".join(f"    const int* const {n} = t{i};\n" for i, n in enumerate(tensors))
+    return ("namespace frt {\n"
+            "FRT_DEVICE bool mask_mod_fn(int b, int h, int q, int k, int Lq, int Lk, const int* t0, const int* t1,\n"
+            "                            const int* t2, const int* t3) {\n"
+            f"{names}"
+            "    return static_cast<bool>(\n"
+            f'#line 1 "{MOD_FILE}"\n'
+            f"{expr}\n"
+            '#line 1 "flashrt_mask_mod_end"\n'
+            "    );\n"
+            "}\n"
+            "}  // namespace frt\n")

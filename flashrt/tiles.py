@@ -55,6 +55,11 @@ _MASKED_PREFERENCES = {
     "fwd": [(192, [(128, 64, 8), (64, 64, 4)]), (256, [(64, 32, 4)])],
     "bwd_fused": [(256, [(64, 64, 8), (64, 32, 8)])],
 }
+# With a mask_mod expression as well, the fused backward at head_dim > 128 spills at 64x64 (12 bytes with
+# every built-in mask and a tensor-reading expression, NVRTC 12.9).
+_MOD_PREFERENCES = {
+    "bwd_fused": [(128, [(64, 64, 8), (64, 32, 8)]), (256, [(64, 32, 8)])],
+}
 # Smaller tilings, tried in order when none of the preferred ones fits.
 _FALLBACKS = {
     "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
@@ -75,6 +80,8 @@ def candidates(family: str, head_dim: int, mask: int = 0) -> list[tuple[int, int
     table = _PREFERENCES[family]
     if mask & ~MASK_BITS["lengths"]:
         table = _MASKED_PREFERENCES.get(family, table)
+    if mask & MASK_BITS["mod"]:
+        table = _MOD_PREFERENCES.get(family, table)
     for max_d, prefs in table:
         if head_dim <= max_d:
             return prefs + [f for f in _FALLBACKS[family] if f not in prefs]
@@ -82,17 +89,19 @@ def candidates(family: str, head_dim: int, mask: int = 0) -> list[tuple[int, int
 
 
 def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int,
-            mask: int = 0) -> KernelSpec:
+            mask: int = 0, mask_mod: str = "", mod_tensors: tuple = ()) -> KernelSpec:
     """Tiles and warps for one kernel: the first preferred tiling that fits `smem_limit` bytes.
 
-    `mask` (spec.MASK_BITS): element masks beyond lengths take _MASKED_PREFERENCES where a family has them.
+    `mask` (spec.MASK_BITS): element masks beyond lengths take _MASKED_PREFERENCES where a family has them;
+    `mask_mod`, `mod_tensors`: a user's expression (spec.KernelSpec).
     """
     elementwise = family in ELEMENTWISE
     tried = []
     for bm, bn, nw in candidates(family, head_dim, mask):
         try:
             spec = KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise, arch,
-                              0 if elementwise else mask)
+                              0 if elementwise else mask, "" if elementwise else mask_mod,
+                              () if elementwise else tuple(mod_tensors))
         except ValueError as exc:  # this tiling does not divide this head_dim; try the next
             tried.append(str(exc))
             continue

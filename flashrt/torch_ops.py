@@ -28,13 +28,19 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     return x if aligned else x.contiguous()
 
 
-# The mask arguments travel through the ops as a fixed list (masks.ARRAY_ARGS order) of optional
-# tensors, the window and the varlen maximum lengths; `causal` as "none" | "bottom_right" | "top_left".
+# The mask arguments travel through the ops as a list of optional tensors (masks.ARRAY_ARGS order,
+# then mask_mod's tensors), the window, the varlen maximum lengths, and mask_mod's expression and
+# comma-separated tensor names ("" when none: op schemas take no list of strings); `causal` as
+# "none" | "bottom_right" | "top_left".
 _CAUSAL = {False: "none", True: "bottom_right", "bottom_right": "bottom_right", "top_left": "top_left"}
 
 
-def _mask_kwargs(causal: str, window, max_seqlen_q, max_seqlen_k, tensors) -> dict:
-    kw = {n: t for n, t in zip(masks.ARRAY_ARGS, tensors) if t is not None}
+def _mask_kwargs(causal: str, window, max_seqlen_q, max_seqlen_k, tensors, mask_mod: str, mod_names: str) -> dict:
+    n = len(masks.ARRAY_ARGS)
+    kw = {name: t for name, t in zip(masks.ARRAY_ARGS, tensors[:n]) if t is not None}
+    if mask_mod or mod_names:
+        kw["mask_mod"] = mask_mod or None
+        kw["mask_tensors"] = dict(zip(mod_names.split(","), tensors[n:])) if mod_names else {}
     if window is not None:
         kw["window"] = tuple(window)
     if max_seqlen_q is not None:
@@ -49,16 +55,16 @@ def _mask_kwargs(causal: str, window, max_seqlen_q, max_seqlen_k, tensors) -> di
 @torch.library.custom_op("flashrt::fwd", mutates_args=())
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax_scale: Optional[float],
          impl: str, deterministic: bool, window: Optional[list[int]], max_seqlen_q: Optional[int],
-         max_seqlen_k: Optional[int], validate: bool,
-         mask_tensors: list[Optional[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+         max_seqlen_k: Optional[int], validate: bool, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
+         mod_names: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward_impl(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k,
-                         validate, mask_tensors)
+                         validate, mask_tensors, mask_mod, mod_names)
 
 
 def _forward_impl(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
-                  mask_tensors):
+                  mask_tensors, mask_mod, mod_names):
     return api.forward(q, k, v, softmax_scale=softmax_scale, validate=validate,
-                       **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors))
+                       **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names))
 
 
 def _lse_shape(q, mask_tensors):
@@ -70,7 +76,7 @@ def _lse_shape(q, mask_tensors):
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
-              mask_tensors):
+              mask_tensors, mask_mod, mod_names):
     # api.forward allocates both outputs contiguous, whatever q's strides.
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
 
@@ -79,35 +85,39 @@ def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_s
 def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
          lse: torch.Tensor, causal: str, softmax_scale: Optional[float], impl: str, deterministic: bool,
          window: Optional[list[int]], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-         mask_tensors: list[Optional[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
+         mod_names: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (the forward output is `o`: an argument named `out` reads as an out= variant in op schemas)
     return api.backward(_kernel_ready(dout), q, k, v, o, lse, softmax_scale=softmax_scale, impl=impl,
                         deterministic=deterministic, validate=False,  # the forward validated them
-                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors))
+                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod,
+                                       mod_names))
 
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, o, lse, causal, softmax_scale, impl, deterministic, window, max_seqlen_q,
-              max_seqlen_k, mask_tensors):
+              max_seqlen_k, mask_tensors, mask_mod, mod_names):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, _, tensors = inputs
+    (q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, _, tensors, mask_mod,
+     mod_names) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
     ctx.options = (causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k)
+    ctx.mod = (mask_mod, mod_names)
     # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
     ctx.mark_non_differentiable(lse)
 
 
-_NO_GRADS = (None,) * 9  # the forward op's arguments after q, k, v
+_NO_GRADS = (None,) * 11  # the forward op's arguments after q, k, v
 
 
 def _backward(ctx, dout, _dlse):
     # One read of saved_tensors: non-reentrant checkpointing unpacks each saved tensor once.
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options, tensors)
+    dq, dk, dv = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options, tensors, *ctx.mod)
     return (dq, dk, dv, *_NO_GRADS)
 
 
@@ -147,7 +157,7 @@ class _Eager(torch.autograd.Function):
         causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k = ctx.options
         dq, dk, dv = api.backward(_kernel_ready(dout), q, k, v, out, lse, softmax_scale=softmax_scale, impl=impl,
                                   deterministic=deterministic, validate=False,
-                                  **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, tensors))
+                                  **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, tensors, *ctx.mod))
         return (dq, dk, dv, *_NO_GRADS)
 
 
@@ -167,9 +177,15 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     scale = None if softmax_scale is None else float(softmax_scale)
     window = mask_args.get("window")
     window = None if window is None else [int(w) for w in window]
-    tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS]
+    mod_tensors = mask_args.get("mask_tensors") or {}
+    if not isinstance(mod_tensors, dict):
+        raise TypeError(f"mask_tensors must be a dict of name -> int32 tensor, got {type(mod_tensors).__name__}")
+    tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS] + list(mod_tensors.values())
+    mask_mod = mask_args.get("mask_mod")
+    if mask_mod is not None and not isinstance(mask_mod, str):
+        raise ValueError(f"mask_mod must be a CUDA boolean expression (a str), got {mask_mod!r}")
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
-            mask_args.get("max_seqlen_k"), bool(validate), tensors)
+            mask_args.get("max_seqlen_k"), bool(validate), tensors, mask_mod or "", ",".join(mod_tensors))
     if q.is_cuda and not torch.compiler.is_compiling():
         out, lse = _Eager.apply(*args)
     else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls

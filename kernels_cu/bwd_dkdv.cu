@@ -107,12 +107,27 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const int rows_k = min(BN, vis.Ek - n0);
     if (rows_k <= 0) return;  // past a packed sequence's end (the launcher uses one split when varlen)
 
-    // Query tiles that can see this key tile.
-    int q_lo, q_hi;
-    vis.query_span(n0, BN, q_lo, q_hi, tid, T::NTHREADS);
-    const int m_first = q_lo / BM;
-    const int m_count = q_hi > q_lo ? ceil_div(q_hi, BM) - m_first : 0;
-    const int n_pairs = m_count > 0 ? group * m_count : 0;
+    // The (query head, query tile) pairs that can see this key tile: the group's heads in
+    // order, each with the query tiles [m_first, m_first + m_count) or, with mask_mod, the
+    // tiles of its ModLists column (per head when the mask differs per head).
+    int m_first = 0, m_count = 0, n_pairs;
+    ModLists lists{};
+    auto mod_count = [&](int h) { return lists.count[lists.index(p, b, h, n_block)]; };
+    if constexpr (T::MASK & MASK_MOD) {
+        lists = ModLists::cols(p, BM, BN);
+        n_pairs = 0;
+        if (p.mod_heads > 1) {
+            for (int gi = 0; gi < group; ++gi) n_pairs += mod_count(hk * group + gi);
+        } else {
+            n_pairs = group * mod_count(0);
+        }
+    } else {
+        int q_lo, q_hi;
+        vis.query_span(n0, BN, q_lo, q_hi, tid, T::NTHREADS);
+        m_first = q_lo / BM;
+        m_count = q_hi > q_lo ? ceil_div(q_hi, BM) - m_first : 0;
+        n_pairs = m_count > 0 ? group * m_count : 0;
+    }
     const int chunk = ceil_div(n_pairs, p.splits);
     const int it_begin = min(n_pairs, split * chunk), it_end = min(n_pairs, it_begin + chunk);
 
@@ -121,13 +136,34 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const u32 sP = sQdO + 2 * T::SMEM_QDO_STAGE, sdS = sP + BN * LDP;
     float* s_stat = reinterpret_cast<float*>(smem + T::SMEM_KV + 2 * T::SMEM_QDO_STAGE + T::SMEM_P);
 
-    // Pair `it` -> (query head, query tile); query tiles last to first (see the ordered fused dQ above).
-    auto pair_head = [&](int it) { return hk * group + it / m_count; };
-    auto pair_tile = [&](int it) { return m_first + m_count - 1 - it % m_count; };
+    // Pair `it` -> (query head, query tile, whether the element mask runs); query tiles last
+    // to first (see the ordered fused dQ above).
+    struct Pair {
+        int h, m;
+        bool partial;
+    };
+    auto pair = [&](int it) -> Pair {
+        if constexpr (T::MASK & MASK_MOD) {
+            int gi = 0;
+            if (p.mod_heads > 1) {
+                for (int c; it >= (c = mod_count(hk * group + gi)); ++gi) it -= c;
+            } else {
+                const int c = mod_count(0);
+                gi = it / c, it -= gi * c;
+            }
+            const int h = hk * group + gi;
+            const int e = lists.list[lists.index(p, b, h, n_block) * lists.n_inner + it];
+            return {h, ModLists::tile(e), e < 0};
+        } else {
+            const int m = m_first + m_count - 1 - it % m_count;
+            return {hk * group + it / m_count, m, !vis.all_visible(m * BM, BM, n0, BN)};
+        }
+    };
 
     auto load_q = [&](int it, int stage) {
-        const int h = pair_head(it);
-        const int m0 = pair_tile(it) * BM;
+        const Pair pr = pair(it);
+        const int h = pr.h;
+        const int m0 = pr.m * BM;
         const int rows = min(BM, vis.Eq - m0);
         const i64 row0 = vis.q_row0 + m0;
         const u32 sQ = sQdO + stage * T::SMEM_QDO_STAGE;
@@ -158,7 +194,8 @@ __device__ void bwd_dkdv(const BwdParams& p) {
 
     for (int it = it_begin; it < it_end; ++it) {
         const int stage = (it - it_begin) & 1;
-        const int m0 = pair_tile(it) * BM;
+        const Pair pa = pair(it);
+        const int m0 = pa.m * BM;
         cp_async_wait<0>();
         __syncthreads();
         if (it + 1 < it_end) load_q(it + 1, stage ^ 1);
@@ -173,7 +210,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK>(s, sK + krow1 * LD, LD, sQ + qcol1 * LD, LD, lane);
         gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK>(dp, sV + krow1 * LD, LD, sdO + qcol1 * LD, LD, lane);
 
-        const bool need_mask = !vis.all_visible(m0, BM, n0, BN);
+        const bool need_mask = pa.partial;
         u16* p_tile = reinterpret_cast<u16*>(smem + (sP - sK));
         u16* ds_tile = reinterpret_cast<u16*>(smem + (sdS - sK));
 #pragma unroll
@@ -186,7 +223,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                     const int qc = qcol1 + nt * 8 + 2 * t + (c & 1);     // query column within the tile
                     float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -s_lse2[qc]));
                     if (need_mask) {
-                        if (!vis.visible(m0 + qc, n0 + kr)) pr = 0.f;
+                        if (!vis.visible(m0 + qc, n0 + kr, pa.h)) pr = 0.f;
                     }
                     s[mt][nt][c] = pr;
                     dp[mt][nt][c] = pr * (dp[mt][nt][c] - s_delta[qc]);
@@ -199,11 +236,12 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         gemm_ss<T::BF16, MT2, NT2, BM / 16, B_KN>(dk, sdS + krow2 * LDP, LDP, sQ + dcol2 * 2, LD, lane);
         if constexpr (T::FUSED) {
             // dQ_pair = dS K: A = dS^T read transposed from shared memory, B = K.
-            const int h = pair_head(it);
+            const int h = pa.h;
             float* dq_rows = p.dq_accum + ((i64)b * p.st_sb + (i64)h * p.st_sh + vis.q_row0 + m0) * T::D;
-            int* sem = p.dq_sem ? p.dq_sem + ((i64)b * p.H + h) * ceil_div(p.Sq, BM) + pair_tile(it) : nullptr;
-            // Key tiles add into a query tile in order, counted from the first that visits it.
-            const int turn = sem ? n_block - vis.first_key_tile_of(pair_tile(it), BM, BN) : 0;
+            int* sem = p.dq_sem ? p.dq_sem + ((i64)b * p.H + h) * ceil_div(p.Sq, BM) + pa.m : nullptr;
+            // Key tiles add into a query tile in order, counted from the first that visits it
+            // (never with mask_mod: flashrt/masks.py sends those to split or unordered fused).
+            const int turn = sem ? n_block - vis.first_key_tile_of(pa.m, BM, BN) : 0;
 #pragma unroll 1
             for (int pass = 0; pass < T::NT3 / T::NQ; ++pass) {
                 const int col0 = dcol3 + pass * T::NQ * 8;

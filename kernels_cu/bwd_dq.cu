@@ -36,7 +36,9 @@ __device__ void bwd_dq(const BwdParams& p) {
     auto load_kv = [&](u32 stage, int j) {
         load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, b, tile.hk, tile.vis.k_row0, tile.vis.Ek, j, tid);
     };
-    if (tile.n_end > tile.n_first) load_kv(sKV, tile.n_first);
+    // Key tiles first to last: visit number it is tile.key_tile(n_blocks - 1 - it).
+    const int n_blocks = tile.n_blocks;
+    if (n_blocks > 0) load_kv(sKV, tile.key_tile(n_blocks - 1));
     cp_async_commit();
 
     // Per-row statistics of the two rows each thread holds per m-tile.
@@ -53,11 +55,12 @@ __device__ void bwd_dq(const BwdParams& p) {
 
     float dq[MT][NT_D][4];
     zero(dq);
-    for (int j = tile.n_first; j < tile.n_end; ++j) {
-        const int n0 = j * BN, stage = (j - tile.n_first) & 1;
+    for (int it = 0; it < n_blocks; ++it) {
+        const int j = tile.key_tile(n_blocks - 1 - it);
+        const int n0 = j * BN, stage = it & 1;
         cp_async_wait<0>();
         __syncthreads();
-        if (j + 1 < tile.n_end) load_kv(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, j + 1);
+        if (it + 1 < n_blocks) load_kv(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, tile.prev_key_tile(n_blocks - 1 - it, j));
         cp_async_commit();
         const u32 sK = sKV + stage * T::SMEM_KV_STAGE, sV = sK + BN * LD;
 
@@ -68,7 +71,7 @@ __device__ void bwd_dq(const BwdParams& p) {
         zero(dp);
         gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(dp, sdO + wrow * LD, LD, sV, LD, lane);
 
-        const bool need_mask = tile.needs_mask(j);
+        const bool need_mask = tile.needs_mask(n_blocks - 1 - it, j);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -80,7 +83,7 @@ __device__ void bwd_dq(const BwdParams& p) {
                     if (need_mask) {
                         const int row = m0 + wrow + mt * 16 + g + 8 * hh;
                         const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (!tile.vis.visible(row, col)) pr = 0.f;
+                        if (!tile.vis.visible(row, col, h)) pr = 0.f;
                     }
                     s[mt][nt][c] = pr * (dp[mt][nt][c] - delta[mt][hh]);  // dS
                 }

@@ -27,7 +27,7 @@ __device__ void fwd(const FwdParams& p) {
     const int g = lane >> 2, t = lane & 3;
     const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, T::NTHREADS);
     if (tile.rows <= 0) return;
-    const int n_blocks = tile.n_end - tile.n_first;
+    const int n_blocks = tile.n_blocks;
 
     const u32 sQ = smem_u32(smem);
     const u32 sKV = sQ + T::SMEM_Q;  // stage s: K at sKV + s*STAGE, V right after K
@@ -38,7 +38,7 @@ __device__ void fwd(const FwdParams& p) {
     auto load_kv = [&](u32 stage, int j) {
         load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, tile.b, tile.hk, tile.vis.k_row0, tile.vis.Ek, j, tid);
     };
-    if (n_blocks > 0) load_kv(sKV, tile.n_end - 1);
+    if (n_blocks > 0) load_kv(sKV, tile.key_tile(0));
     cp_async_commit();
 
     float o[MT][NT_O][4];
@@ -53,12 +53,12 @@ __device__ void fwd(const FwdParams& p) {
     // Key blocks are visited last to first so that the blocks needing a mask
     // (the ragged tail and the causal diagonal) come first.
     for (int it = 0; it < n_blocks; ++it) {
-        const int j = tile.n_end - 1 - it, stage = it & 1;
+        const int j = tile.key_tile(it), stage = it & 1;
         const int n0 = j * BN;
         cp_async_wait<0>();
         __syncthreads();
         if (it + 1 < n_blocks)
-            load_kv(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, j - 1);
+            load_kv(sKV + (stage ^ 1) * T::SMEM_KV_STAGE, tile.next_key_tile(it, j));
         cp_async_commit();
 
         const u32 sK = sKV + stage * T::SMEM_KV_STAGE, sV = sK + BN * LD;
@@ -76,7 +76,7 @@ __device__ void fwd(const FwdParams& p) {
             gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(s, sQ + wrow * LD, LD, sK, LD, lane);
         }
 
-        if (tile.needs_mask(j)) {
+        if (tile.needs_mask(it, j)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -85,7 +85,7 @@ __device__ void fwd(const FwdParams& p) {
                     for (int c = 0; c < 4; ++c) {
                         const int row = tile.m0 + wrow + mt * 16 + g + 8 * (c >> 1);
                         const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (!tile.vis.visible(row, col)) s[mt][nt][c] = -FRT_INF;
+                        if (!tile.vis.visible(row, col, tile.h)) s[mt][nt][c] = -FRT_INF;
                     }
         }
 

@@ -1,5 +1,6 @@
 // Which keys each query sees: per-sequence lengths (padding, packed varlen), causal
-// (bottom-right or top-left aligned), sliding window, block ids, segment ids.
+// (bottom-right or top-left aligned), sliding window, block ids, segment ids, and a
+// user's mask_mod expression.
 // flashrt/reference.py: visible() is the specification this file implements.
 //
 // Mask features are compile-time bits (FRT_MASK, flashrt/spec.py: MASK_BITS), so the
@@ -9,6 +10,11 @@
 // contiguous span of queries (block ids and segment ids are non-decreasing within a
 // sequence: flashrt/api.py validates them), tiles outside the span are never loaded,
 // and the element predicate runs only on tiles that are not entirely visible.
+//
+// A mask_mod expression (MASK_MOD) can hide any pair, so the bounds above no longer
+// describe which tiles hold visible pairs: mask_classify.cu evaluates every pair once
+// per call and lists, for each tile, the tiles of the other axis to visit (ModLists);
+// the attention kernels walk those lists instead of the spans.
 #pragma once
 #include "common.cuh"
 
@@ -18,7 +24,15 @@
 
 namespace frt {
 
-enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8 };
+enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8, MASK_MOD = 16 };
+
+#if FRT_MASK & 16
+// The user's expression over the batch entry, query head, query and key positions in the
+// sequence, the sequence's lengths and up to four int32 tensors; flashrt/spec.py writes its
+// definition after the kernel source.
+FRT_DEVICE bool mask_mod_fn(int b, int h, int q, int k, int Lq, int Lk, const int* t0, const int* t1,
+                            const int* t2, const int* t3);
+#endif
 
 // How many elements of the non-decreasing a[0, n) are below x (< x when STRICT, else <= x).
 // The whole block searches together: each round every thread tests one probe, so a
@@ -44,20 +58,37 @@ FRT_DEVICE int block_rank(const int* a, int n, int x, int tid, int nthreads) {
     return lo;
 }
 
+// mask_mod's inputs besides the positions: its tensors and the batch entry.
+template <bool MOD>
+struct ModFields {
+    const int* t[4];
+    int b;
+};
+template <>
+struct ModFields<false> {};
+
 // The visibility rules of one sequence (batch entry b).
 template <bool CAUSAL, int MASK>
 struct Visibility {
     static constexpr bool LENGTHS = MASK & MASK_LENGTHS, WINDOW = MASK & MASK_WINDOW;
     static constexpr bool BLOCK_IDS = MASK & MASK_BLOCK_IDS, SEGMENTS = MASK & MASK_SEGMENTS;
+    static constexpr bool MOD = MASK & MASK_MOD;
     int Lq, Lk;          // queries and keys that take part
     int Eq, Ek;          // rows stored in memory (padding: the tensor's extent; varlen: Lq, Lk)
     i64 q_row0, k_row0;  // the sequence's first row on the seq axis (0 unless varlen)
     int shift;           // query i's diagonal key is i + shift
     int wl, wr;          // window (left, right); -1 = unbounded
     const int *bq, *bk, *sq, *sk;  // this sequence's block / segment ids
+    // Last, and empty without mask_mod: the fields above keep the offsets they had before it
+    // existed (moving them cost the forward at head_dim 256 a spill).
+    ModFields<MOD> mod;
 
     template <class P>
     FRT_DEVICE void init(const P& p, int b) {
+        if constexpr (MOD) {
+            mod.b = b;
+            mod.t[0] = p.mod_t0, mod.t[1] = p.mod_t1, mod.t[2] = p.mod_t2, mod.t[3] = p.mod_t3;
+        }
         Eq = Lq = p.Sq, Ek = Lk = p.Sk;
         q_row0 = k_row0 = 0;
         if constexpr (LENGTHS) {
@@ -77,20 +108,25 @@ struct Visibility {
         sq = SEGMENTS ? p.seg_q + iq : nullptr, sk = SEGMENTS ? p.seg_k + ik : nullptr;
     }
 
-    FRT_DEVICE bool visible(int i, int j) const {
+    // Whether query i (of query head h) sees key j.
+    FRT_DEVICE bool visible(int i, int j, int h) const {
         if (i >= Lq || j >= Lk) return false;
         const int d = j - i - shift;  // the key's offset from the query's diagonal
         if (CAUSAL && d > 0) return false;
         if (WINDOW && ((wl >= 0 && d < -wl) || (wr >= 0 && d > wr))) return false;
         if (BLOCK_IDS && bk[j] > bq[i]) return false;
         if (SEGMENTS && sk[j] != sq[i]) return false;
+#if FRT_MASK & 16
+        if constexpr (MOD)
+            if (!mask_mod_fn(mod.b, h, i, j, Lq, Lk, mod.t[0], mod.t[1], mod.t[2], mod.t[3])) return false;
+#endif
         return true;
     }
 
     // Every (query, key) pair of rows [m0, m0 + bm) x keys [n0, n0 + bn) is visible.
     FRT_DEVICE bool all_visible(int m0, int bm, int n0, int bn) const {
         const int m1 = m0 + bm - 1, n1 = n0 + bn - 1;
-        if (m1 >= Lq || n1 >= Lk) return false;
+        if (MOD || m1 >= Lq || n1 >= Lk) return false;  // MOD: the tile lists say which tiles are full
         const int d_max = n1 - m0 - shift, d_min = n0 - m1 - shift;
         if (CAUSAL && d_max > 0) return false;
         if (WINDOW && ((wl >= 0 && d_min < -wl) || (wr >= 0 && d_max > wr))) return false;
@@ -99,8 +135,8 @@ struct Visibility {
         return true;
     }
 
-    // Keys [lo, hi) outside of which no query of rows [m0, m0 + bm) sees anything.
-    // Whole-block call (block_rank).
+    // Keys [lo, hi) outside of which no query of rows [m0, m0 + bm) sees anything (mask_mod
+    // aside: it can only narrow the span). Whole-block call (block_rank).
     FRT_DEVICE void key_span(int m0, int bm, int& lo, int& hi, int tid, int nthreads) const {
         lo = 0, hi = Lk;
         const int m1 = min(m0 + bm, Lq) - 1;
@@ -172,5 +208,30 @@ FRT_DEVICE typename VisibilityOf<CAUSAL, MASK>::type block_visibility(const P& p
         return vis;
     }
 }
+
+// mask_mod's tile lists (mask_classify.cu), one per tile of the outer axis: the tiles of the
+// inner axis that hold a visible pair, last to first; entry j when every pair of the two
+// tiles is visible, ~j when the element mask must run. Lists exist per batch entry and per
+// query head only where the mask differs along that axis (mod_batches, mod_heads are 1 or B, H).
+// Rows: outer = query tiles (BM), inner = key tiles (BN); cols: the other way round.
+struct ModLists {
+    const int* list;   // [mod_batches][mod_heads][n_outer][n_inner]
+    const int* count;  // [mod_batches][mod_heads][n_outer]
+    int n_outer, n_inner;
+
+    template <class P>
+    FRT_DEVICE static ModLists rows(const P& p, int bm, int bn) {
+        return {p.mod_rows, p.mod_rows_count, ceil_div(p.Sq, bm), ceil_div(p.Sk, bn)};
+    }
+    template <class P>
+    FRT_DEVICE static ModLists cols(const P& p, int bm, int bn) {
+        return {p.mod_cols, p.mod_cols_count, ceil_div(p.Sk, bn), ceil_div(p.Sq, bm)};
+    }
+    template <class P>
+    FRT_DEVICE i64 index(const P& p, int b, int h, int outer) const {
+        return ((i64)(p.mod_batches > 1 ? b : 0) * p.mod_heads + (p.mod_heads > 1 ? h : 0)) * n_outer + outer;
+    }
+    FRT_DEVICE static int tile(int entry) { return entry < 0 ? ~entry : entry; }
+};
 
 }  // namespace frt

@@ -34,7 +34,18 @@ struct FwdParams {
     i64 st_sb, st_sh;  // lse of (b, h, row): b * st_sb + h * st_sh + row
     int B, H, Hkv, Sq, Sk;  // Sq, Sk: the longest sequences when varlen
     int win_left, win_right, top_left;
-    float scale_log2;  // softmax_scale * log2(e)
+    float scale_log2;  // softmax_scale * log2(e)    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: tile lists written by
+    // mask_classify.cu (ModLists in mask.cuh), the int32 tensors the expression reads, and the
+    // lists' extents: 1, or H / B when the mask differs per head / batch entry.
+    int* mod_rows;
+    int* mod_rows_count;
+    int* mod_cols;
+    int* mod_cols_count;
+    const int* mod_t0;
+    const int* mod_t1;
+    const int* mod_t2;
+    const int* mod_t3;
+    int mod_heads, mod_batches;
 };
 
 struct BwdParams {
@@ -75,7 +86,18 @@ struct BwdParams {
     int B, H, Hkv, Sq, Sk;
     int win_left, win_right, top_left;
     float scale_log2;
-    float scale;
+    float scale;    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: tile lists written by
+    // mask_classify.cu (ModLists in mask.cuh), the int32 tensors the expression reads, and the
+    // lists' extents: 1, or H / B when the mask differs per head / batch entry.
+    int* mod_rows;
+    int* mod_rows_count;
+    int* mod_cols;
+    int* mod_cols_count;
+    const int* mod_t0;
+    const int* mod_t1;
+    const int* mod_t2;
+    const int* mod_t3;
+    int mod_heads, mod_batches;
 };
 
 // ---------------------------------------------------------------------------
@@ -113,13 +135,16 @@ struct RowTraits {
 };
 
 // The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid
-// (ceil(Sq/BM), H, B)) owns, and the key tiles [n_first, n_end) it can see.
+// (ceil(Sq/BM), H, B)) owns, and the n_blocks key tiles it visits: those of [n_first,
+// n_end), or with mask_mod the tiles of its ModLists row. key_tile(0) is the last.
 template <int BM, int BN, bool CAUSAL, int MASK>
 struct QueryTile {
+    static constexpr bool MOD = MASK & MASK_MOD;
     typename VisibilityOf<CAUSAL, MASK>::type vis;  // in shared memory when MASK != 0 (block_visibility)
-    int h, b, hk, m0, rows, n_first, n_end;
+    int h, b, hk, m0, rows, n_first, n_end, n_blocks;
     i64 row0;   // the tile's first row on the seq axis of q / out / dout / dq
     i64 stat0;  // lse / lse2 / delta index of the tile's first row
+    const int* mod_list;  // MOD: this query tile's ModLists row
 
     template <class P>
     FRT_DEVICE QueryTile(const P& p, int tid, int nthreads) : vis(block_visibility<CAUSAL, MASK>(p, blockIdx.z)) {
@@ -136,10 +161,41 @@ struct QueryTile {
         if (rows > 0) vis.key_span(m0, BM, lo, hi, tid, nthreads);
         n_first = lo / BN;
         n_end = hi > lo ? ceil_div(hi, BN) : n_first;
+        n_blocks = n_end - n_first;
+        mod_list = nullptr;
+        if constexpr (MOD) {
+            n_blocks = 0;
+            if (rows > 0) {
+                const ModLists lists = ModLists::rows(p, BM, BN);
+                const i64 at = lists.index(p, b, h, m_block);
+                n_blocks = lists.count[at];
+                mod_list = lists.list + at * lists.n_inner;
+            }
+        }
     }
 
-    // Key tile j holds some (query, key) pair of this tile that is not visible.
-    FRT_DEVICE bool needs_mask(int j) const { return !vis.all_visible(m0, BM, j * BN, BN); }
+    // The it-th key tile to visit, last to first (it < n_blocks).
+    FRT_DEVICE int key_tile(int it) const {
+        if constexpr (MOD) return ModLists::tile(mod_list[it]);
+        return n_end - 1 - it;
+    }
+
+    // The key tile visited after the it-th, j, and before it (the (it - 1)-th). Without mask_mod
+    // they are j - 1 and j + 1 (so written, the forward at head_dim 128 needs 8 registers fewer).
+    FRT_DEVICE int next_key_tile(int it, int j) const {
+        if constexpr (MOD) return key_tile(it + 1);
+        return j - 1;
+    }
+    FRT_DEVICE int prev_key_tile(int it, int j) const {
+        if constexpr (MOD) return key_tile(it - 1);
+        return j + 1;
+    }
+
+    // The it-th key tile (j) holds some (query, key) pair of this tile that is not visible.
+    FRT_DEVICE bool needs_mask(int it, int j) const {
+        if constexpr (MOD) return mod_list[it] < 0;
+        return !vis.all_visible(m0, BM, j * BN, BN);
+    }
 };
 
 // Copy key tile j of K and V (KV head hk of batch b; the sequence's rows start at

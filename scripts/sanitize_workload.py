@@ -29,7 +29,7 @@ def run(q, k, v, causal, **mask):
     do = torch.randn_like(out)
     flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="split", **mask)
     flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=False, **mask)
-    if "segment_ids_q" not in mask:
+    if "segment_ids_q" not in mask and "mask_mod" not in mask:
         flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True, **mask)
 
 
@@ -49,5 +49,11 @@ run(q[:, :90], k, v, "top_left", window=(-1, 10))
 cu = torch.tensor([0, 50, 51, 150], dtype=torch.int32, device="cuda")
 pq, pk, pv = (x.reshape(300, 2, 64)[:150] for x in (q, k, v))
 run(pq, pk, pv, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=99, max_seqlen_k=99)
+# mask_mod: tile lists per head and batch entry (tensor, padding), and shared ones (varlen aside)
+doc = torch.randint(0, 3, (2, 150), dtype=torch.int32, device="cuda")
+run(q, k, v, True, mask_mod="doc[b * 150 + q] == doc[b * 150 + k] || h == 1", mask_tensors={"doc": doc},
+    seqlens_k=torch.tensor([150, 90], dtype=torch.int32, device="cuda"))
+run(q, k, v, False, mask_mod="(q ^ k) % 3 != 0")
+run(pq, pk, pv, False, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=99, max_seqlen_k=99, mask_mod="k < 20 || q < k")
 torch.cuda.synchronize()
-print(f"sanitize workload: {len(CASES) + 4} cases ran")
+print(f"sanitize workload: {len(CASES) + 7} cases ran")

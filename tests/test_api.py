@@ -1,8 +1,9 @@
 """Validation and layout rules of the public API that need no GPU (array descriptors are plain data)."""
 import pytest
 
-from flashrt import api
+from flashrt import api, masks
 from flashrt.interop import Array
+from flashrt.spec import MASK_BITS
 
 
 def arr(shape, strides=None, ptr=0x10000, dtype="bf16", device=0, lib="torch"):
@@ -111,3 +112,47 @@ def test_backward_impl_options_are_checked_before_any_work():
         api.backward(None, None, None, None, None, None, impl="fast")
     with pytest.raises(ValueError, match=r"impl must be one of"):
         api.backward(None, None, None, None, None, None, impl=None, deterministic=False)
+
+
+# mask_mod: what is checked before NVRTC sees the expression, and what the expression decides.
+@pytest.mark.parametrize("expr,tensors,error,pattern", [
+    ("", None, ValueError, r"mask_mod must be a CUDA boolean expression over b, h, q, k, Lq, Lk"),
+    (None, {"doc": None}, ValueError, r"mask_mod must be a CUDA boolean expression"),
+    (3, None, ValueError, r"mask_mod must be a CUDA boolean expression"),
+    ("k <= q", ["doc"], TypeError, r"mask_tensors must be a dict"),
+    ("k <= q", {"q": None}, ValueError, r"mask_tensors key 'q' must be a C identifier other than b, h, q"),
+    ("k <= q", {"t1": None}, ValueError, r"key 't1'"),
+    ("k <= q", {"2x": None}, ValueError, r"key '2x'"),
+    ("k <= q", {f"a{i}": None for i in range(5)}, ValueError, r"at most 4 arrays, got 5"),
+])
+def test_bad_mask_mod_is_named(expr, tensors, error, pattern):
+    with pytest.raises(error, match=pattern):
+        masks.Masking.parse(arr(Q), arr(KV), mask_mod=expr, mask_tensors=tensors)
+
+
+@pytest.mark.parametrize("expr,kw,heads,batches", [
+    ("k <= q || k < 64", {}, 1, 1),                 # one list serves every head and batch entry
+    ("(q + k + h) % 3 != 0", {}, 8, 1),             # names h: a list per head
+    ("b == 0 || k < q", {}, 1, 2),                  # names b: per batch entry
+    ("k <= q", dict(window=(8, 8)), 1, 1),          # a window is the same for every batch entry
+    ("bh > 0", {}, 1, 1),                           # identifiers, not letters: "bh" is not b or h
+])
+def test_mask_mod_lists_per_head_and_batch_only_when_needed(expr, kw, heads, batches):
+    m = masks.Masking.parse(arr(Q), arr(KV), mask_mod=expr, **kw)
+    assert m.bits & MASK_BITS["mod"] and m.mask_mod == expr.strip() and not m.ordered_dq_ok
+    assert m.mod_lists(8) == (heads, batches)
+    assert m.kernel_fields(8)["mod_heads"] == heads and m.kernel_fields(8)["mod_batches"] == batches
+
+
+def test_mask_mod_compile_error_shows_the_expression():
+    from flashrt import cache, nvrtc, tiles
+    expr = "k <= q && kk > 1"
+    spec = tiles.pick_nw("fwd", 64, "bf16", False, "sm_80", 160 * 1024, MASK_BITS["mod"], expr).classifier("mask_rows")
+    with pytest.raises(nvrtc.CompileError) as info:
+        nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options(), cache.kernel_sources())
+    msg = str(masks.mask_mod_error(expr, ("doc",), info.value.log))
+    assert msg.startswith("mask_mod does not compile as a CUDA boolean expression over b, h, q, k, Lq, Lk, "
+                          "const int* doc")
+    lines = msg.splitlines()
+    at = next(i for i, ln in enumerate(lines) if 'mask_mod(1): error: identifier "kk" is undefined' in ln)
+    assert lines[at + 1].strip() == expr and lines[at + 2].index("^") == lines[at + 1].index("kk")

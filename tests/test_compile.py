@@ -11,7 +11,7 @@ import pytest
 
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import ELEMENTWISE, FAMILIES, MASK_BITS, KernelSpec
+from flashrt.spec import CLASSIFY, ELEMENTWISE, FAMILIES, MASK_BITS, KernelSpec
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -21,18 +21,28 @@ def _variants():
     out = set()
     for arch in ARCHS:
         limit = SMEM_OPTIN[int(arch[3:5])]
-        for family in FAMILIES:
+        for family in set(FAMILIES) - set(CLASSIFY):
             for d in HEAD_DIMS:
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
                         out.add(tiles.pick_nw(family, d, dtype, causal, arch, limit))
     # Masked variants (kernels_cu/mask.cuh): every feature at once, and lengths alone (padding / varlen).
-    for family in set(FAMILIES) - set(ELEMENTWISE):
+    for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
         for d in (64, 128, 160, 256):
             for causal in (False, True):
-                for mask in (sum(MASK_BITS.values()), MASK_BITS["lengths"]):
+                for mask in (sum(MASK_BITS.values()) & ~MASK_BITS["mod"], MASK_BITS["lengths"]):
                     out.add(tiles.pick_nw(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
+    # mask_mod variants (an expression that reads a tensor and names every variable) with every
+    # built-in feature and alone, and their classifiers (kernels_cu/mask_classify.cu).
+    for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
+        for d in (64, 128, 256):
+            for mask in (sum(MASK_BITS.values()), MASK_BITS["mod"]):
+                spec = tiles.pick_nw(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
+                out.update([spec, spec.classifier("mask_rows" if family in ("fwd", "bwd_dq") else "mask_cols")])
     return sorted(out, key=lambda s: s.name)
+
+
+MOD_EXPR = "doc[b * Lq + q] == doc[b * Lk + k] || (h & 1) == 0 || k < 8"
 
 
 def _compile_verbose(spec: KernelSpec) -> tuple[bytes, str]:

@@ -96,6 +96,28 @@ def _both(*makers):
     return make
 
 
+# mask_mod expressions, each with its Python form for reference.visible (same broadcasting arrays).
+def _mod_sink(rng, B, Sq, Sk):  # causal (bottom-right) plus the first 64 keys ("attention sinks")
+    return (dict(mask_mod="k <= q + (Lk - Lq) || k < 64"),
+            dict(mask_mod=lambda b, h, q, k, Lq, Lk: (k <= q + (Lk - Lq)) | (k < 64)))
+
+
+def _mod_heads(rng, B, Sq, Sk):  # differs per head: many partial tiles
+    return dict(mask_mod="((q - k) & 7) != h"), dict(mask_mod=lambda b, h, q, k, Lq, Lk: ((q - k) & 7) != h)
+
+
+def _mod_docs(rng, B, Sq, Sk):  # unsorted document ids per batch entry, through tensors
+    import cupy
+    dq, dk = rng.integers(0, 3, (B, Sq)).astype(np.int32), rng.integers(0, 3, (B, Sk)).astype(np.int32)
+    return (dict(mask_mod=f"dq[b * {Sq} + q] == dk[b * {Sk} + k]", mask_tensors=dict(dq=dq, dk=dk)),
+            dict(mask_mod=lambda b, h, q, k, Lq, Lk: cupy.asarray(dq)[b, q] == cupy.asarray(dk)[b, k]))
+
+
+def _mod_nearly_empty(rng, B, Sq, Sk):  # one visible pair: every other row sees no key
+    return (dict(mask_mod="k > q + 100000 || (q == 5 && k == 7)"),
+            dict(mask_mod=lambda b, h, q, k, Lq, Lk: (k > q + 100000) | ((q == 5) & (k == 7))))
+
+
 CASES = [
     ("padding", 3, 200, 300, 4, 4, 64, "bf16", False, _padding),
     ("padding-causal-gqa", 3, 200, 300, 4, 2, 128, "bf16", True, _padding),
@@ -110,12 +132,18 @@ CASES = [
     ("segments-causal-fp16", 2, 200, 200, 2, 2, 64, "fp16", True, _segments),
     ("padding-blocks-window", 3, 200, 300, 2, 2, 64, "bf16", False, _both(_padding, _window(50, 50), _random_blocks)),
     ("blocks-causal-window-fused", 2, 400, 400, 4, 4, 128, "bf16", True, _both(_window(100, -1), _random_blocks)),
+    ("mod-sink-padding-gqa", 3, 200, 300, 4, 2, 64, "bf16", False, _both(_padding, _mod_sink)),
+    ("mod-per-head-mqa-causal", 2, 257, 257, 8, 1, 128, "bf16", True, _mod_heads),
+    ("mod-docs-tensors-fp16", 2, 333, 300, 4, 2, 96, "fp16", False, _mod_docs),
+    ("mod-nearly-empty-d256", 2, 300, 300, 2, 2, 256, "bf16", False, _mod_nearly_empty),
+    ("mod-window-blocks-causal", 2, 400, 400, 4, 4, 64, "bf16", True, _both(_window(100, -1), _random_blocks,
+                                                                          _mod_sink)),
 ]
 
 
 def _impls(kwargs):
     impls = [("split", True), ("fused", False)]
-    if "segment_ids_q" not in kwargs:
+    if "segment_ids_q" not in kwargs and "mask_mod" not in kwargs:
         impls.append(("fused", True))
     return impls
 
@@ -131,12 +159,13 @@ def test_mask_matches_float64_reference(cupy, poison, case):  # noqa: F811
     cid, B, Sq, Sk, H, Hkv, D, dtype, causal, make = case
     rng = np.random.default_rng(zlib.crc32(cid.encode()))
     kw, rkw = make(rng, B, Sq, Sk) if make else ({}, {})
-    kw = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+    device = lambda x: cupy.asarray(x) if isinstance(x, np.ndarray) else x  # noqa: E731
+    kw = {k: {n: device(t) for n, t in v.items()} if isinstance(v, dict) else device(v) for k, v in kw.items()}
     q, k, v, do = _inputs(cupy, (B, Sq, H, D), (B, Sk, Hkv, D), dtype, zlib.crc32(cid.encode()))
 
     out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
     align = "top_left" if causal == "top_left" else "bottom_right"
-    keep = reference.visible(B, Sq, Sk, causal=bool(causal), align=align, xp=cupy,
+    keep = reference.visible(B, Sq, Sk, causal=bool(causal), align=align, xp=cupy, heads=H,
                              **{n: cupy.asarray(a) if isinstance(a, np.ndarray) else a for n, a in rkw.items()})
     ro, rlse, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
     tol = TOL[dtype]
@@ -161,9 +190,14 @@ def _pack(cupy, x, lengths):
     return cupy.concatenate([x[b, :n] for b, n in enumerate(lengths)])
 
 
-@pytest.mark.parametrize("causal,window,with_segments", [(True, None, False), (False, (20, 5), False),
-                                                          ("top_left", None, True)])
-def test_varlen_matches_per_sequence_reference(cupy, poison, causal, window, with_segments):  # noqa: F811
+# mask_mod on packed sequences: positions are within each sequence
+_VARLEN_MOD = ("(k % 5) != 1 || q == k", lambda b, h, q, k, Lq, Lk: ((k % 5) != 1) | (q == k))
+
+
+@pytest.mark.parametrize("causal,window,with_segments,mod", [(True, None, False, None), (False, (20, 5), False, None),
+                                                              ("top_left", None, True, None),
+                                                              (True, None, False, _VARLEN_MOD)])
+def test_varlen_matches_per_sequence_reference(cupy, poison, causal, window, with_segments, mod):  # noqa: F811
     lq, lk = [100, 1, 0, 257, 64], [50, 300, 7, 257, 64]
     B, H, Hkv, D, S = len(lq), 4, 2, 64, 300
     q, k, v, do = _inputs(cupy, (B, S, H, D), (B, S, Hkv, D), "bf16", 5 + with_segments)
@@ -176,6 +210,8 @@ def test_varlen_matches_per_sequence_reference(cupy, poison, causal, window, wit
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk), window=window)
     if with_segments:
         kw.update(segment_ids_q=cupy.asarray(np.concatenate(seg_q)), segment_ids_k=cupy.asarray(np.concatenate(seg_k)))
+    if mod:
+        kw.update(mask_mod=mod[0])
     out, lse = flashrt.forward(pq, pk, pv, causal=causal, **kw)
     assert out.shape == pq.shape and lse.shape == (H, sum(lq))
     grads = {(impl, det): flashrt.backward(pdo, pq, pk, pv, out, lse, causal=causal, impl=impl, deterministic=det,
@@ -185,7 +221,7 @@ def test_varlen_matches_per_sequence_reference(cupy, poison, causal, window, wit
         rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         ids = dict(segment_ids_q=seg_q[b][None], segment_ids_k=seg_k[b][None]) if with_segments else {}
         keep = reference.visible(1, lq[b], lk[b], causal=bool(causal), align=align, window=window or (-1, -1),
-                                 **ids)
+                                 mask_mod=mod[1] if mod else None, **ids)
         if lq[b] == 0:
             continue
         ro, rlse, rdq, rdk, rdv = reference.attention(f64(q[b:b + 1, :lq[b]]), f64(k[b:b + 1, :lk[b]]),
@@ -220,3 +256,10 @@ def test_mask_input_errors_name_the_argument(cupy):
     with pytest.raises(ValueError, match=r"impl='fused' with deterministic=True"):
         out, lse = flashrt.forward(q, q, q, segment_ids_q=ids, segment_ids_k=ids)
         flashrt.backward(q, q, q, q, out, lse, segment_ids_q=ids, segment_ids_k=ids, impl="fused")
+    with pytest.raises(ValueError, match=r"impl='fused' with deterministic=True"):
+        out, lse = flashrt.forward(q, q, q, mask_mod="k <= q")
+        flashrt.backward(q, q, q, q, out, lse, mask_mod="k <= q", impl="fused")
+    with pytest.raises(ValueError, match=r'(?s)mask_mod does not compile.*identifier "kk" is undefined.*\^'):
+        flashrt.forward(q, q, q, mask_mod="k <= q && kk > 1")
+    with pytest.raises(TypeError, match=r"mask_tensors\['doc'\] must be int32"):
+        flashrt.forward(q, q, q, mask_mod="doc[k] == 0", mask_tensors={"doc": ids.astype(cupy.int64)})

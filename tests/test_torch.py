@@ -137,9 +137,9 @@ def test_opcheck(case):
     options = ("bottom_right" if causal else "none", scale, "auto", True, None, None, None)
     # schema (no mutation, no aliasing), autograd registration, fake impl vs real outputs (shapes, strides),
     # and AOTAutograd (static and dynamic shapes) against eager, gradients included.
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, [None] * 8))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, [None] * 8, "", ""))
     out, lse = flashrt.forward(q, k, v, causal=causal, softmax_scale=scale)
-    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, [None] * 8))
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, [None] * 8, "", ""))
 
 
 @gpu
@@ -151,15 +151,22 @@ def test_opcheck_with_masks_and_varlen():
     ids = torch.cat([torch.zeros(50, dtype=torch.int32), torch.ones(46, dtype=torch.int32)]).cuda().expand(B, S)
     tensors = [lengths, lengths, None, None, ids.contiguous(), ids.contiguous(), None, None]
     options = ("none", None, "split", True, [16, 16], None, None)
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors, "", ""))
+    # mask_mod with a tensor of its own (after the built-in ones), per head and batch entry
+    doc = torch.randint(0, 3, (B, S), dtype=torch.int32, device="cuda")
+    mod = ("doc[b * 96 + q] == doc[b * 96 + k] || h == 1", "doc")
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors + [doc], *mod))
+    out, lse = flashrt.forward(q, k, v, window=(16, 16), seqlens_q=lengths, seqlens_k=lengths, block_ids_q=ids,
+                               block_ids_k=ids, mask_mod=mod[0], mask_tensors={"doc": doc})
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, tensors + [doc], *mod))
     cu = torch.tensor([0, 30, 96], dtype=torch.int32, device="cuda")
     pq, pk, pv = (x[0] for x in (q, k, v))  # (96, H, D) packed: sequences of 30 and 66
     options = ("bottom_right", None, "auto", True, None, 66, 66)
     varlen = [None, None, cu, cu, None, None, None, None]
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen, "", ""))
     out, lse = flashrt.forward(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert lse.shape == (H, 96)
-    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen))
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, "", ""))
 
 
 def _block_grads(model, x, dy):
@@ -416,7 +423,9 @@ def test_eager_autograd_carries_mask_arguments():
     q, k, v, do = make_inputs(B, S, S, H, 2, D, BF16, seed=2)
     ids = torch.cat([torch.zeros(64, dtype=torch.int32), torch.ones(66, dtype=torch.int32)]).cuda().expand(B, S)
     mask = dict(window=(32, 8), seqlens_k=torch.tensor([130, 100], dtype=torch.int32, device="cuda"),
-                block_ids_q=ids.contiguous(), block_ids_k=ids.contiguous())
+                block_ids_q=ids.contiguous(), block_ids_k=ids.contiguous(),
+                mask_mod="sel[(q + k) % 4] != h", mask_tensors={"sel": torch.tensor([0, 1, 2, 5], dtype=torch.int32,
+                                                                                     device="cuda")})
     ql, kl, vl = leaves(q, k, v)
     out = flashrt.attention(ql, kl, vl, causal="top_left", impl="split", **mask)
     out.backward(do)
