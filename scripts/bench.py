@@ -13,8 +13,9 @@ views, never copies.
 
 Shape sets (--set): grid (head_dim 64/128/256, S = 512..16k at 16k tokens and hidden 2048, causal
 and not), seed (B=2 S=1024 H=8 Hkv=1 D=256), quick (grid at S = 1k and 8k, plus seed), long (B=1
-H=16 D=128, S = 32k and 64k), stack (seed shape in an 18-layer model, below), all = grid + seed +
-long + stack.
+H=16 D=128, S = 32k and 64k), stack (seed shape in an 18-layer model, below), masks (every mask
+kind, below), masks-quick (masks at S = 1k and 8k), all = grid + seed + long + masks + stack.
+--seqlens 1024,8192 keeps only those sequence lengths (every set but stack).
 
 Correctness gate, before any timing: one forward+backward, compared with float64 attention: the
 output on the first and last 64 query rows (every batch and head), and dq/dk/dv of batch 0 on as
@@ -34,14 +35,42 @@ Stack: 18 layers of [q/k/v projections from a hidden state of width H*D, attenti
 projection, residual], each under torch.utils.checkpoint (non-reentrant); forward+backward time of
 the whole stack and its peak memory, gated by the attention check at the same shape.
 
+Masks: bf16, H = Hkv = 16, D = 128, B = 16384 // S, S = 1k, 4k, 8k; each mask kind through flashrt's
+keyword arguments, the same predicate as a FlexAttention mask_mod, and its dense bool form
+(flashrt.reference.visible, the specification) for SDPA and the float64 gate:
+  dense          no mask: the baseline of the density ratio
+  causal         causal=True
+  window         causal=True, window=(S//8, 0)
+  padding        seqlens_q = seqlens_k = a random length in [S/2, S] per batch entry
+  vla            block_ids (block-causal, key j visible iff id_k[j] <= id_q[i]): 0 for a prefix of 3S/4,
+                 1 for one state token, 2 for the action chunk after it
+  prefix-lm      block_ids: 0 for a prefix of S/2, then one id per token
+  documents      segment_ids: 4 documents of random lengths per batch entry, visible iff equal
+  window-mod     mask_mod="k <= q && k >= q - W" (W = S//8): window's mask as a user expression
+  documents-mod  mask_mod="doc[b * S + q] == doc[b * S + k]", mask_tensors={"doc": segment ids}
+Implementations (--mask-impls): flashrt-auto (flashrt.attention, impl="auto", deterministic),
+flashrt-fused (impl="fused", deterministic=False), flex (the mask_mod through create_block_mask,
+built once outside the timed region; its build time is in the row), sdpa-mask (SDPA with the
+(B, 1, S, S) bool attn_mask, torch's choice of backend, noted in the row; skipped above 2^31 mask
+bytes; unmasked SDPA at these shapes is the grid set's D=128 rows). The -mod rows run flashrt only:
+they are compared with their built-in twin (and with its flex and sdpa-mask rows, the same mask).
+flashrt validates the mask arrays in the gate's call and takes validate=False when timed (a host
+sync otherwise, README). The gate checks 256 query rows (around 0, S/2, 3S/4 and S) of the output,
+leaving out rows that see no key (flashrt and flex give 0 there, SDPA may give NaN: the row notes
+what it gave), and the gradients as above. TFLOP/s count visible pairs only (forward 4*H*D*pairs,
+backward 2.5x); bench.json also has the dense-equivalent rates. Ratios per (mask, S): flex time /
+flashrt time (target >= 1), flashrt time / its dense time (target <= 0.6 at 50% density), mask_mod
+time / built-in time (target <= 1.15); the table names the targets a row misses.
+
 Writes bench.json (every row and the environment), bench.md (tables: all rows; flash time /
-flashrt time per case; the stack) and bench.png (TFLOP/s against sequence length, needs
-matplotlib) to --out.
+flashrt time per case; masks and their ratios; the stack) and bench.png (TFLOP/s against
+sequence length, needs matplotlib) to --out.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import math
 import os
@@ -51,6 +80,8 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -59,6 +90,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import flashrt  # noqa: E402
+from flashrt import reference as oracle  # noqa: E402  (`reference` here is the gate's float64 answers)
 
 # flashrt's backward variants (flashrt.backward's impl x deterministic); impl="auto" is one of them.
 FLASHRT = {"flashrt": dict(impl="split", deterministic=True),
@@ -68,7 +100,14 @@ SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 IMPLS = (*FLASHRT, "flash", "cudnn", "efficient", "math", "flex")
 DEFAULT_IMPLS = "flashrt,flashrt-fused-det,flashrt-fused,flash,cudnn"
-SETS = ("grid", "seed", "quick", "long", "stack", "all")
+SETS = ("grid", "seed", "quick", "long", "stack", "masks", "masks-quick", "all")
+# The masks set: flashrt's variants there, the mask kinds, and the built-in twin of each mask_mod kind.
+MASK_FLASHRT = {"flashrt-auto": dict(impl="auto"), "flashrt-fused": FLASHRT["flashrt-fused"]}
+MASK_IMPLS = (*MASK_FLASHRT, "flex", "sdpa-mask")
+MASK_KINDS = ("dense", "causal", "window", "padding", "vla", "prefix-lm", "documents", "window-mod", "documents-mod")
+MASK_MOD_OF = {"window-mod": "window", "documents-mod": "documents"}
+MASK_SHAPE = dict(set="masks", H=16, Hkv=16, D=128)
+SDPA_MASK_MAX_BYTES = 2**31  # the dense bool mask SDPA reads, B*S*S bytes (its bias copy in bf16 is twice that)
 
 FWD_TOL, BWD_TOL = 2e-2, 5e-2
 # The math backend keeps several fp32 B*H*S*S tensors alive in its backward; above this many
@@ -86,12 +125,22 @@ def attention_cases(name: str) -> list[dict]:
     seed = [dict(set="seed", B=2, H=8, Hkv=1, S=1024, D=256, causal=c) for c in (False, True)]
     long = [dict(set="long", B=1, H=16, Hkv=16, S=S, D=128, causal=c) for S in (32768, 65536) for c in (False, True)]
     quick = [c for c in grid if c["S"] in (1024, 8192)] + seed
-    return {"grid": grid, "seed": seed, "quick": quick, "long": long, "stack": [],
+    return {"grid": grid, "seed": seed, "quick": quick, "long": long, "stack": [], "masks": [], "masks-quick": [],
             "all": grid + seed + long}[name]
 
 
+def mask_cases(name: str) -> list[dict]:
+    full = (1024, 4096, 8192)
+    seqlens = {"masks": full, "all": full, "masks-quick": (1024, 8192)}.get(name, ())
+    return [dict(MASK_SHAPE, B=16384 // S, S=S, mask=kind) for S in seqlens for kind in MASK_KINDS]
+
+
 def flops(c: dict, mode: str) -> float:
-    f = 4 * c["B"] * c["H"] * c["S"] * c["S"] * c["D"] / (2 if c["causal"] else 1)
+    """Masked cases (c["pairs"]: visible (query, key) pairs over the batch) count the visible pairs only."""
+    if "pairs" in c:
+        f = 4 * c["H"] * c["D"] * c["pairs"]
+    else:
+        f = 4 * c["B"] * c["H"] * c["S"] * c["S"] * c["D"] / (2 if c["causal"] else 1)
     return f * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
 
 
@@ -100,6 +149,10 @@ def skip_reason(impl: str, c: dict) -> str | None:
     if impl == "math" and scores > MATH_MAX_SCORES:
         return (f"skipped: too large: math materialises B*H*S*S = {scores:.1e} fp32 scores per tensor "
                 f"(limit {MATH_MAX_SCORES:.1e}), O(S^2) memory")
+    mask_bytes = c["B"] * c["S"] ** 2
+    if impl == "sdpa-mask" and mask_bytes > SDPA_MASK_MAX_BYTES:
+        return (f"skipped: too large: the dense bool mask is B*S*S = {mask_bytes:.1e} bytes "
+                f"(limit {SDPA_MASK_MAX_BYTES:.1e})")
     return None
 
 
@@ -124,11 +177,15 @@ def _flex():
 
 
 def flex_attn(causal: bool, S: int):
-    flex, create_block_mask = _flex()
-    mask = create_block_mask(_causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cuda") if causal else None
+    _, create_block_mask = _flex()
+    return flex_with(create_block_mask(_causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cuda") if causal else None)
+
+
+def flex_with(block_mask):
+    flex, _ = _flex()
 
     def attn(q, k, v):
-        o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+        o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
                  enable_gqa=q.shape[2] != k.shape[2])
         return o.transpose(1, 2)
     return attn
@@ -155,24 +212,45 @@ def make_attention(impl: str, causal: bool, S: int):
 
 # ---------------------------------------------------------------- correctness gate
 
-def attention64(q, k, v, causal: bool, rows):
-    """float64 attention; q holds query rows `rows` of the sequence, k/v all of it (Sq == Sk here,
-    so bottom-right and top-left causal alignments agree)."""
+def attention64(q, k, v, keep=None):
+    """float64 attention of q's rows against all of k/v; keep: bool, broadcastable to the
+    (B, H, rows, Sk) scores (False hides a key), or None. A row that sees no key gives out 0 and
+    zero gradients, as flashrt does."""
     H, Hkv = q.shape[2], k.shape[2]
     k = k.double().repeat_interleave(H // Hkv, dim=2)
     v = v.double().repeat_interleave(H // Hkv, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k) / math.sqrt(q.shape[-1])
-    if causal:
-        s = s.masked_fill(torch.arange(k.shape[1], device=q.device)[None, :] > rows[:, None], -math.inf)
+    if keep is not None:
+        s = s.masked_fill(~keep, -math.inf)
+        empty = ~keep.any(-1, keepdim=True)
+        if empty.any():
+            return torch.einsum("bhqk,bkhd->bqhd", s.masked_fill(empty, 0.0).softmax(-1).masked_fill(empty, 0.0), v)
     return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
 
 
-def reference(q, k, v, do, causal: bool) -> dict:
-    """The gate's float64 answers: output rows, and the gradients of batch 0 on as many heads as fit."""
+def gate_rows(S: int, masked: bool):
+    """The query rows whose output the gate checks: the first and last 64, and for masks also 64
+    around S/2 and 3S/4 (where the prefix, state and document boundaries of the mask kinds fall)."""
+    starts = (0, S // 2 - 32, 3 * S // 4 - 32, S - 64) if masked else (0, S - 64)
+    return torch.cat([torch.arange(max(a, 0), min(a + 64, S)) for a in starts]).unique()
+
+
+def reference(q, k, v, do, causal: bool, dense=None) -> dict:
+    """The gate's float64 answers: output rows, and the gradients of batch 0 on as many heads as fit.
+
+    dense: a masked case's (B, 1, S, S) bool mask (causal is then ignored); ref["empty"] marks the
+    checked rows (B, rows) that see no key, which the gate leaves out of the output's error.
+    """
     S, H, Hkv = q.shape[1], q.shape[2], k.shape[2]
-    rows = torch.cat([torch.arange(0, 64), torch.arange(S - 64, S)]).to(q.device)
+    rows = gate_rows(S, dense is not None).to(q.device)
+
+    def causal_keep(rows):  # (Sq == Sk here: bottom-right and top-left alignments agree)
+        return torch.arange(S, device=q.device)[None, :] <= rows[:, None] if causal else None
+    keep = dense[:, :, rows] if dense is not None else causal_keep(rows)
     with torch.no_grad():
-        ref = {"rows": rows, "out": attention64(q[:, rows], k, v, causal, rows)}
+        ref = {"rows": rows, "out": attention64(q[:, rows], k, v, keep)}
+    if dense is not None:
+        ref["empty"] = ~keep[:, 0].any(-1)
     group = H // Hkv
     kv_heads = min(Hkv, REF_MAX_SCORES // (group * S * S))
     if kv_heads == 0:
@@ -181,7 +259,8 @@ def reference(q, k, v, do, causal: bool) -> dict:
         return ref
     h = kv_heads * group
     q64, k64, v64 = (x[:1, :, :n].detach().double().requires_grad_() for x, n in ((q, h), (k, kv_heads), (v, kv_heads)))
-    attention64(q64, k64, v64, causal, torch.arange(S, device=q.device)).backward(do[:1, :, :h].double())
+    keep = dense[:1] if dense is not None else causal_keep(torch.arange(S, device=q.device))
+    attention64(q64, k64, v64, keep).backward(do[:1, :, :h].double())
     ref.update(dq=q64.grad, dk=k64.grad, dv=v64.grad, heads=h, kv_heads=kv_heads,
                bwd_check=f"float64 grads of batch 0, q heads 0..{h - 1}")
     return ref
@@ -198,7 +277,11 @@ def gate(attn, q, k, v, do, ref) -> dict:
     o.backward(do)
     torch.cuda.synchronize()
     res = {"first_call_s": time.perf_counter() - t0, "bwd_check": ref["bwd_check"]}
-    errs = {"out": rel_err(o.detach()[:, ref["rows"]], ref["out"])}
+    out, want = o.detach()[:, ref["rows"]], ref["out"]
+    if "empty" in ref and ref["empty"].any():  # rows that see no key: not compared, their values noted
+        res["empty_rows_out"] = empty_rows_note(out[ref["empty"]])
+        out, want = out[~ref["empty"]], want[~ref["empty"]]
+    errs = {"out": rel_err(out, want)}
     if "dq" in ref:
         h, hkv = ref["heads"], ref["kv_heads"]
         errs.update(dq=rel_err(q.grad[:1, :, :h], ref["dq"]), dk=rel_err(k.grad[:1, :, :hkv], ref["dk"]),
@@ -210,8 +293,15 @@ def gate(attn, q, k, v, do, ref) -> dict:
     if bad:
         res["error"] = (f"wrong answer vs float64: {', '.join(bad)} (tolerance out {FWD_TOL:.0e}, "
                         f"grads {BWD_TOL:.0e})")
+        if res.get("empty_rows_out") == "NaN":
+            res["error"] += "; out is NaN on the query rows that see no key"
     q.grad = k.grad = v.grad = None
     return res
+
+
+def empty_rows_note(x) -> str:
+    """What an implementation wrote on query rows that see no key: '0', 'NaN' or 'nonzero'."""
+    return "NaN" if x.isnan().any() else "0" if (x == 0).all() else "nonzero"
 
 
 # ---------------------------------------------------------------- measurement
@@ -255,29 +345,37 @@ def make_inputs(c: dict):
     return q, k, v, torch.randn_like(q)
 
 
-def bench_impl(impl: str, c: dict, inputs, ref: dict, measure) -> dict:
-    """One row: skip check, correctness gate, then measure(attn); failures are recorded, never raised."""
+def bench_impl(impl: str, c: dict, inputs, ref: dict, measure, make=None) -> dict:
+    """One row: skip check, correctness gate, then measure(attn); failures are recorded, never raised.
+
+    make(row) -> attn builds the implementation (and may note set-up facts in the row); by default
+    make_attention for the case.
+    """
     row = dict(c, impl=impl)
     reason = skip_reason(impl, c)
     if reason:
         row["error"] = reason
         return row
     try:
-        attn = make_attention(impl, c["causal"], c["S"])
+        attn = make(row) if make else make_attention(impl, c["causal"], c["S"])
         row.update(gate(attn, *inputs, ref))
         if "error" not in row:
             row.update(measure(attn))
     except Exception as exc:  # an implementation that cannot run this case
-        root = exc
-        while root.__cause__ is not None:  # compile errors wrap the reason in several layers
-            root = root.__cause__
-        first_line = (str(root).strip().splitlines() or [""])[0]
-        row["error"] = f"{type(root).__name__}: {first_line[:200]}"
+        row["error"] = error_text(exc)
         print(f"{impl} {c}:\n{traceback.format_exc(limit=-4)}", file=sys.stderr)
     for x in inputs[:3]:
         x.grad = None
     torch.cuda.empty_cache()
     return row
+
+
+def error_text(exc: Exception) -> str:
+    root = exc
+    while root.__cause__ is not None:  # compile errors wrap the reason in several layers
+        root = root.__cause__
+    first_line = (str(root).strip().splitlines() or [""])[0]
+    return f"{type(root).__name__}: {first_line[:200]}"
 
 
 def attention_measure(c: dict, q, k, v, do):
@@ -344,6 +442,152 @@ def bench_stack(impls: list[str], causal: bool) -> list[dict]:
     q, k, v, do = make_inputs(c)
     ref = reference(q, k, v, do, causal)
     return [bench_impl(impl, c, (q, k, v, do), ref, stack_measure(blocks, x, dy)) for impl in impls]
+
+
+# ---------------------------------------------------------------- masks
+
+def mask_spec(kind: str, B: int, S: int, device="cuda") -> tuple[dict, dict, object]:
+    """One mask kind at batch B, length S: (flashrt's keyword arguments, the same mask as built-in
+    keyword arguments for reference.visible, the same mask as a FlexAttention mask_mod or None for
+    no mask). Random lengths and documents are seeded by S, so a -mod kind gets its twin's data."""
+    W, g = S // 8, torch.Generator().manual_seed(S)
+    if kind in MASK_MOD_OF:
+        _, builtin, mod = mask_spec(MASK_MOD_OF[kind], B, S, device)
+        if kind == "window-mod":
+            return dict(mask_mod=f"k <= q && k >= q - {W}"), builtin, mod
+        docs = builtin["segment_ids_q"]
+        return dict(mask_mod=f"doc[b * {S} + q] == doc[b * {S} + k]", mask_tensors={"doc": docs}), builtin, mod
+    if kind == "dense":
+        kw, mod = {}, None
+    elif kind == "causal":
+        kw, mod = dict(causal=True), _causal
+    elif kind == "window":
+        kw = dict(causal=True, window=(W, 0))
+        mod = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (kv_idx >= q_idx - W)  # noqa: E731
+    elif kind == "padding":
+        lens = torch.randint(S // 2, S + 1, (B,), generator=g).to(device=device, dtype=torch.int32)
+        kw = dict(seqlens_q=lens, seqlens_k=lens)
+        mod = lambda b, h, q_idx, kv_idx: (q_idx < lens[b]) & (kv_idx < lens[b])  # noqa: E731
+    elif kind in ("vla", "prefix-lm"):
+        ids = block_ids(kind, B, S).to(device)
+        kw = dict(block_ids_q=ids, block_ids_k=ids)
+        mod = lambda b, h, q_idx, kv_idx: ids[b, kv_idx] <= ids[b, q_idx]  # noqa: E731
+    elif kind == "documents":
+        docs = document_ids(B, S, 4, g).to(device)
+        kw = dict(segment_ids_q=docs, segment_ids_k=docs)
+        mod = lambda b, h, q_idx, kv_idx: docs[b, q_idx] == docs[b, kv_idx]  # noqa: E731
+    else:
+        raise ValueError(f"unknown mask kind {kind!r}; kinds: {', '.join(MASK_KINDS)}")
+    return kw, kw, mod
+
+
+def block_ids(kind: str, B: int, S: int):
+    """(B, S) int32 block ids: vla = prefix 3S/4 (0), one state token (1), the action chunk (2);
+    prefix-lm = prefix S/2 (0), then one id per token."""
+    i = torch.arange(S)
+    ids = (i >= 3 * S // 4).int() + (i > 3 * S // 4).int() if kind == "vla" else (i - S // 2 + 1).clamp(min=0)
+    return ids.to(torch.int32).expand(B, S).contiguous()
+
+
+def document_ids(B: int, S: int, n: int, g):
+    """(B, S) int32: n documents per batch entry, cut at n-1 distinct random positions."""
+    cuts = torch.stack([torch.randperm(S - 1, generator=g)[:n - 1] + 1 for _ in range(B)]).sort(-1).values
+    return torch.searchsorted(cuts, torch.arange(S).expand(B, S).contiguous(), right=True).to(torch.int32)
+
+
+def dense_mask(builtin: dict, B: int, S: int, device="cuda"):
+    """(B, 1, S, S) bool: reference.visible of built-in mask arguments, one batch entry at a time
+    (on the GPU through CuPy; NumPy for CPU tensors)."""
+    xp = numpy if torch.device(device).type == "cpu" else importlib.import_module("cupy")
+    out = torch.empty(B, 1, S, S, dtype=torch.bool, device=device)
+    for b in range(B):
+        one = {n: x if n in ("causal", "window") else xp.asarray(x[b:b + 1]) for n, x in builtin.items()}
+        keep = oracle.visible(1, S, S, xp=xp, **one)
+        out[b] = torch.as_tensor(keep.view(xp.uint8), device=device).view(torch.bool)[0]
+    return out
+
+
+def flashrt_masked(kw: dict, options: dict):
+    """flashrt.attention with mask arguments kw: the first call (the gate's) validates the mask
+    arrays, later ones pass validate=False, as the README advises for a hot loop."""
+    validate = True
+
+    def attn(q, k, v):
+        nonlocal validate
+        o = flashrt.attention(q, k, v, validate=validate, **options, **kw)
+        validate = False
+        return o
+    return attn
+
+
+def flex_masked(mod, c: dict, per_batch: bool, row: dict):
+    """flex with the block mask of mod, built once; its build time goes in the row (first call with
+    the compile, then the median rebuild)."""
+    if mod is None:
+        return flex_with(None)
+    _, create_block_mask = _flex()
+
+    def build():
+        return create_block_mask(mod, B=c["B"] if per_batch else None, H=None, Q_LEN=c["S"], KV_LEN=c["S"],
+                                 device="cuda")
+    t0 = time.perf_counter()
+    block_mask = build()
+    torch.cuda.synchronize()
+    row["block_mask_first_s"] = time.perf_counter() - t0
+    row["block_mask_ms"] = time_ms(build)
+    return flex_with(block_mask)
+
+
+def sdpa_masked(mask, inputs, row: dict):
+    """SDPA with a dense bool attn_mask (B, 1, S, S), torch's choice of backend (noted in the row)."""
+    def attn(q, k, v):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           enable_gqa=q.shape[2] != k.shape[2])
+        return o.transpose(1, 2)
+    q, k, v = (x.transpose(1, 2) for x in inputs[:3])
+    try:  # a private torch function: the backend SDPA would pick for these arguments
+        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, False, scale=None, enable_gqa=q.shape[1] != k.shape[1])
+        row["sdpa_backend"] = next(n for n, b in SDPBackend.__members__.items() if int(b) == choice)
+    except Exception as exc:  # noqa: BLE001  (only a note)
+        row["sdpa_backend"] = f"unknown ({type(exc).__name__})"
+    return attn
+
+
+def mask_measure(c: dict, q, k, v, do):
+    """attention_measure (TFLOP/s on visible pairs), plus the dense-equivalent rates."""
+    timed, dense = attention_measure(c, q, k, v, do), dict(c, pairs=c["B"] * c["S"] ** 2)
+
+    def measure(attn) -> dict:
+        r = timed(attn)
+        r.update({f"{mode}_tflops_dense_equiv": flops(dense, mode) / r[f"{mode}_ms"] / 1e9
+                  for mode in ("fwd", "bwd", "fwdbwd")})
+        return r
+    return measure
+
+
+def bench_mask_case(c: dict, impls: list[str]) -> list[dict]:
+    """Every implementation on one (mask kind, S); a -mod kind runs flashrt's only."""
+    impls = [impl for impl in impls if impl in MASK_FLASHRT or c["mask"] not in MASK_MOD_OF]
+    try:
+        kw, builtin, mod = mask_spec(c["mask"], c["B"], c["S"])
+        dense = dense_mask(builtin, c["B"], c["S"])
+        pairs = int(dense.sum())
+        c = dict(c, density=pairs / dense.numel(), pairs=pairs)
+        q, k, v, do = make_inputs(c)
+        ref = reference(q, k, v, do, False, dense=dense)
+    except Exception as exc:  # the case's set-up: every row gets the error
+        print(f"masks {c}:\n{traceback.format_exc(limit=-4)}", file=sys.stderr)
+        return [dict(c, impl=impl, error=f"set-up: {error_text(exc)}") for impl in impls]
+    per_batch = any(isinstance(x, torch.Tensor) for x in builtin.values())
+
+    def make(impl):
+        if impl in MASK_FLASHRT:
+            return lambda row: flashrt_masked(kw, MASK_FLASHRT[impl])
+        if impl == "flex":
+            return lambda row: flex_masked(mod, c, per_batch, row)
+        return lambda row: sdpa_masked(dense, (q, k, v), row)
+    measure = mask_measure(c, q, k, v, do)
+    return [bench_impl(impl, c, (q, k, v, do), ref, measure, make(impl)) for impl in impls]
 
 
 # ---------------------------------------------------------------- output
@@ -428,15 +672,109 @@ def stack_table(rows: list[dict]) -> list[str]:
                  lines)
 
 
-def markdown(env: dict, rows: list[dict], summary: list[dict]) -> str:
-    attention = [r for r in rows if r["set"] != "stack"]
+def mask_table(rows: list[dict]) -> list[str]:
+    header = ["mask", "S", "B", "density", "impl", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s", "fwd+bwd ms",
+              "peak MiB", "max rel err", "notes"]
+    lines = []
+    for r in rows:
+        line = [r["mask"], r["S"], r["B"], f"{r['density']:.3f}" if "density" in r else "—", r["impl"]]
+        if "error" in r:
+            lines.append(line + [r["error"]])
+            continue
+        for mode in ("fwd", "bwd"):
+            line += [f"{r[f'{mode}_ms']:.3f}", f"{r[f'{mode}_tflops']:.0f}"]
+        lines.append(line + [f"{r['fwdbwd_ms']:.3f}", f"{r['peak_mib']:.0f}", max_err(r), mask_notes(r)])
+    return table(header, lines)
+
+
+def mask_notes(r: dict) -> str:
+    notes = []
+    if "block_mask_ms" in r:
+        notes.append(f"block mask {r['block_mask_ms']:.2f} ms ({r['block_mask_first_s']:.1f} s first)")
+    if "sdpa_backend" in r:
+        notes.append(r["sdpa_backend"])
+    if "empty_rows_out" in r:
+        notes.append(f"rows with no key: {r['empty_rows_out']}")
+    return "; ".join(notes)
+
+
+def mask_ratios(rows: list[dict]) -> list[dict]:
+    """Per (mask, S): flex (and sdpa-mask) time / flashrt time, flashrt time / its dense time, and
+    mask_mod time / built-in time; a -mod kind is compared with its twin's flex and sdpa-mask rows."""
+    timed = {(r["mask"], r["S"], r["impl"]): r for r in rows if "error" not in r}
+
+    def ratio(a, b, mode):
+        return a[f"{mode}_ms"] / b[f"{mode}_ms"] if a and b else None
+    out = []
+    for kind, S in dict.fromkeys((r["mask"], r["S"]) for r in rows):
+        twin = MASK_MOD_OF.get(kind, kind)
+        mine, fused = timed.get((kind, S, "flashrt-auto")), timed.get((kind, S, "flashrt-fused"))
+        flex, sdpa = timed.get((twin, S, "flex")), timed.get((twin, S, "sdpa-mask"))
+        dense, builtin = timed.get(("dense", S, "flashrt-auto")), timed.get((twin, S, "flashrt-auto"))
+        density = next((r["density"] for r in rows if r["mask"] == kind and r["S"] == S and "density" in r), None)
+        entry = dict(mask=kind, S=S, density=density)
+        for mode in ("fwd", "bwd"):
+            entry.update({f"flex_over_flashrt_{mode}": ratio(flex, mine, mode),
+                          f"flex_over_fused_{mode}": ratio(flex, fused, mode),
+                          f"sdpa_over_flashrt_{mode}": ratio(sdpa, mine, mode),
+                          f"over_dense_{mode}": ratio(mine, dense, mode),
+                          f"mod_over_builtin_{mode}": ratio(mine, builtin, mode) if kind in MASK_MOD_OF else None})
+        entry["misses"] = mask_misses(entry)
+        out.append(entry)
+    return out
+
+
+def mask_misses(e: dict) -> list[str]:
+    """The issue's targets that a ratio entry misses (a missing ratio misses nothing)."""
+    def above(key, limit):
+        return e[key] is not None and e[key] > limit
+
+    def below(key, limit):
+        return e[key] is not None and e[key] < limit
+    misses = []
+    for mode in ("fwd", "bwd"):
+        if e["S"] >= 1024 and below(f"flex_over_flashrt_{mode}", 1.0):
+            misses.append(f"flex {mode} >= 1")
+        if e["density"] is not None and abs(e["density"] - 0.5) <= 0.05 and above(f"over_dense_{mode}", 0.6):
+            misses.append(f"{mode} <= 0.6 dense")
+        if above(f"mod_over_builtin_{mode}", 1.15):
+            misses.append(f"mask_mod {mode} <= 1.15")
+    return misses
+
+
+MASK_RATIO_COLUMNS = {"flex / flashrt fwd": "flex_over_flashrt_fwd", "flex / flashrt bwd": "flex_over_flashrt_bwd",
+                      "flex / fused bwd": "flex_over_fused_bwd", "sdpa-mask / flashrt fwd": "sdpa_over_flashrt_fwd",
+                      "sdpa-mask / flashrt bwd": "sdpa_over_flashrt_bwd", "flashrt / dense fwd": "over_dense_fwd",
+                      "flashrt / dense bwd": "over_dense_bwd", "mask_mod / built-in fwd": "mod_over_builtin_fwd",
+                      "mask_mod / built-in bwd": "mod_over_builtin_bwd"}
+
+
+def mask_ratio_table(summary: list[dict]) -> list[str]:
+    lines = [[s["mask"], s["S"], "—" if s["density"] is None else f"{s['density']:.3f}"] +
+             ["—" if s[key] is None else f"{s[key]:.2f}" for key in MASK_RATIO_COLUMNS.values()] +
+             [", ".join(s["misses"]) or "none"] for s in summary]
+    return table(["mask", "S", "density", *MASK_RATIO_COLUMNS, "targets missed"], lines)
+
+
+def markdown(env: dict, rows: list[dict], summary: list[dict], mask_summary: list[dict] = ()) -> str:
+    attention = [r for r in rows if r["set"] not in ("stack", "masks")]
     stack = [r for r in rows if r["set"] == "stack"]
+    masked = [r for r in rows if r["set"] == "masks"]
     out = [f"{env['gpu']}, driver {env['driver']}, torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}), "
            f"CuPy {env['cupy']}, NVRTC {env['nvrtc']}, flashrt {env['flashrt']}, {env['date']}", ""]
     if attention:
         out += ["## Attention (bf16; bwd = fwd+bwd - fwd)", ""] + attention_table(attention) + [""]
     if summary:
         out += ["## flash time / flashrt time (>1: flashrt faster)", ""] + ratio_table(summary) + [""]
+    if masked:
+        s = MASK_SHAPE
+        out += [f"## Masks (bf16, H={s['H']} Hkv={s['Hkv']} D={s['D']}, B=16384/S; TFLOP/s on visible pairs; "
+                "bwd = fwd+bwd - fwd; flashrt-auto: impl auto, deterministic; flashrt-fused: deterministic=False)",
+                ""] + mask_table(masked) + [""]
+    if mask_summary:
+        out += ["### Mask time ratios (targets: flex / flashrt >= 1 at S >= 1k; flashrt / dense <= 0.6 at 50% "
+                "density, checked where density is 0.45-0.55; mask_mod / built-in <= 1.15; a -mod row's flex and "
+                "sdpa-mask are its built-in twin's)", ""] + mask_ratio_table(mask_summary) + [""]
     if stack:
         s = STACK
         out += [f"## Stack: {s['layers']} checkpointed layers, B={s['B']} S={s['S']} H={s['H']} Hkv={s['Hkv']} "
@@ -485,30 +823,44 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", default="all", choices=SETS)
     ap.add_argument("--impls", default=DEFAULT_IMPLS, help=f"comma-separated from {','.join(IMPLS)}, or all")
+    ap.add_argument("--mask-impls", default="all",
+                    help=f"the masks set's implementations: comma-separated from {','.join(MASK_IMPLS)}, or all")
+    ap.add_argument("--seqlens", help="comma-separated sequence lengths to keep (every set but stack), e.g. 1024,8192")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
     impls = list(IMPLS) if args.impls == "all" else args.impls.split(",")
-    unknown = [impl for impl in impls if impl not in IMPLS]
+    mask_impls = list(MASK_IMPLS) if args.mask_impls == "all" else args.mask_impls.split(",")
+    unknown = [impl for impl in impls if impl not in IMPLS] + [impl for impl in mask_impls if impl not in MASK_IMPLS]
     if unknown:
-        ap.error(f"unknown implementation(s) {unknown}; choose from {','.join(IMPLS)} or all")
+        ap.error(f"unknown implementation(s) {unknown}; --impls: {','.join(IMPLS)} or all; "
+                 f"--mask-impls: {','.join(MASK_IMPLS)} or all")
+    seqlens = None if args.seqlens is None else {int(S) for S in args.seqlens.split(",")}
     t0 = time.perf_counter()
     env = environment()
     print(json.dumps(env), flush=True)
     rows = []
     for c in attention_cases(args.set):
-        for r in bench_case(c, impls):
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+        if seqlens is None or c["S"] in seqlens:
+            for r in bench_case(c, impls):
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    for c in mask_cases(args.set):
+        if seqlens is None or c["S"] in seqlens:
+            for r in bench_mask_case(c, mask_impls):
+                rows.append(r)
+                print(json.dumps(r), flush=True)
     if args.set in ("stack", "all"):
         for causal in (False, True):
             for r in bench_stack(impls, causal):
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    summary = ratios([r for r in rows if r["set"] != "stack"])
+    summary = ratios([r for r in rows if r["set"] not in ("stack", "masks")])
+    mask_summary = mask_ratios([r for r in rows if r["set"] == "masks"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({"env": env, "rows": rows, "flash_over_flashrt": summary}, indent=1))
-    text = markdown(env, rows, summary)
+    (out / "bench.json").write_text(json.dumps({"env": env, "rows": rows, "flash_over_flashrt": summary,
+                                                "mask_ratios": mask_summary}, indent=1))
+    text = markdown(env, rows, summary, mask_summary)
     (out / "bench.md").write_text(text + "\n")
     print(text)
     wrote = ["bench.json", "bench.md"]

@@ -156,8 +156,8 @@ def test_opcheck_with_masks_and_varlen():
     doc = torch.randint(0, 3, (B, S), dtype=torch.int32, device="cuda")
     mod = ("doc[b * 96 + q] == doc[b * 96 + k] || h == 1", "doc")
     torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors + [doc], *mod))
-    out, lse = flashrt.forward(q, k, v, window=(16, 16), seqlens_q=lengths, seqlens_k=lengths, block_ids_q=ids,
-                               block_ids_k=ids, mask_mod=mod[0], mask_tensors={"doc": doc})
+    out, lse = flashrt.forward(q, k, v, window=(16, 16), seqlens_q=lengths, seqlens_k=lengths,
+                               block_ids_q=tensors[4], block_ids_k=tensors[5], mask_mod=mod[0], mask_tensors={"doc": doc})
     torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, tensors + [doc], *mod))
     cu = torch.tensor([0, 30, 96], dtype=torch.int32, device="cuda")
     pq, pk, pv = (x[0] for x in (q, k, v))  # (96, H, D) packed: sequences of 30 and 66
