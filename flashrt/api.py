@@ -112,26 +112,39 @@ def _pick(family: str, D: int, Q: Array, m: masks.Masking, dev):
     return launch.pick(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors)
 
 
-def _classify(consumer, family: str, p: dict, m: masks.Masking, H: int, Q: Array, dev, stream) -> tuple:
-    """mask_mod: launch the classification kernel that lists the tiles `consumer` visits.
+def _classify(p: dict, m: masks.Masking, H: int, Q: Array, dev, stream, *needs) -> list:
+    """mask_mod: the tile lists that each (consumer kernel, "mask_rows" | "mask_cols") in `needs` walks.
 
-    Sets the lists' pointers in the params dict `p` (mod_rows / mod_cols) and returns the
-    arrays, to keep alive until the consumer has run.
+    Launches kernels_cu/mask_classify.cu: one map per tiling (the expression on every pair),
+    then the lists. Sets their pointers in the params dict `p` and returns the arrays, to keep
+    alive until the consumers are launched.
     """
     heads, batches = m.mod_lists(H)
-    spec = consumer.classifier(family)
-    try:  # the classifier is the smallest kernel with the expression in it: its compile checks the expression
-        launch.function(spec, dev)
-    except nvrtc.CompileError as exc:
-        raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
-    m_tiles, n_tiles = -(-m.Sq // spec.block_m), -(-m.Sk // spec.block_n)
-    outer = m_tiles if family == "mask_rows" else n_tiles
-    lists = interop.empty(Q, (batches * heads * m_tiles * n_tiles,), int32=True)
-    counts = interop.empty(Q, (batches * heads * outer,), int32=True)
-    prefix = "mod_rows" if family == "mask_rows" else "mod_cols"
-    p[prefix], p[prefix + "_count"] = interop.data_ptr(lists), interop.data_ptr(counts)
-    launch.launch(spec, dev, launch.grid(spec, batches, heads, 0, m.Sq, m.Sk), params.pack(params.FWD, p), stream)
-    return lists, counts
+    keep, maps = [], {}
+    for consumer, family in needs:
+        tiles_mn = (-(-m.Sq // consumer.block_m), -(-m.Sk // consumer.block_n))
+        if tiles_mn not in maps:
+            mapper = consumer.classifier("mask_map")
+            try:  # the map kernel is the smallest with the expression in it: its compile checks it
+                launch.function(mapper, dev)
+            except nvrtc.CompileError as exc:
+                raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
+            tile_map = interop.empty(Q, (-(-batches * heads * tiles_mn[0] * tiles_mn[1] // 4),), int32=True)
+            p["mod_map"] = interop.data_ptr(tile_map)
+            launch.launch(mapper, dev, launch.grid(mapper, batches, heads, 0, m.Sq, m.Sk),
+                          params.pack(params.FWD, p), stream)
+            maps[tiles_mn] = tile_map
+        p["mod_map"] = interop.data_ptr(maps[tiles_mn])
+        outer = tiles_mn[0] if family == "mask_rows" else tiles_mn[1]
+        lists = interop.empty(Q, (batches * heads * tiles_mn[0] * tiles_mn[1],), int32=True)
+        counts = interop.empty(Q, (batches * heads * outer,), int32=True)
+        p[family.replace("mask", "mod")] = interop.data_ptr(lists)
+        p[family.replace("mask", "mod") + "_count"] = interop.data_ptr(counts)
+        spec = consumer.classifier(family)
+        launch.launch(spec, dev, launch.grid(spec, batches, heads, 0, m.Sq, m.Sk), params.pack(params.FWD, p),
+                      stream)
+        keep += [lists, counts]
+    return keep + list(maps.values())
 
 
 def _prepare(q, k, v, mask_args: dict, validate: bool):
@@ -200,7 +213,7 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, valida
     p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, lse=interop.data_ptr(lse), H=H, Hkv=Hkv, scale_log2=scale * _LOG2E,
              **m.kernel_fields(H))
     _tensor_fields(p, q=Q4, k=K4, v=V4, o=O)
-    keep = _classify(spec, "mask_rows", p, m, H, Q, dev, stream) if m.mask_mod else ()  # noqa: F841
+    keep = _classify(p, m, H, Q, dev, stream, (spec, "mask_rows")) if m.mask_mod else ()  # noqa: F841
     launch.launch(spec, dev, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), params.pack(params.FWD, p), stream)
     return out, lse
 
@@ -276,9 +289,8 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
         families.append("bwd_dkdv_reduce")
     keep = []  # mask_mod's tile lists, alive until the kernels that read them are launched
     if m.mask_mod:
-        keep += _classify(main, "mask_cols", p, m, H, Q, dev, stream)
-        if impl != "fused":
-            keep += _classify(_pick("bwd_dq", D, Q, m, dev), "mask_rows", p, m, H, Q, dev, stream)
+        needs = [(main, "mask_cols")] + ([] if impl == "fused" else [(_pick("bwd_dq", D, Q, m, dev), "mask_rows")])
+        keep = _classify(p, m, H, Q, dev, stream, *needs)
     args = params.pack(params.BWD, p)
     rowwise = m.elementwise_fields(H)
     rowwise_args = params.pack(params.BWD, {**p, **rowwise}) if rowwise else args

@@ -75,10 +75,12 @@ def _cdiv(a: int, b: int) -> int:
 def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132,
          splits: int = 1) -> tuple[int, int, int]:
     """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu."""
-    if spec.family in ("fwd", "bwd_dq", "mask_rows"):  # mask_*: B, H are the lists' batch entries, heads
+    if spec.family in ("fwd", "bwd_dq"):
         g = (_cdiv(Sq, spec.block_m), H, B)
-    elif spec.family == "mask_cols":
-        g = (_cdiv(Sk, spec.block_n), H, B)
+    elif spec.family in CLASSIFY:  # kernels_cu/mask_classify.cu; B, H: the lists' batch entries and heads
+        m_tiles, n_tiles, nw = _cdiv(Sq, spec.block_m), _cdiv(Sk, spec.block_n), spec.warps
+        g = {"mask_map": (_cdiv(n_tiles, nw), m_tiles, B * H), "mask_rows": (_cdiv(B * H * m_tiles, nw), 1, 1),
+             "mask_cols": (_cdiv(B * H * n_tiles, nw), 1, 1)}[spec.family]
     elif spec.family in KEY_PARALLEL:
         g = (_cdiv(Sk, spec.block_n), Hkv * splits, B)
     elif spec.family in ELEMENTWISE:  # grid-stride loops: enough blocks for the work, at most 32 per SM
@@ -88,7 +90,7 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
         g = (max(1, min(_cdiv(*work), 32 * sm_count)), 1, 1)
     else:
         raise ValueError(spec.family)
-    if g[1] > _MAX_GRID_YZ or g[2] > _MAX_GRID_YZ:
+    if g[1] > _MAX_GRID_YZ or g[2] > _MAX_GRID_YZ or g[0] >= 2**31:
         raise LaunchError(f"{spec.name}: grid {g} exceeds the CUDA limit of {_MAX_GRID_YZ} on its y/z axes "
                           f"(heads={H}, batch={B}); split the batch into chunks of at most {_MAX_GRID_YZ}")
     return g

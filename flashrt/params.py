@@ -23,7 +23,7 @@ _MASK_PTRS = [(n, _PTR) for n in ("seqlens_q", "seqlens_k", "cu_q", "cu_k", "blo
 _STATS = [("st_sb", _I64), ("st_sh", _I64)]
 _DIMS = [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk", "win_left", "win_right", "top_left")]
 # mask_mod's fields, last in both structs.
-_MOD = ([(n, _PTR) for n in ("mod_rows", "mod_rows_count", "mod_cols", "mod_cols_count", "mod_t0", "mod_t1",
+_MOD = ([(n, _PTR) for n in ("mod_map", "mod_rows", "mod_rows_count", "mod_cols", "mod_cols_count", "mod_t0", "mod_t1",
                              "mod_t2", "mod_t3")]
         + [("mod_heads", _I32), ("mod_batches", _I32)])
 

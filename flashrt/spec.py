@@ -24,9 +24,11 @@ FAMILIES = {
     "bwd_dkdv_reduce": ("bwd_dkdv_reduce.cu", params.BWD, {}),
     "bwd_fused": ("bwd_dkdv.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # dK/dV + atomic dQ
     "bwd_dq_convert": ("bwd_dq_convert.cu", params.BWD, {}),
-    # mask_mod tile lists (ModLists): per query tile (fwd, bwd_dq) and per key tile (bwd_dkdv, bwd_fused)
-    "mask_rows": ("mask_classify.cu", params.FWD, {}),
-    "mask_cols": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY_COLS": 1}),
+    # mask_mod: the tile map (the expression evaluated per pair), then the tile lists (ModLists) made
+    # from it, per query tile (fwd, bwd_dq) and per key tile (bwd_dkdv, bwd_fused)
+    "mask_map": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 0}),
+    "mask_rows": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 1}),
+    "mask_cols": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 2}),
 }
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
 ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
@@ -34,7 +36,8 @@ ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
 KEY_PARALLEL = ("bwd_dkdv", "bwd_fused")
 # mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
 # (KernelSpec.classifier); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
-CLASSIFY = ("mask_rows", "mask_cols")
+# The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
+CLASSIFY = ("mask_map", "mask_rows", "mask_cols")
 CLASSIFY_WARPS = 8
 DTYPES = ("bf16", "fp16")
 # Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
@@ -97,8 +100,10 @@ class KernelSpec:
             raise ValueError(f"mask bits {self.mask} are not valid for {self.family} (MASK_BITS: {MASK_BITS})")
         if bool(self.mask & MASK_BITS["mod"]) != bool(self.mask_mod) or (self.mod_tensors and not self.mask_mod):
             raise ValueError("a mask_mod expression goes with the mod mask bit, and tensors with an expression")
-        if self.family in CLASSIFY and not self.mask_mod:
-            raise ValueError(f"{self.family} classifies tiles for a mask_mod expression; it needs one")
+        if self.family == "mask_map" and not self.mask_mod:
+            raise ValueError("mask_map evaluates a mask_mod expression; it needs one")
+        if self.family in ("mask_rows", "mask_cols") and (self.mask or self.causal):
+            raise ValueError(f"{self.family} reads only the tile map: it takes no mask")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
             raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
         problem = self.layout_problem()
@@ -118,8 +123,11 @@ class KernelSpec:
         return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}_{self.arch}"
 
     def classifier(self, family: str) -> "KernelSpec":
-        """The mask_mod classification kernel (CLASSIFY) whose tile lists this kernel reads."""
-        return dataclasses.replace(self, family=family, head_dim=64, dtype="bf16", warps=CLASSIFY_WARPS)
+        """A mask_mod classification kernel (CLASSIFY) for this kernel's tiles."""
+        fixed = dict(family=family, head_dim=64, dtype="bf16", warps=CLASSIFY_WARPS)
+        if family != "mask_map":
+            fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
+        return dataclasses.replace(self, **fixed)
 
     @property
     def threads(self) -> int:

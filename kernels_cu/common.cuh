@@ -5,6 +5,7 @@
 // NVRTC 12.x/13.x and no runtime-header version can disagree with the compiler.
 #pragma once
 
+typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;

@@ -1,19 +1,21 @@
-// Tile lists for a mask_mod expression (MASK_MOD; ModLists in mask.cuh): for each tile of
-// one axis, the tiles of the other axis that hold a visible (query, key) pair, found by
-// evaluating every pair with the predicate the attention kernels apply (Visibility::visible,
-// the built-in masks included), as FlexAttention's block masks do.
+// Tile lists for a mask_mod expression (MASK_MOD; ModLists in mask.cuh), in two passes.
 //
-// Family mask_rows: grid (ceil(Sq / BM), mod_heads, mod_batches), a block per query tile,
-// listing its key tiles (of BN) last to first (fwd, bwd_dq). Family mask_cols
-// (FRT_CLASSIFY_COLS=1): grid (ceil(Sk / BN), mod_heads, mod_batches), a block per key
-// tile, listing its query tiles (of BM) last to first (bwd_dkdv, bwd_fused). BM and BN are
-// the consuming kernel's. Tiles outside the built-in masks' span (Visibility::key_span /
-// query_span) are empty without evaluation. Each tile's pairs are spread over the block;
-// a thread stops early once it has seen both a visible and a hidden pair.
+// mask_map (FRT_CLASSIFY=0): a warp per (query tile, key tile) of the consuming kernel's BM x BN
+// tiling evaluates the pairs with the predicate the attention kernels apply
+// (Visibility::visible, built-in masks included) and writes one byte: 0 no pair visible,
+// 1 some, 2 all (FlexAttention's block mask). It stops at the first tile evidence of
+// "some". Grid (ceil(key tiles / NW), query tiles, mod_batches * mod_heads): every tile
+// of every list in flight at once.
+//
+// mask_rows (FRT_CLASSIFY=1) / mask_cols (2): a warp per query (key) tile turns its row
+// (column) of the map into the list of tiles to visit, last to first: entry j when every
+// pair of the two tiles is visible, ~j when the element mask must run. Grid
+// (ceil(lists / NW)). These read only the map, so they carry no expression and one
+// compiled pair serves every mask_mod.
 #include "params.cuh"
 
-#ifndef FRT_CLASSIFY_COLS
-#define FRT_CLASSIFY_COLS 0
+#ifndef FRT_CLASSIFY
+#define FRT_CLASSIFY 0
 #endif
 
 namespace frt {
@@ -21,47 +23,68 @@ namespace frt {
 template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
 struct ClassifyTraits {
     static constexpr int BM = BM_, BN = BN_, NW = NW_, NTHREADS = NW * 32;
-    static constexpr bool CAUSAL = CAUSAL_, COLS = FRT_CLASSIFY_COLS;
-    static constexpr int MASK = FRT_MASK;
+    static constexpr bool CAUSAL = CAUSAL_;
+    static constexpr int PASS = FRT_CLASSIFY, MASK = FRT_MASK;
     static constexpr int SMEM = 0;
-    static_assert(MASK & MASK_MOD, "tile lists are only for mask_mod variants");
+    static_assert(PASS != 0 || (MASK & MASK_MOD), "the map is only for mask_mod variants");
     static_assert(BM % 16 == 0 && BN % 16 == 0, "block sizes must be multiples of 16");
 };
 
+enum : unsigned char { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
+
+template <class T>
+FRT_DEVICE void mask_map(const FwdParams& p) {
+    constexpr int BM = T::BM, BN = T::BN;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int z = blockIdx.z, h = z % p.mod_heads, b = z / p.mod_heads;
+    // One list stands for every head (batch entry) when mod_heads (mod_batches) is 1: the
+    // mask does not depend on it, so head 0 (batch entry 0) is as good as any.
+    const auto& vis = block_visibility<T::CAUSAL, T::MASK>(p, b);
+    const int m = blockIdx.y, n = blockIdx.x * T::NW + warp;
+    const int m_tiles = ceil_div(p.Sq, BM), n_tiles = ceil_div(p.Sk, BN);
+    if (n >= n_tiles) return;
+    bool any = false, all = true;
+    if (m * BM < vis.Lq && n * BN < vis.Lk) {  // else no pair exists
+        for (int e = lane; e < BM * BN; e += 32) {
+            const bool v = vis.visible(m * BM + e / BN, n * BN + e % BN, h);
+            any |= v, all &= v;
+            if (__any_sync(~0u, any) && !__all_sync(~0u, all)) break;  // partial: nothing more to learn
+        }
+    }
+    any = __any_sync(~0u, any), all = __all_sync(~0u, all) && any;
+    if (lane == 0)
+        p.mod_map[((i64)z * m_tiles + m) * n_tiles + n] = all ? TILE_FULL : any ? TILE_PARTIAL : TILE_EMPTY;
+}
+
+// The list of one query tile's key tiles (ROWS) or one key tile's query tiles.
+template <class T, bool ROWS>
+FRT_DEVICE void mask_list(const FwdParams& p) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int m_tiles = ceil_div(p.Sq, T::BM), n_tiles = ceil_div(p.Sk, T::BN);
+    const int outer_tiles = ROWS ? m_tiles : n_tiles, inner_tiles = ROWS ? n_tiles : m_tiles;
+    const i64 at = (i64)blockIdx.x * T::NW + warp;  // (z, outer tile): the ModLists index
+    if (at >= (i64)p.mod_batches * p.mod_heads * outer_tiles) return;
+    const i64 z = at / outer_tiles;
+    const int outer = (int)(at % outer_tiles);
+    const u8* map = p.mod_map + z * m_tiles * n_tiles;
+    int* list = (ROWS ? p.mod_rows : p.mod_cols) + at * inner_tiles;
+    int listed = 0;
+    for (int top = inner_tiles - 1; top >= 0; top -= 32) {
+        const int j = top - lane;
+        const int c = j < 0 ? TILE_EMPTY : ROWS ? map[(i64)outer * n_tiles + j] : map[(i64)j * n_tiles + outer];
+        const u32 listed_here = __ballot_sync(~0u, c != TILE_EMPTY);
+        if (c != TILE_EMPTY) list[listed + __popc(listed_here & ((1u << lane) - 1))] = c == TILE_FULL ? j : ~j;
+        listed += __popc(listed_here);
+    }
+    if (lane == 0) (ROWS ? p.mod_rows_count : p.mod_cols_count)[at] = listed;
+}
+
 template <class T>
 __device__ void mask_classify(const FwdParams& p) {
-    constexpr int BM = T::BM, BN = T::BN;
-    const int tid = threadIdx.x, outer = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    // One list stands for every head (batch entry) when mod_heads (mod_batches) is 1:
-    // the mask does not depend on it, so head 0 (batch entry 0) is as good as any.
-    const auto& vis = block_visibility<T::CAUSAL, T::MASK>(p, b);
-    const ModLists lists = T::COLS ? ModLists::cols(p, BM, BN) : ModLists::rows(p, BM, BN);
-    const i64 at = lists.index(p, b, h, outer);
-    int* list = (T::COLS ? p.mod_cols : p.mod_rows) + at * lists.n_inner;
-    int* count = (T::COLS ? p.mod_cols_count : p.mod_rows_count) + at;
-
-    // The inner tiles that the built-in masks leave: [first, end).
-    int lo, hi;
-    if constexpr (T::COLS)
-        vis.query_span(outer * BN, BN, lo, hi, tid, T::NTHREADS);
+    if constexpr (T::PASS == 0)
+        mask_map<T>(p);
     else
-        vis.key_span(outer * BM, BM, lo, hi, tid, T::NTHREADS);
-    constexpr int INNER = T::COLS ? BM : BN;
-    const int first = lo / INNER, end = hi > lo ? ceil_div(hi, INNER) : first;
-
-    int listed = 0;  // thread 0's
-    for (int j = end - 1; j >= first; --j) {
-        const int m0 = T::COLS ? j * BM : outer * BM, n0 = T::COLS ? outer * BN : j * BN;
-        bool any = false, all = true;
-        for (int e = tid; e < BM * BN && (all || !any); e += T::NTHREADS) {
-            const bool v = vis.visible(m0 + e / BN, n0 + e % BN, h);
-            any |= v, all &= v;
-        }
-        any = __syncthreads_or(any);
-        all = __syncthreads_and(all);
-        if (tid == 0 && any) list[listed++] = all ? j : ~j;
-    }
-    if (tid == 0) *count = listed;
+        mask_list<T, T::PASS == 1>(p);
 }
 
 }  // namespace frt

@@ -34,9 +34,10 @@ struct FwdParams {
     i64 st_sb, st_sh;  // lse of (b, h, row): b * st_sb + h * st_sh + row
     int B, H, Hkv, Sq, Sk;  // Sq, Sk: the longest sequences when varlen
     int win_left, win_right, top_left;
-    float scale_log2;  // softmax_scale * log2(e)    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: tile lists written by
-    // mask_classify.cu (ModLists in mask.cuh), the int32 tensors the expression reads, and the
+    float scale_log2;  // softmax_scale * log2(e)    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: the tile map and
+    // lists written by mask_classify.cu (ModLists in mask.cuh), the int32 tensors the expression reads, and the
     // lists' extents: 1, or H / B when the mask differs per head / batch entry.
+    u8* mod_map;  // mask_classify.cu's per-tile bytes, from which the lists are made
     int* mod_rows;
     int* mod_rows_count;
     int* mod_cols;
@@ -86,9 +87,10 @@ struct BwdParams {
     int B, H, Hkv, Sq, Sk;
     int win_left, win_right, top_left;
     float scale_log2;
-    float scale;    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: tile lists written by
-    // mask_classify.cu (ModLists in mask.cuh), the int32 tensors the expression reads, and the
+    float scale;    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: the tile map and
+    // lists written by mask_classify.cu (ModLists in mask.cuh), the int32 tensors the expression reads, and the
     // lists' extents: 1, or H / B when the mask differs per head / batch entry.
+    u8* mod_map;  // mask_classify.cu's per-tile bytes, from which the lists are made
     int* mod_rows;
     int* mod_rows_count;
     int* mod_cols;

@@ -147,7 +147,7 @@ def test_mask_mod_lists_per_head_and_batch_only_when_needed(expr, kw, heads, bat
 def test_mask_mod_compile_error_shows_the_expression():
     from flashrt import cache, nvrtc, tiles
     expr = "k <= q && kk > 1"
-    spec = tiles.pick_nw("fwd", 64, "bf16", False, "sm_80", 160 * 1024, MASK_BITS["mod"], expr).classifier("mask_rows")
+    spec = tiles.pick_nw("fwd", 64, "bf16", False, "sm_80", 160 * 1024, MASK_BITS["mod"], expr).classifier("mask_map")
     with pytest.raises(nvrtc.CompileError) as info:
         nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options(), cache.kernel_sources())
     msg = str(masks.mask_mod_error(expr, ("doc",), info.value.log))

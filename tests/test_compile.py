@@ -38,7 +38,8 @@ def _variants():
         for d in (64, 128, 256):
             for mask in (sum(MASK_BITS.values()), MASK_BITS["mod"]):
                 spec = tiles.pick_nw(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
-                out.update([spec, spec.classifier("mask_rows" if family in ("fwd", "bwd_dq") else "mask_cols")])
+                out.update([spec, spec.classifier("mask_map"),
+                            spec.classifier("mask_rows" if family in ("fwd", "bwd_dq") else "mask_cols")])
     return sorted(out, key=lambda s: s.name)
 
 

@@ -93,7 +93,7 @@ def test_arch_for():
     assert launch.arch_for(8, 9) == "sm_89"
 
 
-_C_TYPES = {"const u16*": np.uint64, "u16*": np.uint64, "const float*": np.uint64, "float*": np.uint64,
+_C_TYPES = {"u8*": np.uint64, "const u16*": np.uint64, "u16*": np.uint64, "const float*": np.uint64, "float*": np.uint64,
             "int*": np.uint64, "const int*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32}
 
 

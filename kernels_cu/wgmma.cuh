@@ -1,0 +1,272 @@
+// Hopper (sm_90a) warpgroup MMA helpers: shared-memory matrix descriptors, the 128-byte
+// swizzled tile layout they describe, and the wgmma instructions used by the prototype
+// kernels of probe_sm90.cu. Inline PTX only, like common.cuh; compiles for sm_90a alone
+// (wgmma is an arch-specific "a" feature).
+//
+// References (layouts learned from, code written here):
+//   PTX ISA 8.x, 9.7.15 "Asynchronous Warpgroup Level Matrix Multiply-Accumulate":
+//     9.7.15.5.1.1   Register fragments (A in registers, accumulator D)
+//     9.7.15.5.1.2   Shared Memory Matrix Layout (swizzle atoms, K-major / MN-major,
+//                    leading / stride dimension byte offsets, canonical layouts)
+//     9.7.15.5.1.2.2 Matrix Descriptor Format (the 64-bit descriptor)
+//   CUTLASS cute/arch/mma_sm90_desc.hpp (GmmaDescriptor bit fields), FlashAttention-3 and
+//   ThunderKittens for how the descriptors are advanced along K.
+//
+// ---------------------------------------------------------------------------------------
+// The shared-memory tile layout used for every wgmma operand here ("sw128 tile")
+// ---------------------------------------------------------------------------------------
+// A ROWS x COLS tile of 16-bit elements (COLS a multiple of 64), stored row-major in global
+// memory (COLS contiguous), lives in shared memory as COLS/64 "column blocks". Column block
+// cb holds columns 64*cb .. 64*cb+63 of every row: ROWS rows of exactly 128 bytes, one after
+// the other (block size ROWS*128 bytes, blocks back to back). Within a block, every group of
+// 8 rows (1024 bytes, 1024-byte aligned) is one 128B-swizzle atom: the 16-byte chunk c
+// (elements 8c..8c+7 of the block's row) of row r is stored at chunk position c ^ (r % 8):
+//
+//     byte offset of (row r, 16-byte chunk c of the full row) =
+//         (c / 8) * ROWS * 128  +  r * 128  +  ((c % 8) ^ (r % 8)) * 16
+//
+// This is CuTe's Swizzle<3,4,3> applied to byte addresses: address bits [4,7) (chunk in a
+// 128-byte row) are XORed with bits [7,10) (row within the 1024-byte atom). The hardware
+// applies it to the absolute shared-memory address, so every tile must start on a 1024-byte
+// boundary (then the descriptor's "base offset" field is 0, PTX ISA 9.7.15.5.1.2.2).
+//
+// The same stored tile serves as either operand kind:
+//   * K-major (imm-trans = 0): the tile's rows are M (or N) and its columns K. E.g. Q and K
+//     for S = Q K^T (head_dim contiguous), A[64][K] and B[N][K] of the GEMM probe.
+//   * MN-major (imm-trans-b = 1, B only here): the tile's rows are K and its columns N.
+//     E.g. V for O = P V: V is stored [key][head_dim], and P V reads it as B = K x N with
+//     K = key, N = head_dim, N contiguous. B2[K][N] of the GEMM probe.
+// The chunk swizzle also makes the 16-byte cp.async writes (8 consecutive chunks of a row per
+// 8 lanes) and the epilogue's staging stores conflict-free.
+#pragma once
+#include "common.cuh"
+
+namespace frt {
+namespace sm90 {
+
+constexpr int kSwizzleBytes = 128;              // bytes per swizzled row (one column block row)
+constexpr int kAtomBytes = 8 * kSwizzleBytes;   // one 8-row swizzle atom: 1024 bytes
+constexpr int kBlockCols = kSwizzleBytes / 2;   // 16-bit elements per column-block row: 64
+
+// Byte offset of 16-byte chunk c (c = column / 8 over the full row) of row r in a sw128 tile
+// of ROWS rows (see the layout comment at the top).
+template <int ROWS>
+FRT_DEVICE u32 sw128_offset(int r, int c) {
+    return (u32)((c >> 3) * (ROWS * kSwizzleBytes) + r * kSwizzleBytes + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// Round a shared address up to the 1024-byte swizzle-atom boundary.
+FRT_DEVICE u32 align_atom(u32 addr) { return (addr + (kAtomBytes - 1)) & ~(u32)(kAtomBytes - 1); }
+
+// 16-byte cp.async, always valid (the probe kernels have no ragged edges).
+FRT_DEVICE void cp_async16_full(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
+}
+
+// Copy a ROWS x COLS tile of 16-bit elements (row stride g_stride elements, columns contiguous)
+// into a sw128 tile at s_tile (1024-byte aligned). Consecutive threads take consecutive 16-byte
+// chunks of a row: coalesced global reads, and each 8-lane phase writes 8 distinct chunk slots
+// of one 128-byte row (no bank conflicts).
+template <int ROWS, int COLS, int NTHREADS>
+FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int tid) {
+    static_assert(COLS % kBlockCols == 0, "sw128 tiles hold whole 64-column blocks");
+    static_assert(ROWS % 8 == 0, "sw128 tiles hold whole 8-row atoms");
+    constexpr int CPR = COLS / 8;  // 16-byte chunks per row
+    constexpr int TOTAL = ROWS * CPR;
+    static_assert(TOTAL % NTHREADS == 0, "tile chunks must divide evenly among the threads");
+#pragma unroll
+    for (int i = 0; i < TOTAL / NTHREADS; ++i) {
+        const int idx = tid + i * NTHREADS;
+        const int r = idx / CPR, c = idx % CPR;
+        cp_async16_full(s_tile + sw128_offset<ROWS>(r, c), g + (i64)r * g_stride + c * 8);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Matrix descriptor (PTX ISA 9.7.15.5.1.2.2), a 64-bit register operand of wgmma:
+//   bits  0-13  start address:                 (addr & 0x3FFFF) >> 4
+//   bits 16-29  leading dimension byte offset: (LBO & 0x3FFFF) >> 4
+//   bits 32-45  stride dimension byte offset:  (SBO & 0x3FFFF) >> 4
+//   bits 49-51  matrix base offset: 0 here, since every swizzle atom starts on a 1024-byte
+//               boundary (otherwise (atom start >> 7) & 7)
+//   bits 62-63  swizzle mode: 0 none, 1 = 128-byte swizzle, 2 = 64-byte, 3 = 32-byte
+//   (bits 14-15, 30-31, 46-48, 52-61 are zero)
+//
+// LBO / SBO for the 128B swizzle (PTX ISA 9.7.15.5.1.2.1, in 16-byte units T = 8 bf16):
+//   K-major, canonical ((8,m),(T,2k)):((8T,SBO),(1,T)):
+//       SBO = byte distance between consecutive groups of 8 rows (M or N) = 1024 here;
+//       LBO is unused for swizzled K-major layouts ("assumed to be 1"): encoded as 1.
+//       A k-step of 16 elements is 32 bytes of a 128-byte row, so the K extent of one wgmma
+//       never leaves the swizzle row; step kk starts at column block kk/4, byte 32*(kk%4).
+//       Adding 32*(kk%4) to the start address is how CUTLASS / FA3 walk K inside a swizzle
+//       row: the hardware swizzles the address it computes, (row*128 + chunk*16) from the
+//       start, so chunk 2*(kk%4)+c of row r lands at ((2*(kk%4)+c) ^ (r%8)), as stored.
+//   MN-major, canonical ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)):
+//       the MN axis runs along the 128-byte row (64 elements), the next 64 MN-elements are
+//       LBO bytes further (the next column block: ROWS*128 bytes); the K axis runs down the
+//       rows, 8 rows per atom, the next 8 K-rows are SBO = 1024 bytes further. A k-step of
+//       16 is 16 whole rows: step kk starts 16*128*kk bytes into every column block.
+// ---------------------------------------------------------------------------------------
+FRT_DEVICE u64 desc_field(u32 bytes) { return (u64)((bytes & 0x3FFFFu) >> 4); }
+
+FRT_DEVICE u64 make_desc_sw128(u32 start, u32 lbo_bytes, u32 sbo_bytes) {
+    return desc_field(start)                // bits 0-13
+           | (desc_field(lbo_bytes) << 16)  // bits 16-29
+           | (desc_field(sbo_bytes) << 32)  // bits 32-45
+           | ((u64)1 << 62);                // bits 62-63 = 1: 128-byte swizzle; base offset 0
+}
+
+// K-major operand (rows = M or N, columns = K) for k-step kk (16 columns) of a sw128 tile
+// whose column blocks are ROWS rows tall; s_rows is the address of the operand's first row
+// inside column block 0 (e.g. s_tile + 64*128*warpgroup for a warpgroup's 64-row slice).
+template <int ROWS>
+FRT_DEVICE u64 desc_k_major(u32 s_rows, int kk) {
+    const u32 start = s_rows + (u32)((kk >> 2) * (ROWS * kSwizzleBytes) + (kk & 3) * 32);
+    return make_desc_sw128(start, 16 /* unused: encodes 1 */, kAtomBytes);
+}
+
+// MN-major B operand (rows = K, columns = N, N contiguous) for k-step kk (16 rows) of a sw128
+// tile of K_ROWS rows: column block stride K_ROWS*128 = LBO, 8-row stride 1024 = SBO.
+template <int K_ROWS>
+FRT_DEVICE u64 desc_mn_major(u32 s_tile, int kk) {
+    const u32 start = s_tile + (u32)(kk * 16 * kSwizzleBytes);
+    return make_desc_sw128(start, K_ROWS * kSwizzleBytes, kAtomBytes);
+}
+
+// ---------------------------------------------------------------------------------------
+// Ordering primitives (PTX ISA 9.7.15.6 / 9.7.15.7, 9.7.12.4 membar/fence)
+// ---------------------------------------------------------------------------------------
+// wgmma.fence: before the first wgmma of a batch, and whenever the accumulator or A-fragment
+// registers were touched by ordinary instructions since the last wgmma that used them.
+FRT_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// Close the wgmma instructions issued so far into one wgmma-group.
+FRT_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Wait until at most N wgmma-groups of this warp are pending.
+template <int N>
+FRT_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+// wgmma reads shared memory through the async proxy: writes made through the generic proxy
+// (st.shared, and the cp.async non-bulk copies) must be fenced before it reads them. Each
+// writing thread fences after cp.async.wait_group, then a barrier, then the wgmma.
+FRT_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Compiler-only fence on accumulator registers: the wgmma asm statements "write" them when
+// issued, but the values exist only after wgmma_wait. Passing every register through an
+// empty volatile asm after the wait (and before the issue) keeps the compiler from moving
+// their uses across it (volatile asms are not reordered among themselves).
+template <int R>
+FRT_DEVICE void fence_operand(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int R>
+FRT_DEVICE void fence_operand(u32 (&a)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// Barrier of the 128 threads of one warpgroup (ids 1.. are free: __syncthreads uses 0).
+FRT_DEVICE void warpgroup_bar(int id) { asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory"); }
+
+// ---------------------------------------------------------------------------------------
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16, N = 64 or 128.
+//
+// Accumulator layout (PTX ISA Figure "WGMMA .m64nNk16 register fragment layout for
+// accumulator matrix D"): warp w (0-3) of the warpgroup owns rows 16w..16w+15; with
+// g = lane / 4, t = lane % 4, thread register d[4j + 2h + e] (j < N/8, h, e in {0,1}) is
+//     row 16w + g + 8h,  column 8j + 2t + e         (N/2 floats per thread)
+// i.e. the m16n8 mma.sync C fragment, repeated along N.
+//
+// A from registers (Figure "WGMMA .m64nNk16 register fragment layout for matrix A"): four
+// .b32 registers of two 16-bit elements each, the low half holding the lower column; warp w
+// owns rows 16w..16w+15 and, like mma.sync m16n8k16's A fragment:
+//     a[0]: row g,   cols 2t, 2t+1       a[1]: row g+8, cols 2t, 2t+1
+//     a[2]: row g,   cols 2t+8, 2t+9     a[3]: row g+8, cols 2t+8, 2t+9
+// So an accumulator of N columns becomes the A operand of N/16 k-steps with
+//     a_kk = {pack(d[8kk], d[8kk+1]), pack(d[8kk+2], d[8kk+3]),
+//             pack(d[8kk+4], d[8kk+5]), pack(d[8kk+6], d[8kk+7])}.
+//
+// Operands: d (accumulator, in/out), a-desc or a regs, b-desc, scale-d (predicate: false
+// gives D = A*B, ignoring d's old value), imm-scale-a = imm-scale-b = 1, imm-trans-a = 0
+// (A K-major), imm-trans-b = TRANS_B (0: B K-major, 1: B MN-major, e.g. V in P V).
+// ---------------------------------------------------------------------------------------
+#define FRT_WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                     "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FRT_WG_D32 FRT_WG_D8(0), FRT_WG_D8(8), FRT_WG_D8(16), FRT_WG_D8(24)
+#define FRT_WG_D64 FRT_WG_D32, FRT_WG_D8(32), FRT_WG_D8(40), FRT_WG_D8(48), FRT_WG_D8(56)
+#define FRT_WG_R32                                                                                         \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FRT_WG_R64                                                                                         \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "   \
+    "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "   \
+    "%62, %63}"
+
+// A from shared memory (descriptor), B from shared memory (descriptor).
+template <int N, int TRANS_B>
+FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d) {
+    static_assert(N == 64 || N == 128, "wgmma_ss: N = 64 or 128");
+    static_assert(TRANS_B == 0 || TRANS_B == 1, "wgmma_ss: TRANS_B is 0 or 1");
+    if constexpr (N == 64) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FRT_WG_R32
+            ", %32, %33, p, 1, 1, 0, %35;\n}\n"
+            : FRT_WG_D32
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " FRT_WG_R64
+            ", %64, %65, p, 1, 1, 0, %67;\n}\n"
+            : FRT_WG_D64
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    }
+}
+
+// A from registers (four bf16x2 registers, layout above), B from shared memory (descriptor).
+template <int N, int TRANS_B>
+FRT_DEVICE void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, int scale_d) {
+    static_assert(N == 64 || N == 128, "wgmma_rs: N = 64 or 128");
+    static_assert(TRANS_B == 0 || TRANS_B == 1, "wgmma_rs: TRANS_B is 0 or 1");
+    if constexpr (N == 64) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FRT_WG_R32
+            ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : FRT_WG_D32
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " FRT_WG_R64
+            ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+            : FRT_WG_D64
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+    }
+}
+
+#undef FRT_WG_D8
+#undef FRT_WG_D32
+#undef FRT_WG_D64
+#undef FRT_WG_R32
+#undef FRT_WG_R64
+
+// bf16x2 of two floats, lo in the low half (the lower column).
+FRT_DEVICE u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Accumulator columns 16kk..16kk+15 (N/2 floats per thread) as the A operand of k-step kk.
+template <int R>
+FRT_DEVICE void acc_to_a_frag(const float (&d)[R], int kk, u32 (&a)[4]) {
+    a[0] = pack_bf16(d[8 * kk + 0], d[8 * kk + 1]);
+    a[1] = pack_bf16(d[8 * kk + 2], d[8 * kk + 3]);
+    a[2] = pack_bf16(d[8 * kk + 4], d[8 * kk + 5]);
+    a[3] = pack_bf16(d[8 * kk + 6], d[8 * kk + 7]);
+}
+
+}  // namespace sm90
+}  // namespace frt
