@@ -214,9 +214,11 @@ __device__ void fwd_sm90_body(const Sm90FwdParams& p) {
         for (int hh = 0; hh < 2; ++hh) {
             const int r = 16 * w + g + 8 * hh;  // row within the warpgroup's 64
             const u32 at = sQw + sw128_offset<BM>(r, j) + 4 * t;
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(pack_bf16(o[4 * j + 2 * hh], o[4 * j + 2 * hh + 1])));
+            const u32 val = pack_bf16(o[4 * j + 2 * hh], o[4 * j + 2 * hh + 1]);
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(val));
         }
-    warpgroup_bar(1 + wg);
+    if (wg == 0) warpgroup_bar<1>();
+    else warpgroup_bar<2>();
     u16* go = p.o + b * p.o_sb + (i64)(m0 + wg * 64) * p.o_ss + h * p.o_sh;
     constexpr int CPR = D / 8;
     const int wtid = tid & 127;

@@ -164,8 +164,10 @@ FRT_DEVICE void fence_operand(u32 (&a)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
-// Barrier of the 128 threads of one warpgroup (ids 1.. are free: __syncthreads uses 0).
-FRT_DEVICE void warpgroup_bar(int id) { asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory"); }
+// Barrier of the 128 threads of one warpgroup (ids 1.. are free: __syncthreads uses 0). The id is
+// an immediate: with a register id ptxas reserves all 16 hardware barriers.
+template <int ID>
+FRT_DEVICE void warpgroup_bar() { asm volatile("bar.sync %0, 128;\n" :: "n"(ID) : "memory"); }
 
 // ---------------------------------------------------------------------------------------
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16, N = 64 or 128.
