@@ -28,7 +28,13 @@ def dump_source() -> bool:
     return _flag("FLASHRT_DUMP_SOURCE")
 
 
+def no_sm90() -> bool:
+    """FLASHRT_NO_SM90=1: use the mma.sync forward on Hopper too, not the wgmma one (A/B timing, a fallback)."""
+    return _flag("FLASHRT_NO_SM90")
+
+
 VARIABLES = {
+    "FLASHRT_NO_SM90": no_sm90.__doc__,
     "FLASHRT_CACHE_DIR": cache_dir.__doc__,
     "FLASHRT_NO_COMPILE": no_compile.__doc__,
     "FLASHRT_DUMP_SOURCE": dump_source.__doc__,

@@ -209,7 +209,7 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, valida
 
     dev = launch.device(Q.device)
     stream = interop.stream(Q)
-    spec = _pick("fwd", D, Q, m, dev)
+    spec = _pick(tiles.forward_family(D, dev.arch, dev.smem_optin), D, Q, m, dev)
     p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, lse=interop.data_ptr(lse), H=H, Hkv=Hkv, scale_log2=scale * _LOG2E,
              **m.kernel_fields(H))
     _tensor_fields(p, q=Q4, k=K4, v=V4, o=O)

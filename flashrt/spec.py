@@ -18,6 +18,7 @@ from . import params
 FAMILIES = {
     # family: (source file, params struct, extra defines)
     "fwd": ("fwd.cu", params.FWD, {}),
+    "fwd_sm90": ("fwd_sm90.cu", params.FWD, {}),  # the forward with wgmma (sm_90a, head_dim 64 / 128)
     "bwd_preprocess": ("bwd_preprocess.cu", params.BWD, {}),
     "bwd_dq": ("bwd_dq.cu", params.BWD, {}),
     "bwd_dkdv": ("bwd_dkdv.cu", params.BWD, {}),
@@ -146,6 +147,10 @@ class KernelSpec:
                 "block_m and block_n must be positive multiples of 16"
         if bn % 16 or bm % 16 or bm <= 0 or bn <= 0:
             return "block_m and block_n must be positive multiples of 16"
+        if self.family == "fwd_sm90":
+            if self.arch != "sm_90a" or self.head_dim not in (64, 128):
+                return "the wgmma forward is for sm_90a at head_dim 64 and 128"
+            return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
         dp = _round_up(self.head_dim, 16)
@@ -163,6 +168,8 @@ class KernelSpec:
         ld = _pitch(_round_up(self.head_dim, 16))
         if self.family == "fwd":  # Q + 2 stages of (K, V)
             return bm * ld + 2 * 2 * bn * ld
+        if self.family == "fwd_sm90":  # unpadded swizzled Q + 2 stages of (K, V) + 1024-byte alignment slack
+            return (bm + 4 * bn) * self.head_dim * 2 + 1024
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)

@@ -9,6 +9,7 @@ for each bucket the first entry is the fastest spill-free tiling measured there
 """
 from __future__ import annotations
 
+from . import _env
 from .spec import ELEMENTWISE, MASK_BITS, KernelSpec
 
 # family -> [(max head_dim, [(block_m, block_n, warps), ...] in order of preference)]
@@ -25,6 +26,8 @@ _PREFERENCES = {
         (248, [(128, 32, 8), (64, 32, 4)]),  # 128x64 spills 4 bytes at head_dim 248 (NVRTC 12.9)
         (256, [(128, 64, 8), (64, 32, 4)]),
     ],
+    # wgmma (sm_90a): two warpgroups of 64 query rows; head_dim 64 and 128 only (forward_family)
+    "fwd_sm90": [(128, [(128, 128, 8), (128, 64, 8)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
         (224, [(128, 32, 8), (64, 32, 4)]),
@@ -59,10 +62,13 @@ _MASKED_PREFERENCES = {
 # every built-in mask and a tensor-reading expression, NVRTC 12.9).
 _MOD_PREFERENCES = {
     "bwd_fused": [(128, [(64, 64, 8), (64, 32, 8)]), (256, [(64, 32, 8)])],
+    # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression)
+    "fwd_sm90": [(128, [(128, 64, 8)])],
 }
 # Smaller tilings, tried in order when none of the preferred ones fits.
 _FALLBACKS = {
     "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
+    "fwd_sm90": [],
     "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "bwd_dkdv": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
     "bwd_fused": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
@@ -70,6 +76,28 @@ _FALLBACKS = {
     "bwd_dkdv_reduce": [],
     "bwd_dq_convert": [],
 }
+
+
+SM90_FWD_HEAD_DIMS = (64, 128)
+
+
+def applies(family: str, head_dim: int, arch: str) -> bool:
+    """Whether `family` has a kernel for this head_dim and arch (fwd_sm90: sm_90a at 64 and 128)."""
+    return family != "fwd_sm90" or (arch == "sm_90a" and head_dim in SM90_FWD_HEAD_DIMS)
+
+
+def forward_family(head_dim: int, arch: str, smem_limit: int) -> str:
+    """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never).
+
+    H200, B=2 S=8192 H=16 bf16 (scripts/probe_sm90.py, docs/perf-notes.md): head_dim 128 422 TFLOP/s
+    against 279 for fwd.cu, head_dim 64 333 against ~300.
+    """
+    if applies("fwd_sm90", head_dim, arch) and not _env.no_sm90():
+        smallest = min(KernelSpec("fwd_sm90", head_dim, "bf16", *tiling, False, arch).smem_bytes
+                       for tiling in candidates("fwd_sm90", head_dim))
+        if smallest <= smem_limit:
+            return "fwd_sm90"
+    return "fwd"
 
 
 class TilingError(RuntimeError):

@@ -82,6 +82,21 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int tid)
     }
 }
 
+// The same copy for a tile whose rows >= rows_valid lie past the tensor: those are zeroed
+// (cp.async with source size 0) and not read.
+template <int ROWS, int COLS, int NTHREADS>
+FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int tid) {
+    constexpr int CPR = COLS / 8, TOTAL = ROWS * CPR;
+    static_assert(COLS % kBlockCols == 0 && ROWS % 8 == 0 && TOTAL % NTHREADS == 0, "see load_tile_sw128");
+#pragma unroll
+    for (int i = 0; i < TOTAL / NTHREADS; ++i) {
+        const int idx = tid + i * NTHREADS;
+        const int r = idx / CPR, c = idx % CPR;
+        const bool ok = r < rows_valid;
+        cp_async16(s_tile + sw128_offset<ROWS>(r, c), ok ? g + (i64)r * g_stride + c * 8 : g, ok);
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Matrix descriptor (PTX ISA 9.7.15.5.1.2.2), a 64-bit register operand of wgmma:
 //   bits  0-13  start address:                 (addr & 0x3FFFF) >> 4
@@ -204,50 +219,53 @@ FRT_DEVICE void warpgroup_bar() { asm volatile("bar.sync %0, 128;\n" :: "n"(ID) 
     "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "   \
     "%62, %63}"
 
+// One wgmma m64nNk16 with f32 accumulators; TY is the operand type (bf16 or f16), A from
+// shared memory (descriptor) or registers (four 16x2-bit registers, layout above).
+#define FRT_WG_TY(BF16) ((BF16) ? "bf16" : "f16")
+#define FRT_WG_SS(SHAPE, TY, R, D, IA, IB, IP, IT)                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                             \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " R ", " IA ", " IB \
+                 ", p, 1, 1, 0, " IT ";\n}\n"                                                   \
+                 : D : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B))
+#define FRT_WG_RS(SHAPE, TY, R, D, IA, IB, IP, IT)                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                             \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " R ", " IA ", " IB \
+                 ", p, 1, 1, " IT ";\n}\n"                                                      \
+                 : D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B))
+
 // A from shared memory (descriptor), B from shared memory (descriptor).
-template <int N, int TRANS_B>
+template <int N, int TRANS_B, bool BF16 = true>
 FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d) {
     static_assert(N == 64 || N == 128, "wgmma_ss: N = 64 or 128");
     static_assert(TRANS_B == 0 || TRANS_B == 1, "wgmma_ss: TRANS_B is 0 or 1");
-    if constexpr (N == 64) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FRT_WG_R32
-            ", %32, %33, p, 1, 1, 0, %35;\n}\n"
-            : FRT_WG_D32
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-    } else {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " FRT_WG_R64
-            ", %64, %65, p, 1, 1, 0, %67;\n}\n"
-            : FRT_WG_D64
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-    }
+    if constexpr (N == 64 && BF16)
+        FRT_WG_SS("m64n64k16", "bf16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35");
+    else if constexpr (N == 64)
+        FRT_WG_SS("m64n64k16", "f16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35");
+    else if constexpr (BF16)
+        FRT_WG_SS("m64n128k16", "bf16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67");
+    else
+        FRT_WG_SS("m64n128k16", "f16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67");
 }
 
-// A from registers (four bf16x2 registers, layout above), B from shared memory (descriptor).
-template <int N, int TRANS_B>
+// A from registers (four 16x2-bit registers, layout above), B from shared memory (descriptor).
+template <int N, int TRANS_B, bool BF16 = true>
 FRT_DEVICE void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, int scale_d) {
     static_assert(N == 64 || N == 128, "wgmma_rs: N = 64 or 128");
     static_assert(TRANS_B == 0 || TRANS_B == 1, "wgmma_rs: TRANS_B is 0 or 1");
-    if constexpr (N == 64) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FRT_WG_R32
-            ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-            : FRT_WG_D32
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-    } else {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " FRT_WG_R64
-            ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-            : FRT_WG_D64
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-    }
+    if constexpr (N == 64 && BF16)
+        FRT_WG_RS("m64n64k16", "bf16", FRT_WG_R32, FRT_WG_D32, "{%32, %33, %34, %35}", "%36", "%37", "%38");
+    else if constexpr (N == 64)
+        FRT_WG_RS("m64n64k16", "f16", FRT_WG_R32, FRT_WG_D32, "{%32, %33, %34, %35}", "%36", "%37", "%38");
+    else if constexpr (BF16)
+        FRT_WG_RS("m64n128k16", "bf16", FRT_WG_R64, FRT_WG_D64, "{%64, %65, %66, %67}", "%68", "%69", "%70");
+    else
+        FRT_WG_RS("m64n128k16", "f16", FRT_WG_R64, FRT_WG_D64, "{%64, %65, %66, %67}", "%68", "%69", "%70");
 }
 
+#undef FRT_WG_TY
+#undef FRT_WG_SS
+#undef FRT_WG_RS
 #undef FRT_WG_D8
 #undef FRT_WG_D32
 #undef FRT_WG_D64
@@ -262,12 +280,10 @@ FRT_DEVICE u32 pack_bf16(float lo, float hi) {
 }
 
 // Accumulator columns 16kk..16kk+15 (N/2 floats per thread) as the A operand of k-step kk.
-template <int R>
+template <int R, bool BF16 = true>
 FRT_DEVICE void acc_to_a_frag(const float (&d)[R], int kk, u32 (&a)[4]) {
-    a[0] = pack_bf16(d[8 * kk + 0], d[8 * kk + 1]);
-    a[1] = pack_bf16(d[8 * kk + 2], d[8 * kk + 3]);
-    a[2] = pack_bf16(d[8 * kk + 4], d[8 * kk + 5]);
-    a[3] = pack_bf16(d[8 * kk + 6], d[8 * kk + 7]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = Elem<BF16>::pack(d[8 * kk + 2 * i], d[8 * kk + 2 * i + 1]);
 }
 
 }  // namespace sm90

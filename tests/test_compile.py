@@ -22,24 +22,24 @@ def _variants():
     for arch in ARCHS:
         limit = SMEM_OPTIN[int(arch[3:5])]
         for family in set(FAMILIES) - set(CLASSIFY):
-            for d in HEAD_DIMS:
+            for d in (d for d in HEAD_DIMS if tiles.applies(family, d, arch)):
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
                         out.add(tiles.pick_nw(family, d, dtype, causal, arch, limit))
     # Masked variants (kernels_cu/mask.cuh): every feature at once, and lengths alone (padding / varlen).
     for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
-        for d in (64, 128, 160, 256):
+        for d in (d for d in (64, 128, 160, 256) if tiles.applies(family, d, "sm_90a")):
             for causal in (False, True):
                 for mask in (sum(MASK_BITS.values()) & ~MASK_BITS["mod"], MASK_BITS["lengths"]):
                     out.add(tiles.pick_nw(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
     # mask_mod variants (an expression that reads a tensor and names every variable) with every
     # built-in feature and alone, and their classifiers (kernels_cu/mask_classify.cu).
     for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
-        for d in (64, 128, 256):
+        for d in (d for d in (64, 128, 256) if tiles.applies(family, d, "sm_90a")):
             for mask in (sum(MASK_BITS.values()), MASK_BITS["mod"]):
                 spec = tiles.pick_nw(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
                 out.update([spec, spec.classifier("mask_map"),
-                            spec.classifier("mask_rows" if family in ("fwd", "bwd_dq") else "mask_cols")])
+                            spec.classifier("mask_rows" if family in ("fwd", "fwd_sm90", "bwd_dq") else "mask_cols")])
     return sorted(out, key=lambda s: s.name)
 
 

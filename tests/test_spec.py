@@ -56,6 +56,8 @@ def test_smem_formula():
 def test_pick_nw_fits_every_head_dim(arch, limit):
     for family in set(FAMILIES) - set(CLASSIFY):
         for d in HEAD_DIMS:
+            if family == "fwd_sm90" and tiles.forward_family(d, arch, limit) != "fwd_sm90":
+                continue  # the forward is fwd.cu there
             s = tiles.pick_nw(family, d, "bf16", True, arch, limit)
             assert s.smem_bytes <= limit and s.head_dim == d and s.arch == arch
             assert s.layout_problem() is None
@@ -162,3 +164,13 @@ def test_driver_older_than_nvrtc_is_refused_with_the_extra_to_install():
     with pytest.raises(launch.LaunchError, match=r"NVRTC 13\.0, whose kernels need a CUDA 13 driver, but this "
                                                  r"driver supports CUDA 12\.4: .*flashrt\[cuda12\]"):
         launch.check_driver(12040, (13, 0))
+
+
+def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
+    assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
+    assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
+    assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90]) == "fwd"      # no wgmma kernel at 96
+    assert tiles.forward_family(128, "sm_80", SMEM_OPTIN[80]) == "fwd"      # not Hopper
+    assert tiles.forward_family(128, "sm_90a", 64 * 1024) == "fwd"          # does not fit
+    monkeypatch.setenv("FLASHRT_NO_SM90", "1")
+    assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd"

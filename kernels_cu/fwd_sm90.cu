@@ -1,0 +1,176 @@
+// Attention forward on Hopper (sm_90a): O = softmax(scale * Q K^T) V and LSE with wgmma.
+//
+// The same problem, grid and masks as fwd.cu (QueryTile: grid (ceil(Sq / 128), H, B), GQA,
+// causal heaviest-first, spans / mask_mod lists, ragged tiles), for head_dim 64 and 128.
+// 256 threads = two warpgroups of 64 query rows each. Q (128 x D) is loaded once and K/V tiles
+// (BN x D) double-buffered by cp.async into 128-byte-swizzled shared tiles (wgmma.cuh);
+// S = Q K^T is a wgmma with both operands in shared memory, the online softmax (base 2, scale
+// folded in) runs on the fp32 accumulator fragments, and O += P V is a wgmma with P from
+// registers and V as the transposed (MN-major) B operand. Each GEMM is waited for before the
+// softmax that needs it (no overlap of softmax and MMA yet: docs/perf-notes.md).
+#include "params.cuh"
+#include "wgmma.cuh"
+
+namespace frt {
+
+template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
+struct FwdSm90Traits {
+    static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
+    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
+    static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32;
+    static_assert(D == 64 || D == 128, "fwd_sm90: head_dim 64 or 128");
+    static_assert(BM == 128 && NW == 8, "fwd_sm90: 128 query rows, two warpgroups");
+    static_assert(BN == 64 || BN == 128, "fwd_sm90: key tiles of 64 or 128");
+    static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;  // one K or one V tile
+    static constexpr int STAGE_BYTES = 2 * KV_BYTES;                     // K, then V
+    static constexpr int SMEM = Q_BYTES + 2 * STAGE_BYTES + sm90::kAtomBytes;  // + alignment slack
+};
+
+template <class T>
+__device__ void fwd_sm90(const FwdParams& p) {
+    using namespace sm90;
+    constexpr int BM = T::BM, BN = T::BN, D = T::D, NT = T::NTHREADS;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const u32 sQ = align_atom(smem_u32(smem));
+    const u32 sKV = sQ + T::Q_BYTES;  // stage s: K at sKV + s * STAGE_BYTES, V KV_BYTES after it
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, NT);
+    if (tile.rows <= 0) return;
+    const int n_blocks = tile.n_blocks;
+
+    load_tile_sw128<BM, D, NT>(sQ, p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss, tile.rows,
+                               tid);
+    const u16* gk = p.k + tile.b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
+    const u16* gv = p.v + tile.b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
+    auto load_kv = [&](int stage, int j) {
+        const u32 sK = sKV + stage * T::STAGE_BYTES;
+        const int rows = tile.vis.Ek - j * BN;
+        load_tile_sw128<BN, D, NT>(sK, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, tid);
+        load_tile_sw128<BN, D, NT>(sK + T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, tid);
+    };
+    if (n_blocks > 0) load_kv(0, tile.key_tile(0));
+    cp_async_commit();
+
+    // This warpgroup's 64 query rows: rows 64 wg.. of every column block of the Q tile. A thread
+    // holds rows 16 w + g (hh = 0) and 16 w + g + 8 (hh = 1) of them; its accumulator element
+    // [4 j + 2 hh + e] is column 8 j + 2 t + e (wgmma.cuh: the accumulator layout).
+    const u32 sQw = sQ + wg * 64 * kSwizzleBytes;
+    const int row_base = tile.m0 + 64 * wg + 16 * w + g;
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
+
+    // Key tiles last to first (as fwd.cu): the ones needing the element mask come first.
+    for (int it = 0; it < n_blocks; ++it) {
+        const int j = tile.key_tile(it), stage = it & 1, n0 = j * BN;
+        cp_async_wait<0>();
+        fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
+        __syncthreads();      // every thread's writes landed; every warpgroup is done with the other stage
+        if (it + 1 < n_blocks) load_kv(stage ^ 1, tile.next_key_tile(it, j));
+        cp_async_commit();
+        const u32 sK = sKV + stage * T::STAGE_BYTES, sV = sK + T::KV_BYTES;
+
+        float s[BN / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK, kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operand(s);
+
+        if (tile.needs_mask(it, j)) {
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    if (!tile.vis.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
+                        s[4 * jj + c] = -FRT_INF;
+        }
+
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float mx = -FRT_INF;
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * hh], s[4 * jj + 2 * hh + 1]));
+            const float m_new = fmaxf(row_max[hh], warp_max4(mx) * p.scale_log2);
+            // A row that has seen only masked keys keeps m = -inf; subtract 0 then.
+            const float base = m_new == -FRT_INF ? 0.f : m_new;
+            const float alpha = fast_exp2(row_max[hh] - base);
+            row_max[hh] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[4 * jj + 2 * hh + e];
+                    x = fast_exp2(fmaf(x, p.scale_log2, -base));
+                    sum += x;
+                }
+            row_sum[hh] = row_sum[hh] * alpha + sum;
+#pragma unroll
+            for (int jj = 0; jj < D / 8; ++jj) o[4 * jj + 2 * hh] *= alpha, o[4 * jj + 2 * hh + 1] *= alpha;
+        }
+
+        u32 pa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, T::BF16>(s, kk, pa[kk]);
+        wgmma_fence();  // orders the o rescale and the pa writes before the wgmmas that read them
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D, 1, T::BF16>(o, pa[kk], desc_mn_major<BN>(sV, kk), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operand(o);
+    }
+    cp_async_wait<0>();  // the last (empty) group
+
+    // Epilogue: normalise, LSE, stage O into this warpgroup's own 64 rows of the Q tile (only it
+    // read them, and its wgmmas are complete), then 16-byte stores of the rows that exist.
+    const int rows_wg = tile.rows - 64 * wg;
+    float* glse = p.lse + tile.stat0 + 64 * wg;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const float sum = warp_sum4(row_sum[hh]);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+        for (int jj = 0; jj < D / 8; ++jj) o[4 * jj + 2 * hh] *= inv, o[4 * jj + 2 * hh + 1] *= inv;
+        const int r = 16 * w + g + 8 * hh;
+        if (t == 0 && r < rows_wg) glse[r] = sum > 0.f ? (row_max[hh] + __log2f(sum)) * kLn2 : -FRT_INF;
+    }
+#pragma unroll
+    for (int jj = 0; jj < D / 8; ++jj)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const u32 at = sQw + sw128_offset<BM>(16 * w + g + 8 * hh, jj) + 4 * t;
+            const u32 val = Elem<T::BF16>::pack(o[4 * jj + 2 * hh], o[4 * jj + 2 * hh + 1]);
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(val));
+        }
+    if (wg == 0)
+        warpgroup_bar<1>();
+    else
+        warpgroup_bar<2>();
+    u16* go = p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh;
+    constexpr int CPR = D / 8;
+    const int wtid = tid & 127;
+#pragma unroll
+    for (int i = 0; i < 64 * CPR / 128; ++i) {
+        const int idx = wtid + i * 128, r = idx / CPR, c = idx % CPR;
+        if (r < rows_wg) {
+            uint4 val;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                         : "r"(sQw + sw128_offset<BM>(r, c)));
+            *reinterpret_cast<uint4*>(go + (i64)r * p.o_ss + c * 8) = val;
+        }
+    }
+}
+
+}  // namespace frt
+
+#ifdef FRT_KERNEL_NAME
+FRT_ENTRY(FwdSm90Traits, fwd_sm90, FwdParams)
+#endif
