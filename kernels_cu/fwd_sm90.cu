@@ -127,6 +127,9 @@ __device__ void fwd_sm90(const FwdParams& p) {
         fence_operand(o);
     }
     cp_async_wait<0>();  // the last (empty) group
+    // Every thread's Q copies have landed before a warpgroup overwrites its rows with O (with no
+    // key tile to visit, the loop's barrier never ran: compute-sanitizer's racecheck saw it).
+    __syncthreads();
 
     // Epilogue: normalise, LSE, stage O into this warpgroup's own 64 rows of the Q tile (only it
     // read them, and its wgmmas are complete), then 16-byte stores of the rows that exist.
