@@ -18,7 +18,7 @@ from . import params
 FAMILIES = {
     # family: (source file, params struct, extra defines)
     "fwd": ("fwd.cu", params.FWD, {}),
-    "fwd_sm90": ("fwd_sm90.cu", params.FWD, {}),  # the forward with wgmma (sm_90a, head_dim 64 / 128)
+    "fwd_sm90": ("fwd_sm90.cu", params.FWD, {}),  # the forward with wgmma (sm_90a, head_dim a multiple of 64)
     "bwd_preprocess": ("bwd_preprocess.cu", params.BWD, {}),
     "bwd_dq": ("bwd_dq.cu", params.BWD, {}),
     "bwd_dkdv": ("bwd_dkdv.cu", params.BWD, {}),
@@ -148,8 +148,8 @@ class KernelSpec:
         if bn % 16 or bm % 16 or bm <= 0 or bn <= 0:
             return "block_m and block_n must be positive multiples of 16"
         if self.family == "fwd_sm90":
-            if self.arch != "sm_90a" or self.head_dim not in (64, 128):
-                return "the wgmma forward is for sm_90a at head_dim 64 and 128"
+            if self.arch != "sm_90a" or self.head_dim % 64:
+                return "the wgmma forward is for sm_90a at head_dim 64, 128, 192 and 256"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"

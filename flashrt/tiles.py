@@ -26,8 +26,9 @@ _PREFERENCES = {
         (248, [(128, 32, 8), (64, 32, 4)]),  # 128x64 spills 4 bytes at head_dim 248 (NVRTC 12.9)
         (256, [(128, 64, 8), (64, 32, 4)]),
     ],
-    # wgmma (sm_90a): two warpgroups of 64 query rows; head_dim 64 and 128 only (forward_family)
-    "fwd_sm90": [(128, [(128, 128, 8), (128, 64, 8)])],
+    # wgmma (sm_90a): two warpgroups of 64 query rows; head_dim 64, 128, 192, 256 (forward_family);
+    # 128-key tiles do not fit in shared memory above 128
+    "fwd_sm90": [(128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
         (224, [(128, 32, 8), (64, 32, 4)]),
@@ -63,7 +64,7 @@ _MASKED_PREFERENCES = {
 _MOD_PREFERENCES = {
     "bwd_fused": [(128, [(64, 64, 8), (64, 32, 8)]), (256, [(64, 32, 8)])],
     # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression)
-    "fwd_sm90": [(128, [(128, 64, 8)])],
+    "fwd_sm90": [(256, [(128, 64, 8)])],
 }
 # Smaller tilings, tried in order when none of the preferred ones fits.
 _FALLBACKS = {
@@ -78,11 +79,11 @@ _FALLBACKS = {
 }
 
 
-SM90_FWD_HEAD_DIMS = (64, 128)
+SM90_FWD_HEAD_DIMS = (64, 128, 192, 256)  # whole 64-column swizzle blocks (kernels_cu/wgmma.cuh)
 
 
 def applies(family: str, head_dim: int, arch: str) -> bool:
-    """Whether `family` has a kernel for this head_dim and arch (fwd_sm90: sm_90a at 64 and 128)."""
+    """Whether `family` has a kernel for this head_dim and arch (fwd_sm90: sm_90a, SM90_FWD_HEAD_DIMS)."""
     return family != "fwd_sm90" or (arch == "sm_90a" and head_dim in SM90_FWD_HEAD_DIMS)
 
 

@@ -1,7 +1,7 @@
 // Attention forward on Hopper (sm_90a): O = softmax(scale * Q K^T) V and LSE with wgmma.
 //
 // The same problem, grid and masks as fwd.cu (QueryTile: grid (ceil(Sq / 128), H, B), GQA,
-// causal heaviest-first, spans / mask_mod lists, ragged tiles), for head_dim 64 and 128.
+// causal heaviest-first, spans / mask_mod lists, ragged tiles), for head_dim 64, 128, 192, 256.
 // 256 threads = two warpgroups of 64 query rows each. Q (128 x D) is loaded once and K/V tiles
 // (BN x D) double-buffered by cp.async into 128-byte-swizzled shared tiles (wgmma.cuh);
 // S = Q K^T is a wgmma with both operands in shared memory, the online softmax (base 2, scale
@@ -18,7 +18,7 @@ struct FwdSm90Traits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32;
-    static_assert(D == 64 || D == 128, "fwd_sm90: head_dim 64 or 128");
+    static_assert(D % 64 == 0 && D <= 256, "fwd_sm90: head_dim 64, 128, 192 or 256 (whole swizzle blocks)");
     static_assert(BM == 128 && NW == 8, "fwd_sm90: 128 query rows, two warpgroups");
     static_assert(BN == 64 || BN == 128, "fwd_sm90: key tiles of 64 or 128");
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;  // one K or one V tile

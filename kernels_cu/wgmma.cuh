@@ -210,6 +210,8 @@ FRT_DEVICE void warpgroup_bar() { asm volatile("bar.sync %0, 128;\n" :: "n"(ID) 
                      "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define FRT_WG_D32 FRT_WG_D8(0), FRT_WG_D8(8), FRT_WG_D8(16), FRT_WG_D8(24)
 #define FRT_WG_D64 FRT_WG_D32, FRT_WG_D8(32), FRT_WG_D8(40), FRT_WG_D8(48), FRT_WG_D8(56)
+#define FRT_WG_D96 FRT_WG_D64, FRT_WG_D8(64), FRT_WG_D8(72), FRT_WG_D8(80), FRT_WG_D8(88)
+#define FRT_WG_D128 FRT_WG_D96, FRT_WG_D8(96), FRT_WG_D8(104), FRT_WG_D8(112), FRT_WG_D8(120)
 #define FRT_WG_R32                                                                                         \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
     "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -233,6 +235,21 @@ FRT_DEVICE void warpgroup_bar() { asm volatile("bar.sync %0, 128;\n" :: "n"(ID) 
                  ", p, 1, 1, " IT ";\n}\n"                                                      \
                  : D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B))
 
+#define FRT_WG_R96    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
+    "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, " \
+    "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+#define FRT_WG_R128    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
+    "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, " \
+    "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, " \
+    "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, " \
+    "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+
 // A from shared memory (descriptor), B from shared memory (descriptor).
 template <int N, int TRANS_B, bool BF16 = true>
 FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d) {
@@ -251,16 +268,26 @@ FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d)
 // A from registers (four 16x2-bit registers, layout above), B from shared memory (descriptor).
 template <int N, int TRANS_B, bool BF16 = true>
 FRT_DEVICE void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, int scale_d) {
-    static_assert(N == 64 || N == 128, "wgmma_rs: N = 64 or 128");
+    static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma_rs: N = 64, 128, 192 or 256");
     static_assert(TRANS_B == 0 || TRANS_B == 1, "wgmma_rs: TRANS_B is 0 or 1");
     if constexpr (N == 64 && BF16)
         FRT_WG_RS("m64n64k16", "bf16", FRT_WG_R32, FRT_WG_D32, "{%32, %33, %34, %35}", "%36", "%37", "%38");
     else if constexpr (N == 64)
         FRT_WG_RS("m64n64k16", "f16", FRT_WG_R32, FRT_WG_D32, "{%32, %33, %34, %35}", "%36", "%37", "%38");
-    else if constexpr (BF16)
+    else if constexpr (N == 128 && BF16)
         FRT_WG_RS("m64n128k16", "bf16", FRT_WG_R64, FRT_WG_D64, "{%64, %65, %66, %67}", "%68", "%69", "%70");
-    else
+    else if constexpr (N == 128)
         FRT_WG_RS("m64n128k16", "f16", FRT_WG_R64, FRT_WG_D64, "{%64, %65, %66, %67}", "%68", "%69", "%70");
+    else if constexpr (N == 192 && BF16)
+        FRT_WG_RS("m64n192k16", "bf16", FRT_WG_R96, FRT_WG_D96, "{%96, %97, %98, %99}", "%100", "%101", "%102");
+    else if constexpr (N == 192)
+        FRT_WG_RS("m64n192k16", "f16", FRT_WG_R96, FRT_WG_D96, "{%96, %97, %98, %99}", "%100", "%101", "%102");
+    else if constexpr (BF16)
+        FRT_WG_RS("m64n256k16", "bf16", FRT_WG_R128, FRT_WG_D128, "{%128, %129, %130, %131}", "%132", "%133",
+                  "%134");
+    else
+        FRT_WG_RS("m64n256k16", "f16", FRT_WG_R128, FRT_WG_D128, "{%128, %129, %130, %131}", "%132", "%133",
+                  "%134");
 }
 
 #undef FRT_WG_TY
@@ -269,6 +296,10 @@ FRT_DEVICE void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, int s
 #undef FRT_WG_D8
 #undef FRT_WG_D32
 #undef FRT_WG_D64
+#undef FRT_WG_D96
+#undef FRT_WG_D128
+#undef FRT_WG_R96
+#undef FRT_WG_R128
 #undef FRT_WG_R32
 #undef FRT_WG_R64
 

@@ -169,6 +169,7 @@ def test_driver_older_than_nvrtc_is_refused_with_the_extra_to_install():
 def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
     assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
+    assert tiles.forward_family(256, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90]) == "fwd"      # no wgmma kernel at 96
     assert tiles.forward_family(128, "sm_80", SMEM_OPTIN[80]) == "fwd"      # not Hopper
     assert tiles.forward_family(128, "sm_90a", 64 * 1024) == "fwd"          # does not fit
