@@ -290,7 +290,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     keep = []  # mask_mod's tile lists, alive until the kernels that read them are launched
     if m.mask_mod:
         needs = [(main, "mask_cols")] + ([] if impl == "fused" else [(_pick("bwd_dq", D, Q, m, dev), "mask_rows")])
-        keep = _classify(p, m, H, Q, dev, stream, *needs)
+        keep = _classify(p, m, H, Q, dev, stream, *needs)  # noqa: F841
     args = params.pack(params.BWD, p)
     rowwise = m.elementwise_fields(H)
     rowwise_args = params.pack(params.BWD, {**p, **rowwise}) if rowwise else args
