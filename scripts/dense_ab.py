@@ -1,4 +1,5 @@
-"""Dense forward / backward time of the flashrt importable from sys.path (for A/B runs of two trees).
+"""Dense forward / backward time of the flashrt importable from sys.path (for A/B runs of two trees,
+or of one tree with and without FLASHRT_NO_SM90=1).
 
     PYTHONPATH=<tree> python scripts/dense_ab.py LABEL
 """

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run, on a machine with a GPU and no network (the device machine):
-#   scripts/gpu_run.sh [stage ...]     stages: env prewarm test check sanitize bench scale (default: all)
+#   scripts/gpu_run.sh [stage ...]     stages: env prewarm test check sanitize bench masks ab scale (default: all)
+#   bench: BENCH_SET (quick); masks: the mask kinds against FlexAttention (masks-quick); ab: the dense
+#   forward/backward with the wgmma forward and with FLASHRT_NO_SM90=1, twice, interleaved.
 # Wheels carried in .whl/ (platformdirs) are installed to /tmp/site first. Logs go to $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -13,7 +15,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export FLASHRT_CACHE_DIR=${FLASHRT_CACHE_DIR:-/tmp/flashrt-cache}
-stages=${*:-env prewarm test check sanitize bench scale}
+stages=${*:-env prewarm test check sanitize bench masks ab scale}
 status=0
 for stage in $stages; do
     echo "=== $stage"
@@ -29,6 +31,11 @@ for stage in $stages; do
         sanitize) scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
         bench) python3 scripts/bench.py --set "${BENCH_SET:-quick}" --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
                tail -n 60 "$OUT/bench.md" ;;
+        masks) python3 scripts/bench.py --set masks-quick --out "$OUT/masks" > "$OUT/masks.log" 2>&1 || status=1
+               grep -A30 "Mask time ratios" "$OUT/masks/bench.md" ;;
+        ab) for i in 1 2; do FLASHRT_NO_SM90=1 python3 scripts/dense_ab.py mma && python3 scripts/dense_ab.py wgmma; done \
+                2>&1 | tee "$OUT/ab.log"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
         scale) python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_scale.py -k "128k or 2_31" 2>&1 \
                    | tee "$OUT/scale.log" | grep -E "tokens|passed|failed"
                [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
