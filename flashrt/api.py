@@ -120,10 +120,11 @@ def _classify(p: dict, m: masks.Masking, H: int, Q: Array, dev, stream, *needs) 
     alive until the consumers are launched.
     """
     heads, batches = m.mod_lists(H)
-    keep, maps = [], {}
+    keep, maps = [], {}  # one map per tiling (block_m, block_n)
     for consumer, family in needs:
+        tiling = (consumer.block_m, consumer.block_n)
         tiles_mn = (-(-m.Sq // consumer.block_m), -(-m.Sk // consumer.block_n))
-        if tiles_mn not in maps:
+        if tiling not in maps:
             mapper = consumer.classifier("mask_map")
             try:  # the map kernel is the smallest with the expression in it: its compile checks it
                 launch.function(mapper, dev)
@@ -133,8 +134,8 @@ def _classify(p: dict, m: masks.Masking, H: int, Q: Array, dev, stream, *needs) 
             p["mod_map"] = interop.data_ptr(tile_map)
             launch.launch(mapper, dev, launch.grid(mapper, batches, heads, 0, m.Sq, m.Sk),
                           params.pack(params.FWD, p), stream)
-            maps[tiles_mn] = tile_map
-        p["mod_map"] = interop.data_ptr(maps[tiles_mn])
+            maps[tiling] = tile_map
+        p["mod_map"] = interop.data_ptr(maps[tiling])
         outer = tiles_mn[0] if family == "mask_rows" else tiles_mn[1]
         lists = interop.empty(Q, (batches * heads * tiles_mn[0] * tiles_mn[1],), int32=True)
         counts = interop.empty(Q, (batches * heads * outer,), int32=True)

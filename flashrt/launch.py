@@ -90,6 +90,10 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
         g = (max(1, min(_cdiv(*work), 32 * sm_count)), 1, 1)
     else:
         raise ValueError(spec.family)
+    if spec.family == "mask_map" and B * H > _MAX_GRID_YZ:
+        raise LaunchError(f"{spec.name}: mask_mod needs a tile map per (batch entry, head) here, {B} x {H} = {B * H} "
+                          f"of them, more than the {_MAX_GRID_YZ} one launch takes; split the batch, or write the "
+                          f"expression without h (and without b / tensors) so that one map serves every head")
     if g[1] > _MAX_GRID_YZ or g[2] > _MAX_GRID_YZ or g[0] >= 2**31:
         raise LaunchError(f"{spec.name}: grid {g} exceeds the CUDA limit of {_MAX_GRID_YZ} on its y/z axes "
                           f"(heads={H}, batch={B}); split the batch into chunks of at most {_MAX_GRID_YZ}")

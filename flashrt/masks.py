@@ -9,7 +9,6 @@ and `Masking` carries what the launcher needs: the compile-time feature bits
 from __future__ import annotations
 
 import dataclasses
-import keyword
 import re
 
 import numpy as np
@@ -230,18 +229,29 @@ def _check_mask_mod(expr, tensors) -> tuple[str, tuple]:
         raise TypeError(f"mask_tensors must be a dict of name -> int32 device array, got {type(tensors).__name__}")
     if len(tensors) > MAX_MOD_TENSORS:
         raise ValueError(f"mask_tensors holds at most {MAX_MOD_TENSORS} arrays, got {len(tensors)}")
+    if expr.rstrip().endswith("\\"):
+        raise ValueError(f"mask_mod must not end in a backslash (it would continue onto flashrt's next line): {expr!r}")
     for name in tensors:
-        if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name) or keyword.iskeyword(name) \
-                or name in MOD_VARIABLES or re.fullmatch(r"t\d|frt\w*|mask_mod_fn", name):
-            raise ValueError(f"mask_tensors key {name!r} must be a C identifier other than "
-                             f"{', '.join(MOD_VARIABLES)}, t0-t3 and frt*: it names the tensor in the expression")
+        if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name) or name in _CPP_KEYWORDS \
+                or name in MOD_VARIABLES or re.fullmatch(r"t\d|(?i:frt)\w*|flashrt\w*|__\w*", name):
+            raise ValueError(f"mask_tensors key {name!r} must be a C identifier other than a C++ keyword, "
+                             f"{', '.join(MOD_VARIABLES)}, t0-t3, frt*/FRT* and flashrt*: it names the tensor in "
+                             f"the expression")
     return expr.strip(), tuple(tensors)
+
+
+_CPP_KEYWORDS = frozenset("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char16_t
+    char32_t class compl const constexpr const_cast continue decltype default delete do double dynamic_cast else
+    enum explicit export extern false float for friend goto if inline int long mutable namespace new noexcept not
+    not_eq nullptr operator or or_eq private protected public register reinterpret_cast return short signed sizeof
+    static static_assert static_cast struct switch template this thread_local throw true try typedef typeid
+    typename union unsigned using virtual void volatile wchar_t while xor xor_eq""".split())
 
 
 def mask_mod_error(expr: str, tensors: tuple, log: str) -> ValueError:
     """A mask_mod that NVRTC rejected: its messages about the expression, with NVRTC's caret under the fault."""
-    from .spec import MOD_FILE
-    lines = [ln.replace("flashrt_mask_mod_end(1)", f"{MOD_FILE} (at its end)") for ln in log.rstrip().splitlines()
+    from .spec import MOD_END_FILE, MOD_FILE
+    lines = [re.sub(MOD_END_FILE + r"\(\d+\)", f"{MOD_FILE} (at its end)", ln) for ln in log.rstrip().splitlines()
              if not ln.rstrip().endswith('.cu".') and "error detected" not in ln and "errors detected" not in ln]
     names = ", ".join(MOD_VARIABLES + tuple(f"const int* {n}" for n in tensors))
     return ValueError(f"mask_mod does not compile as a CUDA boolean expression over {names}:\n  " +

@@ -44,7 +44,7 @@ DTYPES = ("bf16", "fp16")
 # Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
 MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16}
 _MASK_TAGS = {1: "len", 2: "win", 4: "blk", 8: "seg", 16: "mod"}
-# What a mask_mod expression sees besides its tensors (kernels_cu/mask.cuh: mask_mod_fn).
+# What a mask_mod expression sees besides its tensors (kernels_cu/mask.cuh: flashrt_mask_mod).
 MOD_VARIABLES = ("b", "h", "q", "k", "Lq", "Lk")
 MAX_MOD_TENSORS = 4
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
@@ -205,23 +205,23 @@ class KernelSpec:
 
 
 MOD_FILE = "mask_mod"  # the file name NVRTC gives the expression in its messages
+MOD_END_FILE = "flashrt_mask_mod_end"  # ... and what follows it
 
 
 def mask_mod_source(expr: str, tensors: tuple) -> str:
-    """The definition of kernels_cu/mask.cuh's mask_mod_fn around a user's expression.
+    """The definition of kernels_cu/mask.cuh's flashrt_mask_mod around a user's expression.
 
-    `#line` makes NVRTC report errors in the expression as `mask_mod(LINE): error: ...`, with
-    the expression's own line and a caret under the fault.
+    At global scope (the expression sees its variables, CUDA's built-ins and macros, the same in
+    every kernel); `#line` makes NVRTC report errors in the expression as `mask_mod(LINE): error:
+    ...`, with the expression's own line and a caret under the fault.
     """
     names = "".join(f"    const int* const {n} = t{i};\n" for i, n in enumerate(tensors))
-    return ("namespace frt {\n"
-            "FRT_DEVICE bool mask_mod_fn(int b, int h, int q, int k, int Lq, int Lk, const int* t0, const int* t1,\n"
-            "                            const int* t2, const int* t3) {\n"
+    return ("FRT_DEVICE bool flashrt_mask_mod(int b, int h, int q, int k, int Lq, int Lk, const int* t0,\n"
+            "                                 const int* t1, const int* t2, const int* t3) {\n"
             f"{names}"
             "    return static_cast<bool>(\n"
             f'#line 1 "{MOD_FILE}"\n'
             f"{expr}\n"
-            '#line 1 "flashrt_mask_mod_end"\n'
+            f'#line 1 "{MOD_END_FILE}"\n'
             "    );\n"
-            "}\n"
-            "}  // namespace frt\n")
+            "}\n")

@@ -177,13 +177,10 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     scale = None if softmax_scale is None else float(softmax_scale)
     window = mask_args.get("window")
     window = None if window is None else [int(w) for w in window]
-    mod_tensors = mask_args.get("mask_tensors") or {}
-    if not isinstance(mod_tensors, dict):
-        raise TypeError(f"mask_tensors must be a dict of name -> int32 tensor, got {type(mod_tensors).__name__}")
+    mask_mod, mod_tensors = mask_args.get("mask_mod"), mask_args.get("mask_tensors") or {}
+    if mask_mod is not None or mod_tensors:  # checked here: the op carries "" for "no expression"
+        mask_mod, _ = masks._check_mask_mod(mask_mod, mod_tensors)
     tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS] + list(mod_tensors.values())
-    mask_mod = mask_args.get("mask_mod")
-    if mask_mod is not None and not isinstance(mask_mod, str):
-        raise ValueError(f"mask_mod must be a CUDA boolean expression (a str), got {mask_mod!r}")
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
             mask_args.get("max_seqlen_k"), bool(validate), tensors, mask_mod or "", ",".join(mod_tensors))
     if q.is_cuda and not torch.compiler.is_compiling():

@@ -22,17 +22,18 @@
 #define FRT_MASK 0
 #endif
 
-namespace frt {
-
-enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8, MASK_MOD = 16 };
-
 #if FRT_MASK & 16
 // The user's expression over the batch entry, query head, query and key positions in the
 // sequence, the sequence's lengths and up to four int32 tensors; flashrt/spec.py writes its
-// definition after the kernel source.
-FRT_DEVICE bool mask_mod_fn(int b, int h, int q, int k, int Lq, int Lk, const int* t0, const int* t1,
-                            const int* t2, const int* t3);
+// definition after the kernel source, at global scope, so that the expression sees the same
+// names (its own, CUDA's built-ins, the FRT_ macros) in every kernel, none of namespace frt.
+FRT_DEVICE bool flashrt_mask_mod(int b, int h, int q, int k, int Lq, int Lk, const int* t0, const int* t1,
+                                 const int* t2, const int* t3);
 #endif
+
+namespace frt {
+
+enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8, MASK_MOD = 16 };
 
 // How many elements of the non-decreasing a[0, n) are below x (< x when STRICT, else <= x).
 // The whole block searches together: each round every thread tests one probe, so a
@@ -118,7 +119,7 @@ struct Visibility {
         if (SEGMENTS && sk[j] != sq[i]) return false;
 #if FRT_MASK & 16
         if constexpr (MOD)
-            if (!mask_mod_fn(mod.b, h, i, j, Lq, Lk, mod.t[0], mod.t[1], mod.t[2], mod.t[3])) return false;
+            if (!flashrt_mask_mod(mod.b, h, i, j, Lq, Lk, mod.t[0], mod.t[1], mod.t[2], mod.t[3])) return false;
 #endif
         return true;
     }

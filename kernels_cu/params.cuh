@@ -34,7 +34,8 @@ struct FwdParams {
     i64 st_sb, st_sh;  // lse of (b, h, row): b * st_sb + h * st_sh + row
     int B, H, Hkv, Sq, Sk;  // Sq, Sk: the longest sequences when varlen
     int win_left, win_right, top_left;
-    float scale_log2;  // softmax_scale * log2(e)    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: the tile map and
+    float scale_log2;  // softmax_scale * log2(e)
+    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: the tile map and
     // lists written by mask_classify.cu (ModLists in mask.cuh), the int32 tensors the expression reads, and the
     // lists' extents: 1, or H / B when the mask differs per head / batch entry.
     u8* mod_map;  // mask_classify.cu's per-tile bytes, from which the lists are made
@@ -87,7 +88,8 @@ struct BwdParams {
     int B, H, Hkv, Sq, Sk;
     int win_left, win_right, top_left;
     float scale_log2;
-    float scale;    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: the tile map and
+    float scale;
+    // mask_mod (MASK_MOD), last so that the other fields keep their offsets: the tile map and
     // lists written by mask_classify.cu (ModLists in mask.cuh), the int32 tensors the expression reads, and the
     // lists' extents: 1, or H / B when the mask differs per head / batch entry.
     u8* mod_map;  // mask_classify.cu's per-tile bytes, from which the lists are made

@@ -120,10 +120,14 @@ def test_backward_impl_options_are_checked_before_any_work():
     (None, {"doc": None}, ValueError, r"mask_mod must be a CUDA boolean expression"),
     (3, None, ValueError, r"mask_mod must be a CUDA boolean expression"),
     ("k <= q", ["doc"], TypeError, r"mask_tensors must be a dict"),
-    ("k <= q", {"q": None}, ValueError, r"mask_tensors key 'q' must be a C identifier other than b, h, q"),
+    ("k <= q", {"q": None}, ValueError,
+     r"mask_tensors key 'q' must be a C identifier other than a C\+\+ keyword, b, h, q"),
     ("k <= q", {"t1": None}, ValueError, r"key 't1'"),
     ("k <= q", {"2x": None}, ValueError, r"key '2x'"),
     ("k <= q", {f"a{i}": None for i in range(5)}, ValueError, r"at most 4 arrays, got 5"),
+    ("k <= q", {"int": None}, ValueError, r"key 'int' must be a C identifier other than a C\+\+ keyword"),
+    ("k <= q", {"FRT_INF": None}, ValueError, r"key 'FRT_INF'"),
+    ("k <= q \\", None, ValueError, r"must not end in a backslash"),
 ])
 def test_bad_mask_mod_is_named(expr, tensors, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -142,6 +146,18 @@ def test_mask_mod_lists_per_head_and_batch_only_when_needed(expr, kw, heads, bat
     assert m.bits & MASK_BITS["mod"] and m.mask_mod == expr.strip() and not m.ordered_dq_ok
     assert m.mod_lists(8) == (heads, batches)
     assert m.kernel_fields(8)["mod_heads"] == heads and m.kernel_fields(8)["mod_batches"] == batches
+
+
+def test_mask_mod_sees_the_same_names_in_every_kernel():
+    """The expression is defined at global scope: names private to one kernel (mask_classify.cu's
+    TILE_FULL, namespace frt) are not visible, so the map kernel's compile check speaks for all."""
+    from flashrt import cache, nvrtc, tiles
+    for family in ("fwd", "bwd_dkdv"):
+        spec = tiles.pick_nw(family, 64, "bf16", False, "sm_80", 160 * 1024, MASK_BITS["mod"],
+                             "k <= q || TILE_FULL == 2")
+        for s in (spec, spec.classifier("mask_map")):
+            with pytest.raises(nvrtc.CompileError, match='identifier "TILE_FULL" is undefined'):
+                nvrtc.compile_cubin(s.translation_unit(), s.name, s.options(), cache.kernel_sources())
 
 
 def test_mask_mod_compile_error_shows_the_expression():
