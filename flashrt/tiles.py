@@ -9,6 +9,8 @@ for each bucket the first entry is the fastest spill-free tiling measured there
 """
 from __future__ import annotations
 
+import functools
+
 from . import _env
 from .spec import ELEMENTWISE, MASK_BITS, KernelSpec
 
@@ -93,7 +95,12 @@ def forward_family(head_dim: int, arch: str, smem_limit: int) -> str:
     H200, B=2 S=8192 H=16 bf16 (scripts/probe_sm90.py, docs/perf-notes.md): head_dim 128 422 TFLOP/s
     against 279 for fwd.cu, head_dim 64 333 against ~300.
     """
-    if applies("fwd_sm90", head_dim, arch) and not _env.no_sm90():
+    return _forward_family(head_dim, arch, smem_limit, _env.no_sm90())
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_family(head_dim: int, arch: str, smem_limit: int, no_sm90: bool) -> str:
+    if applies("fwd_sm90", head_dim, arch) and not no_sm90:
         smallest = min(KernelSpec("fwd_sm90", head_dim, "bf16", *tiling, False, arch).smem_bytes
                        for tiling in candidates("fwd_sm90", head_dim))
         if smallest <= smem_limit:
