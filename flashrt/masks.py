@@ -86,9 +86,11 @@ class Masking:
         bits, arrays, host = 0, [], {}
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
 
-        def int_array(x, name, shape, data_checked=True):
-            """The pointer of an int32 device array; its host copy in `host` when its data are validated."""
+        def int_array(x, name, shape=None, data_checked=True):
+            """The pointer of an int32 device array (of `shape`, or any shape when None); its host
+            copy in `host` when its data are validated."""
             a = interop.describe(x, name)
+            shape = a.shape if shape is None else shape
             if a.lib != Q.lib or a.device != Q.device:
                 raise ValueError(f"{name} must be a {Q.lib} array on cuda:{Q.device} like q, got {a.lib} on "
                                  f"{'cuda:%d' % a.device if a.device >= 0 else 'the host'}")
@@ -179,8 +181,7 @@ class Masking:
         if mask_mod is not None or mask_tensors:
             mod, names = _check_mask_mod(mask_mod, mask_tensors)
             for i, (name, x) in enumerate((mask_tensors or {}).items()):
-                a = interop.describe(x, f"mask_tensors[{name!r}]")
-                fields[f"mod_t{i}"] = int_array(x, f"mask_tensors[{name!r}]", a.shape, data_checked=False)
+                fields[f"mod_t{i}"] = int_array(x, f"mask_tensors[{name!r}]", data_checked=False)
             used = set(_IDENTIFIER.findall(mod))
             per_head = "h" in used
             per_batch = "b" in used or bool(names) or bool(bits & ~MASK_BITS["window"])

@@ -58,36 +58,17 @@ FRT_DEVICE u32 sw128_offset(int r, int c) {
 // Round a shared address up to the 1024-byte swizzle-atom boundary.
 FRT_DEVICE u32 align_atom(u32 addr) { return (addr + (kAtomBytes - 1)) & ~(u32)(kAtomBytes - 1); }
 
-// 16-byte cp.async, always valid (the probe kernels have no ragged edges).
-FRT_DEVICE void cp_async16_full(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
-}
-
 // Copy a ROWS x COLS tile of 16-bit elements (row stride g_stride elements, columns contiguous)
-// into a sw128 tile at s_tile (1024-byte aligned). Consecutive threads take consecutive 16-byte
+// into a sw128 tile at s_tile (1024-byte aligned); rows >= rows_valid lie past the tensor and are
+// zeroed (cp.async with source size 0), not read. Consecutive threads take consecutive 16-byte
 // chunks of a row: coalesced global reads, and each 8-lane phase writes 8 distinct chunk slots
 // of one 128-byte row (no bank conflicts).
 template <int ROWS, int COLS, int NTHREADS>
-FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int tid) {
+FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int tid) {
+    constexpr int CPR = COLS / 8, TOTAL = ROWS * CPR;  // 16-byte chunks per row, in all
     static_assert(COLS % kBlockCols == 0, "sw128 tiles hold whole 64-column blocks");
     static_assert(ROWS % 8 == 0, "sw128 tiles hold whole 8-row atoms");
-    constexpr int CPR = COLS / 8;  // 16-byte chunks per row
-    constexpr int TOTAL = ROWS * CPR;
     static_assert(TOTAL % NTHREADS == 0, "tile chunks must divide evenly among the threads");
-#pragma unroll
-    for (int i = 0; i < TOTAL / NTHREADS; ++i) {
-        const int idx = tid + i * NTHREADS;
-        const int r = idx / CPR, c = idx % CPR;
-        cp_async16_full(s_tile + sw128_offset<ROWS>(r, c), g + (i64)r * g_stride + c * 8);
-    }
-}
-
-// The same copy for a tile whose rows >= rows_valid lie past the tensor: those are zeroed
-// (cp.async with source size 0) and not read.
-template <int ROWS, int COLS, int NTHREADS>
-FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int tid) {
-    constexpr int CPR = COLS / 8, TOTAL = ROWS * CPR;
-    static_assert(COLS % kBlockCols == 0 && ROWS % 8 == 0 && TOTAL % NTHREADS == 0, "see load_tile_sw128");
 #pragma unroll
     for (int i = 0; i < TOTAL / NTHREADS; ++i) {
         const int idx = tid + i * NTHREADS;
@@ -95,6 +76,17 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
         const bool ok = r < rows_valid;
         cp_async16(s_tile + sw128_offset<ROWS>(r, c), ok ? g + (i64)r * g_stride + c * 8 : g, ok);
     }
+}
+
+// A whole tile (the probes have no ragged edges).
+template <int ROWS, int COLS, int NTHREADS>
+FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int tid) {
+    load_tile_sw128<ROWS, COLS, NTHREADS>(s_tile, g, g_stride, ROWS, tid);
+}
+
+// 16-byte cp.async, always valid.
+FRT_DEVICE void cp_async16_full(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
 }
 
 // ---------------------------------------------------------------------------------------

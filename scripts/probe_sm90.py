@@ -357,20 +357,10 @@ def rel_err(x, ref) -> float:
     return ((x.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
 
-def time_it(f, warmup: int = 3, reps: int = 20) -> float:
-    """Median of reps CUDA-event timings (ms) after warmup calls."""
-    import torch
-    for _ in range(warmup):
-        f()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        f()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
+def time_it(f) -> float:
+    """Median CUDA-event milliseconds of 20 calls after 3 warm-up calls (scripts/mask_times.py's timer)."""
+    from mask_times import time_ms  # scripts/ is sys.path[0] when run as a script; needs torch
+    return time_ms(f, reps=20)
 
 
 def main() -> int:
