@@ -29,7 +29,7 @@ def dump_source() -> bool:
 
 
 def no_sm90() -> bool:
-    """FLASHRT_NO_SM90=1: use the mma.sync forward on Hopper too, not the wgmma one (A/B timing, a fallback)."""
+    """FLASHRT_NO_SM90=1: use the mma.sync kernels on Hopper too, not the wgmma forward and split backward (A/B timing, a fallback)."""
     return _flag("FLASHRT_NO_SM90")
 
 

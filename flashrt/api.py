@@ -268,9 +268,10 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
 
     dev = launch.device(Q.device)
     stream = interop.stream(Q)
+    dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin)
     if impl == "auto":
-        impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok)
-    main = _pick("bwd_fused" if impl == "fused" else "bwd_dkdv", D, Q, m, dev)
+        impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90")
+    main = _pick("bwd_fused" if impl == "fused" else dkdv_family, D, Q, m, dev)
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else launch.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
@@ -285,12 +286,12 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
             p["dq_sem"] = interop.data_ptr(sem)
         families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
     else:
-        families = ["bwd_preprocess", "bwd_dq", "bwd_dkdv"]
+        families = ["bwd_preprocess", dq_family, dkdv_family]
     if splits > 1:
         families.append("bwd_dkdv_reduce")
     keep = []  # mask_mod's tile lists, alive until the kernels that read them are launched
     if m.mask_mod:
-        needs = [(main, "mask_cols")] + ([] if impl == "fused" else [(_pick("bwd_dq", D, Q, m, dev), "mask_rows")])
+        needs = [(main, "mask_cols")] + ([] if impl == "fused" else [(_pick(dq_family, D, Q, m, dev), "mask_rows")])
         keep = _classify(p, m, H, Q, dev, stream, *needs)  # noqa: F841
     args = params.pack(params.BWD, p)
     rowwise = m.elementwise_fields(H)

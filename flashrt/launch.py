@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import cache, nvrtc, tiles
-from .spec import CLASSIFY, ELEMENTWISE, KEY_PARALLEL, KernelSpec
+from .spec import CLASSIFY, ELEMENTWISE, KEY_PARALLEL, QUERY_PARALLEL, KernelSpec
 
 _DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 _MAX_GRID_YZ = 65535
@@ -75,7 +75,7 @@ def _cdiv(a: int, b: int) -> int:
 def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132,
          splits: int = 1) -> tuple[int, int, int]:
     """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu."""
-    if spec.family in ("fwd", "fwd_sm90", "bwd_dq"):
+    if spec.family in QUERY_PARALLEL:
         g = (_cdiv(Sq, spec.block_m), H, B)
     elif spec.family in CLASSIFY:  # kernels_cu/mask_classify.cu; B, H: the lists' batch entries and heads
         m_tiles, n_tiles, nw = _cdiv(Sq, spec.block_m), _cdiv(Sk, spec.block_n), spec.warps

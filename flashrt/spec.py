@@ -22,6 +22,9 @@ FAMILIES = {
     "bwd_preprocess": ("bwd_preprocess.cu", params.BWD, {}),
     "bwd_dq": ("bwd_dq.cu", params.BWD, {}),
     "bwd_dkdv": ("bwd_dkdv.cu", params.BWD, {}),
+    # the split backward with wgmma (sm_90a, head_dim 64 and 128): tiles.backward_families
+    "bwd_dq_sm90": ("bwd_dq_sm90.cu", params.BWD, {}),
+    "bwd_dkdv_sm90": ("bwd_dkdv_sm90.cu", params.BWD, {}),
     "bwd_dkdv_reduce": ("bwd_dkdv_reduce.cu", params.BWD, {}),
     "bwd_fused": ("bwd_dkdv.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # dK/dV + atomic dQ
     "bwd_dq_convert": ("bwd_dq_convert.cu", params.BWD, {}),
@@ -33,8 +36,12 @@ FAMILIES = {
 }
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
 ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
-# Key-parallel families (bwd_dkdv.cu): grid over key tiles, warp layouts per phase.
-KEY_PARALLEL = ("bwd_dkdv", "bwd_fused")
+# Key-parallel families (bwd_dkdv.cu, bwd_dkdv_sm90.cu): grid over key tiles (KeyTile in params.cuh).
+KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90")
+# Query-parallel families: grid over query tiles (QueryTile in params.cuh).
+QUERY_PARALLEL = ("fwd", "fwd_sm90", "bwd_dq", "bwd_dq_sm90")
+# wgmma families (sm_90a only; kernels_cu/wgmma.cuh) and the head_dims each has a kernel for.
+SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "bwd_dq_sm90": (64, 128), "bwd_dkdv_sm90": (64, 128)}
 # mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
 # (KernelSpec.classifier); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
 # The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
@@ -147,9 +154,11 @@ class KernelSpec:
                 "block_m and block_n must be positive multiples of 16"
         if bn % 16 or bm % 16 or bm <= 0 or bn <= 0:
             return "block_m and block_n must be positive multiples of 16"
-        if self.family == "fwd_sm90":
-            if self.arch != "sm_90a" or self.head_dim % 64:
-                return "the wgmma forward is for sm_90a at head_dim 64, 128, 192 and 256"
+        if self.family in SM90_HEAD_DIMS:
+            if self.arch != "sm_90a" or self.head_dim not in SM90_HEAD_DIMS[self.family]:
+                return f"{self.family} is for sm_90a at head_dim {', '.join(map(str, SM90_HEAD_DIMS[self.family]))}"
+            if self.family == "bwd_dkdv_sm90":
+                return None if (bm, bn, nw) == (64, 128, 8) else "block_m 64, block_n 128, 8 warps"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
@@ -168,8 +177,13 @@ class KernelSpec:
         ld = _pitch(_round_up(self.head_dim, 16))
         if self.family == "fwd":  # Q + 2 stages of (K, V)
             return bm * ld + 2 * 2 * bn * ld
-        if self.family == "fwd_sm90":  # unpadded swizzled Q + 2 stages of (K, V) + 1024-byte alignment slack
+        # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
+        if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
             return (bm + 4 * bn) * self.head_dim * 2 + 1024
+        if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V)
+            return (2 * bm + 4 * bn) * self.head_dim * 2 + 1024
+        if self.family == "bwd_dkdv_sm90":  # K, V + 2 stages of (Q, dO) + 2 stages of (lse2, delta)
+            return (2 * bn + 4 * bm) * self.head_dim * 2 + 2 * 2 * bm * 4 + 1024
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from . import _env
-from .spec import ELEMENTWISE, MASK_BITS, KernelSpec
+from .spec import ELEMENTWISE, MASK_BITS, SM90_HEAD_DIMS, KernelSpec
 
 # family -> [(max head_dim, [(block_m, block_n, warps), ...] in order of preference)]
 _PREFERENCES = {
@@ -31,6 +31,10 @@ _PREFERENCES = {
     # wgmma (sm_90a): two warpgroups of 64 query rows; head_dim 64, 128, 192, 256 (forward_family);
     # 128-key tiles do not fit in shared memory above 128
     "fwd_sm90": [(128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
+    # wgmma split backward (sm_90a, head_dim 64 and 128): dQ with two warpgroups of 64 query rows, dK/dV
+    # with two warpgroups of 64 keys and 64-row query tiles
+    "bwd_dq_sm90": [(64, [(128, 128, 8), (128, 64, 8)]), (128, [(128, 64, 8)])],
+    "bwd_dkdv_sm90": [(128, [(64, 128, 8)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
         (224, [(128, 32, 8), (64, 32, 4)]),
@@ -67,11 +71,15 @@ _MOD_PREFERENCES = {
     "bwd_fused": [(128, [(64, 64, 8), (64, 32, 8)]), (256, [(64, 32, 8)])],
     # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression)
     "fwd_sm90": [(256, [(128, 64, 8)])],
+    # (the wgmma dQ at head_dim 64 with 128-key tiles spills 32 bytes with an expression alone, NVRTC 12.9)
+    "bwd_dq_sm90": [(128, [(128, 64, 8)])],
 }
 # Smaller tilings, tried in order when none of the preferred ones fits.
 _FALLBACKS = {
     "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "fwd_sm90": [],
+    "bwd_dq_sm90": [],
+    "bwd_dkdv_sm90": [],
     "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "bwd_dkdv": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
     "bwd_fused": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
@@ -81,12 +89,9 @@ _FALLBACKS = {
 }
 
 
-SM90_FWD_HEAD_DIMS = (64, 128, 192, 256)  # whole 64-column swizzle blocks (kernels_cu/wgmma.cuh)
-
-
 def applies(family: str, head_dim: int, arch: str) -> bool:
-    """Whether `family` has a kernel for this head_dim and arch (fwd_sm90: sm_90a, SM90_FWD_HEAD_DIMS)."""
-    return family != "fwd_sm90" or (arch == "sm_90a" and head_dim in SM90_FWD_HEAD_DIMS)
+    """Whether `family` has a kernel for this head_dim and arch (wgmma families: sm_90a, spec.SM90_HEAD_DIMS)."""
+    return family not in SM90_HEAD_DIMS or (arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family])
 
 
 def forward_family(head_dim: int, arch: str, smem_limit: int) -> str:
@@ -95,17 +100,31 @@ def forward_family(head_dim: int, arch: str, smem_limit: int) -> str:
     H200, B=2 S=8192 H=16 bf16 (scripts/probe_sm90.py, docs/perf-notes.md): head_dim 128 422 TFLOP/s
     against 279 for fwd.cu, head_dim 64 333 against ~300.
     """
-    return _forward_family(head_dim, arch, smem_limit, _env.no_sm90())
+    return "fwd_sm90" if _sm90_fits(("fwd_sm90",), head_dim, arch, smem_limit, _env.no_sm90()) else "fwd"
+
+
+def split_families(head_dim: int, arch: str, smem_limit: int) -> tuple[str, str]:
+    """The split backward's (dQ, dK/dV) kernel families: the wgmma pair on Hopper where it exists and fits.
+
+    FLASHRT_NO_SM90=1: the mma.sync pair everywhere. Measurements: docs/perf-notes.md.
+    """
+    sm90 = ("bwd_dq_sm90", "bwd_dkdv_sm90")
+    return sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, _env.no_sm90()) else ("bwd_dq", "bwd_dkdv")
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_family(head_dim: int, arch: str, smem_limit: int, no_sm90: bool) -> str:
-    if applies("fwd_sm90", head_dim, arch) and not no_sm90:
-        smallest = min(KernelSpec("fwd_sm90", head_dim, "bf16", *tiling, False, arch).smem_bytes
-                       for tiling in candidates("fwd_sm90", head_dim))
-        if smallest <= smem_limit:
-            return "fwd_sm90"
-    return "fwd"
+def _sm90_fits(families: tuple, head_dim: int, arch: str, smem_limit: int, no_sm90: bool) -> bool:
+    """Every one of the wgmma `families` has a kernel here whose smallest tiling fits `smem_limit`."""
+    if no_sm90:
+        return False
+    for family in families:
+        if not applies(family, head_dim, arch):
+            return False
+        smallest = min(KernelSpec(family, head_dim, "bf16", *tiling, False, arch).smem_bytes
+                       for tiling in candidates(family, head_dim))
+        if smallest > smem_limit:
+            return False
+    return True
 
 
 class TilingError(RuntimeError):
@@ -148,16 +167,20 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
                       f"{smem_limit} bytes per block; required: " + ", ".join(tried))
 
 
-def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True) -> str:
+def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False) -> str:
     """The faster backward for a head_dim: "fused" or "split" (flashrt.backward's impl="auto").
 
-    Measured on the H100 (docs/perf-notes.md: scripts/tune.py and scripts/kernel_times.py):
+    `wgmma_split`: the split pair is the wgmma one (split_families): split, whose two kernels
+    outrun the mma.sync fused kernel (H200 measurements in docs/perf-notes.md).
+    Else, measured on the H100 (docs/perf-notes.md: scripts/tune.py and scripts/kernel_times.py):
     unordered, the fused kernel's five matmuls beat the split pair's seven up to head_dim
     128; at 256 its dQ atomics (64-key tiles, the most the dK/dV registers allow) cost what
     the recomputation saves. Ordered (deterministic), the key tiles' wait for each other
     costs 15-22%, which leaves fused ahead only where its lead was largest, head_dim 65-128.
     `ordered_ok`: whether the mask lets the fused kernel order its dQ additions (masks.Masking).
     """
+    if wgmma_split:
+        return "split"
     if deterministic:
         if not ordered_ok:
             return "split"

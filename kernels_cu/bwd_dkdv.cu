@@ -100,68 +100,21 @@ __device__ void bwd_dkdv(const BwdParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n_block = blockIdx.x, hk = blockIdx.y % p.Hkv, split = blockIdx.y / p.Hkv, b = blockIdx.z;
-    const int group = p.H / p.Hkv;
-    const int n0 = n_block * BN;
-    const auto& vis = block_visibility<T::CAUSAL, T::MASK>(p, b);
-    const int rows_k = min(BN, vis.Ek - n0);
-    if (rows_k <= 0) return;  // past a packed sequence's end (the launcher uses one split when varlen)
-
-    // The (query head, query tile) pairs that can see this key tile: the group's heads in
-    // order, each with the query tiles [m_first, m_first + m_count) or, with mask_mod, the
-    // tiles of its ModLists column (per head when the mask differs per head).
-    int m_first = 0, m_count = 0, n_pairs;
-    ModLists lists{};
-    auto mod_count = [&](int h) { return lists.count[lists.index(p, b, h, n_block)]; };
-    if constexpr (T::MASK & MASK_MOD) {
-        lists = ModLists::cols(p, BM, BN);
-        n_pairs = 0;
-        if (p.mod_heads > 1) {
-            for (int gi = 0; gi < group; ++gi) n_pairs += mod_count(hk * group + gi);
-        } else {
-            n_pairs = group * mod_count(0);
-        }
-    } else {
-        int q_lo, q_hi;
-        vis.query_span(n0, BN, q_lo, q_hi, tid, T::NTHREADS);
-        m_first = q_lo / BM;
-        m_count = q_hi > q_lo ? ceil_div(q_hi, BM) - m_first : 0;
-        n_pairs = m_count > 0 ? group * m_count : 0;
-    }
-    const int chunk = ceil_div(n_pairs, p.splits);
-    const int it_begin = min(n_pairs, split * chunk), it_end = min(n_pairs, it_begin + chunk);
+    const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, T::NTHREADS);
+    const int rows_k = tile.rows;
+    if (rows_k <= 0) return;
+    const int n_block = tile.n_block, hk = tile.hk, split = tile.split, b = tile.b, n0 = tile.n0;
+    const auto& vis = tile.vis;
+    const int it_begin = tile.it_begin, it_end = tile.it_end;
 
     const u32 sK = smem_u32(smem), sV = sK + BN * LD;
     const u32 sQdO = sK + T::SMEM_KV;  // stage s: Q at + s*STAGE, dO right after Q
     const u32 sP = sQdO + 2 * T::SMEM_QDO_STAGE, sdS = sP + BN * LDP;
     float* s_stat = reinterpret_cast<float*>(smem + T::SMEM_KV + 2 * T::SMEM_QDO_STAGE + T::SMEM_P);
-
-    // Pair `it` -> (query head, query tile, whether the element mask runs); query tiles last
-    // to first (see the ordered fused dQ above).
-    struct Pair {
-        int h, m;
-        bool partial;
-    };
-    auto pair = [&](int it) -> Pair {
-        if constexpr (T::MASK & MASK_MOD) {
-            int gi = 0;
-            if (p.mod_heads > 1) {
-                for (int c; it >= (c = mod_count(hk * group + gi)); ++gi) it -= c;
-            } else {
-                const int c = mod_count(0);
-                gi = it / c, it -= gi * c;
-            }
-            const int h = hk * group + gi;
-            const int e = lists.list[lists.index(p, b, h, n_block) * lists.n_inner + it];
-            return {h, ModLists::tile(e), e < 0};
-        } else {
-            const int m = m_first + m_count - 1 - it % m_count;
-            return {hk * group + it / m_count, m, !vis.all_visible(m * BM, BM, n0, BN)};
-        }
-    };
+    auto pair = [&](int it) { return tile.pair(p, it); };
 
     auto load_q = [&](int it, int stage) {
-        const Pair pr = pair(it);
+        const auto pr = pair(it);
         const int h = pr.h;
         const int m0 = pr.m * BM;
         const int rows = min(BM, vis.Eq - m0);
@@ -194,7 +147,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
 
     for (int it = it_begin; it < it_end; ++it) {
         const int stage = (it - it_begin) & 1;
-        const Pair pa = pair(it);
+        const auto pa = pair(it);
         const int m0 = pa.m * BM;
         cp_async_wait<0>();
         __syncthreads();

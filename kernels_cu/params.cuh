@@ -212,6 +212,80 @@ FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, i64 k_row0, int 
                                p.v_ss, ek - j * BN, tid);
 }
 
+// The key tile that a block of a key-parallel kernel (bwd_dkdv, bwd_fused, bwd_dkdv_sm90; grid
+// (ceil(Sk / BN), Hkv * splits, B)) owns, and the (query head, query tile) pairs that can see
+// it: the group's query heads in order, each with the query tiles [m_first, m_first + m_count)
+// last to first, or with mask_mod the tiles of its ModLists column (per head when the mask
+// differs per head). The pairs are split into `splits` contiguous chunks; this block visits
+// pairs [it_begin, it_end).
+template <int BM, int BN, bool CAUSAL, int MASK>
+struct KeyTile {
+    static constexpr bool MOD = MASK & MASK_MOD;
+    typename VisibilityOf<CAUSAL, MASK>::type vis;  // in shared memory when MASK != 0 (block_visibility)
+    int n_block, hk, split, b, group, n0, rows;     // rows <= 0: past a packed sequence's end
+    int m_first, m_count, it_begin, it_end;
+    ModLists lists;
+
+    struct Pair {
+        int h, m;      // query head, query tile
+        bool partial;  // some pair of the two tiles is not visible: the element mask runs
+    };
+
+    template <class P>
+    FRT_DEVICE KeyTile(const P& p, int tid, int nthreads) : vis(block_visibility<CAUSAL, MASK>(p, blockIdx.z)) {
+        n_block = blockIdx.x, hk = blockIdx.y % p.Hkv, split = blockIdx.y / p.Hkv, b = blockIdx.z;
+        group = p.H / p.Hkv;
+        n0 = n_block * BN;
+        rows = min(BN, vis.Ek - n0);
+        m_first = m_count = it_begin = it_end = 0;
+        if (rows <= 0) return;  // (the launcher uses one split when varlen: no partials to write)
+        int n_pairs;
+        if constexpr (MOD) {
+            lists = ModLists::cols(p, BM, BN);
+            n_pairs = 0;
+            if (p.mod_heads > 1) {
+                for (int gi = 0; gi < group; ++gi) n_pairs += mod_count(p, hk * group + gi);
+            } else {
+                n_pairs = group * mod_count(p, 0);
+            }
+        } else {
+            int q_lo, q_hi;
+            vis.query_span(n0, BN, q_lo, q_hi, tid, nthreads);
+            m_first = q_lo / BM;
+            m_count = q_hi > q_lo ? ceil_div(q_hi, BM) - m_first : 0;
+            n_pairs = m_count > 0 ? group * m_count : 0;
+        }
+        const int chunk = ceil_div(n_pairs, p.splits);
+        it_begin = min(n_pairs, split * chunk), it_end = min(n_pairs, it_begin + chunk);
+    }
+
+    template <class P>
+    FRT_DEVICE int mod_count(const P& p, int h) const {
+        return lists.count[lists.index(p, b, h, n_block)];
+    }
+
+    // Pair `it`: query heads of the group in order, query tiles last to first (the ordered
+    // fused dQ of bwd_dkdv.cu relies on it).
+    template <class P>
+    FRT_DEVICE Pair pair(const P& p, int it) const {
+        if constexpr (MOD) {
+            int gi = 0;
+            if (p.mod_heads > 1) {
+                for (int c; it >= (c = mod_count(p, hk * group + gi)); ++gi) it -= c;
+            } else {
+                const int c = mod_count(p, 0);
+                gi = it / c, it -= gi * c;
+            }
+            const int h = hk * group + gi;
+            const int e = lists.list[lists.index(p, b, h, n_block) * lists.n_inner + it];
+            return {h, ModLists::tile(e), e < 0};
+        } else {
+            const int m = m_first + m_count - 1 - it % m_count;
+            return {hk * group + it / m_count, m, !vis.all_visible(m * BM, BM, n0, BN)};
+        }
+    }
+};
+
 }  // namespace frt
 
 // One compiled variant: a plain extern "C" entry named FRT_KERNEL_NAME whose

@@ -11,7 +11,7 @@ import pytest
 
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import CLASSIFY, ELEMENTWISE, FAMILIES, MASK_BITS, KernelSpec
+from flashrt.spec import CLASSIFY, ELEMENTWISE, FAMILIES, MASK_BITS, QUERY_PARALLEL, KernelSpec
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -39,7 +39,7 @@ def _variants():
             for mask in (sum(MASK_BITS.values()), MASK_BITS["mod"]):
                 spec = tiles.pick_nw(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
                 out.update([spec, spec.classifier("mask_map"),
-                            spec.classifier("mask_rows" if family in ("fwd", "fwd_sm90", "bwd_dq") else "mask_cols")])
+                            spec.classifier("mask_rows" if family in QUERY_PARALLEL else "mask_cols")])
     return sorted(out, key=lambda s: s.name)
 
 

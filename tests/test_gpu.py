@@ -240,6 +240,35 @@ def test_nondeterministic_fused_is_close_to_split(torch):
             assert err < 1e-2, f"{name}: split and fused differ by {err:.2e}"
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", ["mqa-splits", "gqa-ragged-causal", "fp16-window-padding"])
+def test_wgmma_split_backward_matches_mma_split(torch, poison, monkeypatch, D, case):
+    """On Hopper the split backward runs bwd_dq_sm90 / bwd_dkdv_sm90; FLASHRT_NO_SM90=1 the mma.sync pair."""
+    import cupy
+    dev = launch.device(torch.cuda.current_device())
+    if dev.arch != "sm_90a":
+        pytest.skip(f"the wgmma backward is for sm_90a; this GPU is {dev.arch}")
+    B, Sq, Sk, H, Hkv, causal, dtype, mask = {
+        "mqa-splits": (1, 512, 512, 8, 1, False, "bf16", {}),  # 4 key tiles: dK/dV split across blocks
+        "gqa-ragged-causal": (2, 333, 401, 8, 2, True, "bf16", {}),
+        "fp16-window-padding": (2, 300, 300, 4, 4, True, "fp16",
+                                {"window": (100, 0), "seqlens_k": cupy.array([300, 129], dtype=cupy.int32)}),
+    }[case]
+    q, k, v, do = (cupy.from_dlpack(x) for x in make_inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed=D + len(case)))
+    out, lse = flashrt.forward(q, k, v, causal=causal, **mask)
+    grads = {}
+    for name, flag in (("wgmma", "0"), ("mma", "1")):
+        monkeypatch.setenv("FLASHRT_NO_SM90", flag)
+        grads[name] = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="split", **mask)
+    assert any("bwd_dkdv_sm90" in n for n, _ in launch._functions) and any("bwd_dq_sm90" in n for n, _ in launch._functions)
+    keep = reference.visible(B, Sq, Sk, causal=causal, xp=cupy, **mask)
+    _, _, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+    for name, ref, a, b in zip(("dq", "dk", "dv"), (rdq, rdk, rdv), grads["wgmma"], grads["mma"]):
+        assert not bool(cupy.isnan(f64(a)).any()), f"wgmma {name} has NaN: unwritten (poisoned) elements"
+        ours, theirs = reference.rel_error(f64(a), ref), reference.rel_error(f64(b), ref)
+        assert ours <= 1.5 * theirs + 1e-3, f"{name}: wgmma rel err {ours:.2e}, mma.sync {theirs:.2e}"
+
+
 def test_autograd_function(torch):
     q, k, v, do = make_inputs(torch, 2, 200, 180, 8, 4, 128, "fp16", seed=3)
     ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
@@ -299,7 +328,8 @@ def test_input_errors_are_clear(torch):
 
 def test_dynamic_smem_attribute_matches_spec(torch):
     dev = launch.device(torch.cuda.current_device())
-    for family in ("fwd", "bwd_dq", "bwd_dkdv"):
+    sm90 = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90") if dev.arch == "sm_90a" else ()
+    for family in ("fwd", "bwd_dq", "bwd_dkdv", *sm90):
         spec = launch.pick(family, 128, "bf16", False, dev)
         attrs = launch.function_attributes(spec, dev)
         if spec.smem_bytes > 48 * 1024:

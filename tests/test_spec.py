@@ -58,6 +58,8 @@ def test_pick_nw_fits_every_head_dim(arch, limit):
         for d in HEAD_DIMS:
             if family == "fwd_sm90" and tiles.forward_family(d, arch, limit) != "fwd_sm90":
                 continue  # the forward is fwd.cu there
+            if family in ("bwd_dq_sm90", "bwd_dkdv_sm90") and family not in tiles.split_families(d, arch, limit):
+                continue  # the split backward is bwd_dq.cu / bwd_dkdv.cu there
             s = tiles.pick_nw(family, d, "bf16", True, arch, limit)
             assert s.smem_bytes <= limit and s.head_dim == d and s.arch == arch
             assert s.layout_problem() is None
@@ -175,3 +177,33 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
     assert tiles.forward_family(128, "sm_90a", 64 * 1024) == "fwd"          # does not fit
     monkeypatch.setenv("FLASHRT_NO_SM90", "1")
     assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd"
+
+
+def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatch):
+    wgmma, mma = ("bwd_dq_sm90", "bwd_dkdv_sm90"), ("bwd_dq", "bwd_dkdv")
+    assert tiles.split_families(128, "sm_90a", SMEM_OPTIN[90]) == wgmma
+    assert tiles.split_families(64, "sm_90a", SMEM_OPTIN[90]) == wgmma
+    assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90]) == mma      # dK/dV accumulators: 64 and 128 only
+    assert tiles.split_families(96, "sm_90a", SMEM_OPTIN[90]) == mma
+    assert tiles.split_families(128, "sm_80", SMEM_OPTIN[80]) == mma       # not Hopper
+    assert tiles.split_families(128, "sm_90a", 100 * 1024) == mma          # does not fit
+    # auto takes the split pair when it is the wgmma one, deterministic or not, any mask
+    for det in (False, True):
+        for ordered_ok in (False, True):
+            assert tiles.backward_impl(128, det, ordered_ok, wgmma_split=True) == "split"
+    assert tiles.backward_impl(128, True, True) == "fused"  # the mma.sync rule (H100 measurements)
+    monkeypatch.setenv("FLASHRT_NO_SM90", "1")
+    assert tiles.split_families(128, "sm_90a", SMEM_OPTIN[90]) == mma
+
+
+def test_wgmma_backward_geometry():
+    dq = KernelSpec("bwd_dq_sm90", 128, "bf16", 128, 64, 8, False, "sm_90a")
+    assert dq.smem_bytes == (2 * 128 + 4 * 64) * 128 * 2 + 1024
+    dkdv = KernelSpec("bwd_dkdv_sm90", 64, "fp16", 64, 128, 8, True, "sm_90a")
+    assert dkdv.smem_bytes == (2 * 128 + 4 * 64) * 64 * 2 + 4 * 64 * 4 + 1024
+    for bad in (dict(family="bwd_dkdv_sm90", head_dim=192, block_m=64, block_n=128),
+                dict(family="bwd_dkdv_sm90", head_dim=128, block_m=128, block_n=128),
+                dict(family="bwd_dq_sm90", head_dim=96, block_m=128, block_n=64),
+                dict(family="bwd_dq_sm90", head_dim=128, block_m=128, block_n=64, arch="sm_90")):
+        with pytest.raises(ValueError, match="invalid tiling"):
+            KernelSpec(**{"dtype": "bf16", "warps": 8, "causal": False, "arch": "sm_90a", **bad})

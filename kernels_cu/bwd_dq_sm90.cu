@@ -1,0 +1,168 @@
+// Attention backward on Hopper (sm_90a), dQ = scale * dS K with dS = P o (dO V^T - delta), wgmma.
+//
+// The problem, grid and masks of bwd_dq.cu (QueryTile: grid (ceil(Sq / 128), H, B), one block
+// owns a query tile and every dQ element is written by one thread: no atomics, bitwise
+// deterministic), with the structure of fwd_sm90.cu: 256 threads = two warpgroups of 64 query
+// rows; Q and dO (128 x D) loaded once, K / V tiles double-buffered by cp.async into
+// 128-byte-swizzled tiles (wgmma.cuh). Per key tile and warpgroup: S = Q K^T and dP = dO V^T are
+// wgmmas with both operands in shared memory, issued as two groups (P's exponentials run while
+// dP is in flight); dS is formed on the fp32 fragments and feeds dQ += dS K as the register A
+// operand, K being the MN-major B operand. head_dim 64 or 128.
+#include "params.cuh"
+#include "wgmma.cuh"
+
+namespace frt {
+
+template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
+struct DqSm90Traits {
+    static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
+    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
+    static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32;
+    static_assert(D == 64 || D == 128, "bwd_dq_sm90: head_dim 64 or 128");
+    static_assert(BM == 128 && NW == 8, "bwd_dq_sm90: 128 query rows, two warpgroups");
+    static_assert(BN == 64 || BN == 128, "bwd_dq_sm90: key tiles of 64 or 128");
+    static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;  // Q or dO; one K or one V tile
+    static constexpr int STAGE_BYTES = 2 * KV_BYTES;                     // K, then V
+    static constexpr int SMEM = 2 * Q_BYTES + 2 * STAGE_BYTES + sm90::kAtomBytes;  // + alignment slack
+};
+
+template <class T>
+__device__ void bwd_dq_sm90(const BwdParams& p) {
+    using namespace sm90;
+    constexpr int BM = T::BM, BN = T::BN, D = T::D, NT = T::NTHREADS;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const u32 sQ = align_atom(smem_u32(smem)), sdO = sQ + T::Q_BYTES;
+    const u32 sKV = sdO + T::Q_BYTES;  // stage s: K at sKV + s * STAGE_BYTES, V KV_BYTES after it
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, NT);
+    if (tile.rows <= 0) return;
+    const int n_blocks = tile.n_blocks, b = tile.b, h = tile.h;
+
+    load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.rows, tid);
+    load_tile_sw128<BM, D, NT>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss, tile.rows,
+                               tid);
+    const u16* gk = p.k + b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
+    const u16* gv = p.v + b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
+    auto load_kv = [&](int stage, int j) {
+        const u32 sK = sKV + stage * T::STAGE_BYTES;
+        const int rows = tile.vis.Ek - j * BN;
+        load_tile_sw128<BN, D, NT>(sK, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, tid);
+        load_tile_sw128<BN, D, NT>(sK + T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, tid);
+    };
+    if (n_blocks > 0) load_kv(0, tile.key_tile(0));
+    cp_async_commit();
+
+    // This warpgroup's 64 query rows (rows 64 wg.. of the Q and dO tiles); a thread holds rows
+    // 16 w + g (hh = 0) and 16 w + g + 8 (hh = 1) of them, accumulator element [4 j + 2 hh + e]
+    // being column 8 j + 2 t + e (wgmma.cuh). Their lse2 and delta: +inf / 0 past the tile's rows.
+    const u32 sQw = sQ + wg * 64 * kSwizzleBytes, sdOw = sdO + wg * 64 * kSwizzleBytes;
+    const int row_wg = 16 * w + g, row_base = tile.m0 + 64 * wg + row_wg;
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = 64 * wg + row_wg + 8 * hh;
+        lse2[hh] = r < tile.rows ? p.lse2[tile.stat0 + r] : FRT_INF;
+        delta[hh] = r < tile.rows ? p.delta[tile.stat0 + r] : 0.f;
+    }
+
+    float dq[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+
+    for (int it = 0; it < n_blocks; ++it) {
+        const int j = tile.key_tile(it), stage = it & 1, n0 = j * BN;
+        cp_async_wait<0>();
+        fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
+        __syncthreads();      // every thread's writes landed; every warpgroup is done with the other stage
+        if (it + 1 < n_blocks) load_kv(stage ^ 1, tile.next_key_tile(it, j));
+        cp_async_commit();
+        const u32 sK = sKV + stage * T::STAGE_BYTES, sV = sK + T::KV_BYTES;
+
+        float s[BN / 2], dp[BN / 2];
+        wgmma_fence();  // orders the dQ accumulator writes (zeroing, last tile) before the wgmmas
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK, kk), kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            wgmma_ss<BN, 0, T::BF16>(dp, desc_k_major<BM>(sdOw, kk), desc_k_major<BN>(sV, kk), kk > 0);
+        wgmma_commit();
+
+        wgmma_wait<1>();  // S is complete (dP may not be)
+        fence_operand(s);
+        // P = exp2(S * scale_log2 - lse2[row]), 0 where the mask hides the pair.
+#pragma unroll
+        for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[4 * jj + c] = fast_exp2(fmaf(s[4 * jj + c], p.scale_log2, -lse2[c >> 1]));
+        if (tile.needs_mask(it, j)) {
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    if (!tile.vis.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), h)) s[4 * jj + c] = 0.f;
+        }
+
+        wgmma_wait<0>();
+        fence_operand(dp);
+        // dS = P o (dP - delta[row]).
+#pragma unroll
+        for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) dp[4 * jj + c] = s[4 * jj + c] * (dp[4 * jj + c] - delta[c >> 1]);
+        u32 dsa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, T::BF16>(dp, kk, dsa[kk]);
+
+        // dQ_w += dS K (64 x D, k = the BN keys): A from registers, K the MN-major B operand.
+        wgmma_fence();  // orders the dsa writes before the wgmmas that read them
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D, 1, T::BF16>(dq, dsa[kk], desc_mn_major<BN>(sK, kk), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operand(dq);
+    }
+    cp_async_wait<0>();  // the last (empty) group
+    // Every thread's Q copies have landed before a warpgroup overwrites its rows with dQ (with no
+    // key tile to visit, the loop's barrier never ran).
+    __syncthreads();
+
+    // Epilogue: stage scale * dQ into this warpgroup's own 64 rows of the Q tile (only it read
+    // them, and its wgmmas are complete), then 16-byte stores of the rows that exist.
+    const int rows_wg = tile.rows - 64 * wg;
+#pragma unroll
+    for (int jj = 0; jj < D / 8; ++jj)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const u32 at = sQw + sw128_offset<BM>(row_wg + 8 * hh, jj) + 4 * t;
+            const u32 val = Elem<T::BF16>::pack(dq[4 * jj + 2 * hh] * p.scale, dq[4 * jj + 2 * hh + 1] * p.scale);
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(val));
+        }
+    if (wg == 0)
+        warpgroup_bar<1>();
+    else
+        warpgroup_bar<2>();
+    u16* gdq = p.dq + b * p.dq_sb + (tile.row0 + 64 * wg) * p.dq_ss + h * p.dq_sh;
+    constexpr int CPR = D / 8;
+    const int wtid = tid & 127;
+#pragma unroll
+    for (int i = 0; i < 64 * CPR / 128; ++i) {
+        const int idx = wtid + i * 128, r = idx / CPR, c = idx % CPR;
+        if (r < rows_wg) {
+            uint4 val;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                         : "r"(sQw + sw128_offset<BM>(r, c)));
+            *reinterpret_cast<uint4*>(gdq + (i64)r * p.dq_ss + c * 8) = val;
+        }
+    }
+}
+
+}  // namespace frt
+
+#ifdef FRT_KERNEL_NAME
+FRT_ENTRY(DqSm90Traits, bwd_dq_sm90, BwdParams)
+#endif
