@@ -10,6 +10,7 @@ Sequence lengths, batch, heads and strides are run-time arguments.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 
@@ -119,7 +120,7 @@ class KernelSpec:
             raise ValueError(f"invalid tiling for {self.name}: {problem}")
 
     # -- identity -----------------------------------------------------------------
-    @property
+    @functools.cached_property  # (a frozen dataclass without __slots__: the cache lands in __dict__)
     def name(self) -> str:
         if self.family in ELEMENTWISE:
             return f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_w{self.warps}_{self.arch}"
