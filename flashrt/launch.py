@@ -197,20 +197,12 @@ def function_attributes(spec: KernelSpec, dev: Device) -> dict:
 
 
 def launch(spec: KernelSpec, dev: Device, grid_dims: tuple[int, int, int], args: np.ndarray, stream) -> None:
-    """Launch `spec` with its params struct `args` (params.pack) on `stream` (a CuPy stream).
-
-    Straight through the driver (cuLaunchKernel with one parameter: the struct): CuPy's
-    Function call costs several microseconds more per launch in argument handling, and a
-    backward is five launches.
-    """
+    """Launch `spec` with its params struct `args` (params.pack) on `stream`."""
     import cupy
-    from cupy_backends.cuda.api import driver
     fn = function(spec, dev)
-    params_ptr = np.array([args.__array_interface__["data"][0]], dtype=np.uintp)  # void*[1] -> the struct
     with cupy.cuda.Device(dev.index):
         try:
-            driver.launchKernel(fn.ptr, *grid_dims, spec.threads, 1, 1, spec.smem_bytes, stream.ptr,
-                                params_ptr.__array_interface__["data"][0], 0)
+            fn(grid_dims, (spec.threads, 1, 1), (args,), shared_mem=spec.smem_bytes, stream=stream)
         except Exception as exc:
             raise LaunchError(f"launch of {spec.name} failed (grid={grid_dims}, block={spec.threads}, "
                               f"dynamic smem={spec.smem_bytes} B): {exc}") from exc
