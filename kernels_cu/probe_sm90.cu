@@ -10,7 +10,8 @@
 //     The unit test of the descriptors, the swizzle and the fragment layouts.
 //
 //   dkdv_sm90   (-DDKDV_D=64|128 -DDKDV_BM=64 -DDKDV_SMEM_BYTES=<Sm90DkdvTraits::SMEM>)
-//     PROTOTYPE of the attention backward's dK / dV with wgmma (not wired into the library):
+//     PROTOTYPE of the attention backward's dK / dV with wgmma (the library's kernel it became is
+//     kernels_cu/bwd_dkdv_sm90.cu, with GQA, masks, ragged tiles and splits):
 //       P^T = exp2(scale_log2 * K Q^T - lse2),  dS^T = P^T o (V dO^T - delta),
 //       dV = P^T dO,  dK = scale * dS^T Q
 //     bf16, non-causal, no masks, MHA, Sq = Sk = S a multiple of 128, (B, S, H, D) tensors with
@@ -22,7 +23,7 @@
 //     dV += P^T dO, dK += dS^T Q = wgmma RS (A = P^T / dS^T as bf16 register fragments, B = dO / Q
 //     MN-major, N = D). No shared-memory round trip for P or dS.
 //
-//   The attention forward that the prototype of this file became is kernels_cu/fwd_sm90.cu
+//   The attention forward that the first prototype of this file became is kernels_cu/fwd_sm90.cu
 //   (timed by scripts/dense_ab.py and scripts/bench.py; its history in docs/perf-notes.md).
 #include "wgmma.cuh"
 
