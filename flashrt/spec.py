@@ -23,7 +23,7 @@ FAMILIES = {
     "bwd_preprocess": ("bwd_preprocess.cu", params.BWD, {}),
     "bwd_dq": ("bwd_dq.cu", params.BWD, {}),
     "bwd_dkdv": ("bwd_dkdv.cu", params.BWD, {}),
-    # the split backward with wgmma (sm_90a, head_dim 64 and 128): tiles.backward_families
+    # the split backward with wgmma (sm_90a, head_dim 64 and 128): tiles.split_families
     "bwd_dq_sm90": ("bwd_dq_sm90.cu", params.BWD, {}),
     "bwd_dkdv_sm90": ("bwd_dkdv_sm90.cu", params.BWD, {}),
     "bwd_dkdv_reduce": ("bwd_dkdv_reduce.cu", params.BWD, {}),
