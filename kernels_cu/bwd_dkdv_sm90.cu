@@ -194,38 +194,15 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 
     // Epilogue: stage scale * dK into this warpgroup's own 64 rows of the K tile and dV into its
     // rows of the V tile (only it read them), then 16-byte stores of the keys that exist.
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const u32 at = sw128_offset<BN>(64 * wg + 16 * w + g + 8 * hh, j) + 4 * t;
-            const u32 vk = Elem<T::BF16>::pack(dk[4 * j + 2 * hh] * p.scale, dk[4 * j + 2 * hh + 1] * p.scale);
-            const u32 vv = Elem<T::BF16>::pack(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(sK + at), "r"(vk) : "memory");
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(sV + at), "r"(vv) : "memory");
-        }
+    acc_to_sw128<BN, D, T::BF16>(sKw, dk, p.scale, w, g, t);
+    acc_to_sw128<BN, D, T::BF16>(sVw, dv, 1.f, w, g, t);
     if (wg == 0)
         warpgroup_bar<1>();
     else
         warpgroup_bar<2>();
-    u16* gdk = p.dk + b * p.dk_sb + (krow0 + 64 * wg) * p.dk_ss + hk * p.dk_sh;
-    u16* gdv = p.dv + b * p.dv_sb + (krow0 + 64 * wg) * p.dv_ss + hk * p.dv_sh;
-    constexpr int CPR = D / 8;
-    const int wtid = tid & 127;
-#pragma unroll
-    for (int i = 0; i < 64 * CPR / 128; ++i) {
-        const int idx = wtid + i * 128, r = idx / CPR, c = idx % CPR;
-        if (r < rows_wg) {
-            const u32 at = sw128_offset<BN>(64 * wg + r, c);
-            uint4 a, bv;
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(a.x), "=r"(a.y), "=r"(a.z), "=r"(a.w) : "r"(sK + at) : "memory");
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(bv.x), "=r"(bv.y), "=r"(bv.z), "=r"(bv.w) : "r"(sV + at) : "memory");
-            *reinterpret_cast<uint4*>(gdk + (i64)r * p.dk_ss + c * 8) = a;
-            *reinterpret_cast<uint4*>(gdv + (i64)r * p.dv_ss + c * 8) = bv;
-        }
-    }
+    const i64 row0 = krow0 + 64 * wg;
+    sw128_rows_to_global<BN, D>(p.dk + b * p.dk_sb + row0 * p.dk_ss + hk * p.dk_sh, p.dk_ss, sKw, rows_wg, tid & 127);
+    sw128_rows_to_global<BN, D>(p.dv + b * p.dv_sb + row0 * p.dv_ss + hk * p.dv_sh, p.dv_ss, sVw, rows_wg, tid & 127);
 }
 
 }  // namespace frt

@@ -133,32 +133,13 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     // Epilogue: stage scale * dQ into this warpgroup's own 64 rows of the Q tile (only it read
     // them, and its wgmmas are complete), then 16-byte stores of the rows that exist.
     const int rows_wg = tile.rows - 64 * wg;
-#pragma unroll
-    for (int jj = 0; jj < D / 8; ++jj)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const u32 at = sQw + sw128_offset<BM>(row_wg + 8 * hh, jj) + 4 * t;
-            const u32 val = Elem<T::BF16>::pack(dq[4 * jj + 2 * hh] * p.scale, dq[4 * jj + 2 * hh + 1] * p.scale);
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(val));
-        }
+    acc_to_sw128<BM, D, T::BF16>(sQw, dq, p.scale, w, g, t);
     if (wg == 0)
         warpgroup_bar<1>();
     else
         warpgroup_bar<2>();
-    u16* gdq = p.dq + b * p.dq_sb + (tile.row0 + 64 * wg) * p.dq_ss + h * p.dq_sh;
-    constexpr int CPR = D / 8;
-    const int wtid = tid & 127;
-#pragma unroll
-    for (int i = 0; i < 64 * CPR / 128; ++i) {
-        const int idx = wtid + i * 128, r = idx / CPR, c = idx % CPR;
-        if (r < rows_wg) {
-            uint4 val;
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(sQw + sw128_offset<BM>(r, c)));
-            *reinterpret_cast<uint4*>(gdq + (i64)r * p.dq_ss + c * 8) = val;
-        }
-    }
+    sw128_rows_to_global<BM, D>(p.dq + b * p.dq_sb + (tile.row0 + 64 * wg) * p.dq_ss + h * p.dq_sh, p.dq_ss, sQw,
+                                rows_wg, tid & 127);
 }
 
 }  // namespace frt

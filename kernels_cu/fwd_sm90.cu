@@ -144,32 +144,13 @@ __device__ void fwd_sm90(const FwdParams& p) {
         const int r = 16 * w + g + 8 * hh;
         if (t == 0 && r < rows_wg) glse[r] = sum > 0.f ? (row_max[hh] + __log2f(sum)) * kLn2 : -FRT_INF;
     }
-#pragma unroll
-    for (int jj = 0; jj < D / 8; ++jj)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const u32 at = sQw + sw128_offset<BM>(16 * w + g + 8 * hh, jj) + 4 * t;
-            const u32 val = Elem<T::BF16>::pack(o[4 * jj + 2 * hh], o[4 * jj + 2 * hh + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(val));
-        }
+    acc_to_sw128<BM, D, T::BF16>(sQw, o, 1.f, w, g, t);
     if (wg == 0)
         warpgroup_bar<1>();
     else
         warpgroup_bar<2>();
-    u16* go = p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh;
-    constexpr int CPR = D / 8;
-    const int wtid = tid & 127;
-#pragma unroll
-    for (int i = 0; i < 64 * CPR / 128; ++i) {
-        const int idx = wtid + i * 128, r = idx / CPR, c = idx % CPR;
-        if (r < rows_wg) {
-            uint4 val;
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(sQw + sw128_offset<BM>(r, c)));
-            *reinterpret_cast<uint4*>(go + (i64)r * p.o_ss + c * 8) = val;
-        }
-    }
+    sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss, sQw,
+                                rows_wg, tid & 127);
 }
 
 }  // namespace frt

@@ -309,5 +309,39 @@ FRT_DEVICE void acc_to_a_frag(const float (&d)[R], int kk, u32 (&a)[4]) {
     for (int i = 0; i < 4; ++i) a[i] = Elem<BF16>::pack(d[8 * kk + 2 * i], d[8 * kk + 2 * i + 1]);
 }
 
+// Epilogue, step 1: a warpgroup's 64 x N fp32 accumulator (wgmma layout), times `scale`, as 16-bit
+// values into its 64 rows of a sw128 tile of ROWS rows (s_rows: the address of its first row).
+// Step 2, after a barrier of the warpgroup: sw128_rows_to_global.
+template <int ROWS, int N, bool BF16>
+FRT_DEVICE void acc_to_sw128(u32 s_rows, const float (&d)[N / 2], float scale, int w, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const u32 at = s_rows + sw128_offset<ROWS>(16 * w + g + 8 * hh, j) + 4 * t;
+            const u32 val = Elem<BF16>::pack(d[4 * j + 2 * hh] * scale, d[4 * j + 2 * hh + 1] * scale);
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(val));
+        }
+}
+
+// Epilogue, step 2: rows [0, rows_valid) of a warpgroup's 64 rows of a sw128 tile (ROWS rows, COLS
+// columns; s_rows: its first row) to global memory (row stride `stride` elements), 16 bytes per
+// store; wtid is the thread's index in the warpgroup.
+template <int ROWS, int COLS>
+FRT_DEVICE void sw128_rows_to_global(u16* g, i64 stride, u32 s_rows, int rows_valid, int wtid) {
+    constexpr int CPR = COLS / 8;
+#pragma unroll
+    for (int i = 0; i < 64 * CPR / 128; ++i) {
+        const int idx = wtid + i * 128, r = idx / CPR, c = idx % CPR;
+        if (r < rows_valid) {
+            uint4 val;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                         : "r"(s_rows + sw128_offset<ROWS>(r, c)));
+            *reinterpret_cast<uint4*>(g + (i64)r * stride + c * 8) = val;
+        }
+    }
+}
+
 }  // namespace sm90
 }  // namespace frt
