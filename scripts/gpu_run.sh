@@ -2,7 +2,7 @@
 # The GPU run, on a machine with a GPU and no network (the device machine):
 #   scripts/gpu_run.sh [stage ...]     stages: env prewarm test check sanitize bench masks ab scale (default: all)
 #   bench: BENCH_SET (quick); masks: the mask kinds against FlexAttention (masks-quick); ab: the dense
-#   forward/backward with the wgmma forward and with FLASHRT_NO_SM90=1, twice, interleaved.
+#   forward/backward with the wgmma kernels and with FLASHRT_NO_SM90=1, twice, interleaved.
 # Wheels carried in .whl/ (platformdirs) are installed to /tmp/site first. Logs go to $OUT.
 set -u
 cd "$(dirname "$0")/.."
