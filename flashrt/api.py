@@ -268,7 +268,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
 
     dev = launch.device(Q.device)
     stream = interop.stream(Q)
-    dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin)
+    dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
     if impl == "auto":
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90")
     main = _pick("bwd_fused" if impl == "fused" else dkdv_family, D, Q, m, dev)

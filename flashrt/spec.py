@@ -23,7 +23,7 @@ FAMILIES = {
     "bwd_preprocess": ("bwd_preprocess.cu", params.BWD, {}),
     "bwd_dq": ("bwd_dq.cu", params.BWD, {}),
     "bwd_dkdv": ("bwd_dkdv.cu", params.BWD, {}),
-    # the split backward with wgmma (sm_90a, head_dim 64 and 128): tiles.split_families
+    # the split backward with wgmma (sm_90a, head_dim 64, 128, 192, 256): tiles.split_families
     "bwd_dq_sm90": ("bwd_dq_sm90.cu", params.BWD, {}),
     "bwd_dkdv_sm90": ("bwd_dkdv_sm90.cu", params.BWD, {}),
     "bwd_dkdv_reduce": ("bwd_dkdv_reduce.cu", params.BWD, {}),
@@ -42,7 +42,8 @@ KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90")
 # Query-parallel families: grid over query tiles (QueryTile in params.cuh).
 QUERY_PARALLEL = ("fwd", "fwd_sm90", "bwd_dq", "bwd_dq_sm90")
 # wgmma families (sm_90a only; kernels_cu/wgmma.cuh) and the head_dims each has a kernel for.
-SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "bwd_dq_sm90": (64, 128), "bwd_dkdv_sm90": (64, 128)}
+SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "bwd_dq_sm90": (64, 128, 192, 256),
+                  "bwd_dkdv_sm90": (64, 128, 192, 256)}
 # mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
 # (KernelSpec.classifier); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
 # The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
@@ -158,8 +159,11 @@ class KernelSpec:
         if self.family in SM90_HEAD_DIMS:
             if self.arch != "sm_90a" or self.head_dim not in SM90_HEAD_DIMS[self.family]:
                 return f"{self.family} is for sm_90a at head_dim {', '.join(map(str, SM90_HEAD_DIMS[self.family]))}"
-            if self.family == "bwd_dkdv_sm90":
-                return None if (bm, bn, nw) == (64, 128, 8) else "block_m 64, block_n 128, 8 warps"
+            if self.family == "bwd_dkdv_sm90":  # 64 keys per warpgroup, or one warpgroup per gradient above 128
+                bn_sm90 = 128 if self.head_dim <= 128 else 64
+                return None if (bm, bn, nw) == (64, bn_sm90, 8) else f"block_m 64, block_n {bn_sm90}, 8 warps"
+            if self.family == "bwd_dq_sm90" and self.head_dim > 128 and bn != 64:
+                return "block_n 64 above head_dim 128"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
@@ -181,10 +185,11 @@ class KernelSpec:
         # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
         if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
             return (bm + 4 * bn) * self.head_dim * 2 + 1024
-        if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V)
-            return (2 * bm + 4 * bn) * self.head_dim * 2 + 1024
-        if self.family == "bwd_dkdv_sm90":  # K, V + 2 stages of (Q, dO) + 2 stages of (lse2, delta)
-            return (2 * bn + 4 * bm) * self.head_dim * 2 + 2 * 2 * bm * 4 + 1024
+        if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V); above head_dim 192 one V buffer
+            return (2 * bm + (3 if self.head_dim > 192 else 4) * bn) * self.head_dim * 2 + 1024
+        if self.family == "bwd_dkdv_sm90":  # K, V + 2 stages of (Q, dO) + 2 stages of (lse2, delta) [+ P^T]
+            xch = 128 * (bm // 2) * 4 if self.head_dim > 128 else 0  # fp32 P^T between the warpgroups
+            return (2 * bn + 4 * bm) * self.head_dim * 2 + 2 * 2 * bm * 4 + xch + 1024
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)

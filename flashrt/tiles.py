@@ -31,10 +31,10 @@ _PREFERENCES = {
     # wgmma (sm_90a): two warpgroups of 64 query rows; head_dim 64, 128, 192, 256 (forward_family);
     # 128-key tiles do not fit in shared memory above 128
     "fwd_sm90": [(128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
-    # wgmma split backward (sm_90a, head_dim 64 and 128): dQ with two warpgroups of 64 query rows, dK/dV
-    # with two warpgroups of 64 keys and 64-row query tiles
-    "bwd_dq_sm90": [(64, [(128, 128, 8), (128, 64, 8)]), (128, [(128, 64, 8)])],
-    "bwd_dkdv_sm90": [(128, [(64, 128, 8)])],
+    # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
+    # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
+    "bwd_dq_sm90": [(64, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
+    "bwd_dkdv_sm90": [(128, [(64, 128, 8)]), (256, [(64, 64, 8)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
         (224, [(128, 32, 8), (64, 32, 4)]),
@@ -72,7 +72,7 @@ _MOD_PREFERENCES = {
     # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression)
     "fwd_sm90": [(256, [(128, 64, 8)])],
     # (the wgmma dQ at head_dim 64 with 128-key tiles spills 32 bytes with an expression alone, NVRTC 12.9)
-    "bwd_dq_sm90": [(128, [(128, 64, 8)])],
+    "bwd_dq_sm90": [(256, [(128, 64, 8)])],
 }
 # Smaller tilings, tried in order when none of the preferred ones fits.
 _FALLBACKS = {
@@ -89,9 +89,19 @@ _FALLBACKS = {
 }
 
 
-def applies(family: str, head_dim: int, arch: str) -> bool:
-    """Whether `family` has a kernel for this head_dim and arch (wgmma families: sm_90a, spec.SM90_HEAD_DIMS)."""
-    return family not in SM90_HEAD_DIMS or (arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family])
+# wgmma kernels that have no spill-free variant with some mask features: family -> (above this
+# head_dim, these MASK_BITS). The head_dim 256 dQ sits at 255 registers unmasked; window and block /
+# segment ids spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ.
+_SM90_MASK_LIMITS = {"bwd_dq_sm90": (192, MASK_BITS["window"] | MASK_BITS["block_ids"] | MASK_BITS["segments"])}
+
+
+def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
+    """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS); wgmma families: sm_90a,
+    spec.SM90_HEAD_DIMS, _SM90_MASK_LIMITS."""
+    if family not in SM90_HEAD_DIMS:
+        return True
+    above, bits = _SM90_MASK_LIMITS.get(family, (256, 0))
+    return arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family] and not (head_dim > above and mask & bits)
 
 
 def forward_family(head_dim: int, arch: str, smem_limit: int) -> str:
@@ -103,22 +113,24 @@ def forward_family(head_dim: int, arch: str, smem_limit: int) -> str:
     return "fwd_sm90" if _sm90_fits(("fwd_sm90",), head_dim, arch, smem_limit, _env.no_sm90()) else "fwd"
 
 
-def split_families(head_dim: int, arch: str, smem_limit: int) -> tuple[str, str]:
-    """The split backward's (dQ, dK/dV) kernel families: the wgmma pair on Hopper where it exists and fits.
+def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> tuple[str, str]:
+    """The split backward's (dQ, dK/dV) kernel families: each the wgmma one on Hopper where it exists (for
+    this `mask`, MASK_BITS) and fits, else the mma.sync one.
 
     FLASHRT_NO_SM90=1: the mma.sync pair everywhere. Measurements: docs/perf-notes.md.
     """
-    sm90 = ("bwd_dq_sm90", "bwd_dkdv_sm90")
-    return sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, _env.no_sm90()) else ("bwd_dq", "bwd_dkdv")
+    no_sm90 = _env.no_sm90()
+    return tuple(sm90 if _sm90_fits((sm90,), head_dim, arch, smem_limit, no_sm90, mask) else mma
+                 for sm90, mma in (("bwd_dq_sm90", "bwd_dq"), ("bwd_dkdv_sm90", "bwd_dkdv")))
 
 
 @functools.lru_cache(maxsize=None)
-def _sm90_fits(families: tuple, head_dim: int, arch: str, smem_limit: int, no_sm90: bool) -> bool:
+def _sm90_fits(families: tuple, head_dim: int, arch: str, smem_limit: int, no_sm90: bool, mask: int = 0) -> bool:
     """Every one of the wgmma `families` has a kernel here whose smallest tiling fits `smem_limit`."""
     if no_sm90:
         return False
     for family in families:
-        if not applies(family, head_dim, arch):
+        if not applies(family, head_dim, arch, mask):
             return False
         smallest = min(KernelSpec(family, head_dim, "bf16", *tiling, False, arch).smem_bytes
                        for tiling in candidates(family, head_dim))

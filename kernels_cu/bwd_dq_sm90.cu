@@ -7,7 +7,10 @@
 // 128-byte-swizzled tiles (wgmma.cuh). Per key tile and warpgroup: S = Q K^T and dP = dO V^T are
 // wgmmas with both operands in shared memory, issued as two groups (P's exponentials run while
 // dP is in flight); dS is formed on the fp32 fragments and feeds dQ += dS K as the register A
-// operand, K being the MN-major B operand. head_dim 64 or 128.
+// operand, K being the MN-major B operand. head_dim 64, 128, 192 or 256; at 256 (64-key tiles) two
+// stages of V do not fit next to Q, dO and two of K: V has one buffer, refilled as soon as both
+// warpgroups' dP wgmmas are done (dP is issued before S for that), while S, P, dS and dQ += dS K of
+// the same tile run.
 #include "params.cuh"
 #include "wgmma.cuh"
 
@@ -18,12 +21,14 @@ struct DqSm90Traits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32;
-    static_assert(D == 64 || D == 128, "bwd_dq_sm90: head_dim 64 or 128");
+    static_assert(D == 64 || D == 128 || D == 192 || D == 256, "bwd_dq_sm90: head_dim 64, 128, 192 or 256");
     static_assert(BM == 128 && NW == 8, "bwd_dq_sm90: 128 query rows, two warpgroups");
-    static_assert(BN == 64 || BN == 128, "bwd_dq_sm90: key tiles of 64 or 128");
+    static_assert(BN == 64 || (BN == 128 && D <= 128), "bwd_dq_sm90: key tiles of 64, or 128 up to head_dim 128");
+    static constexpr bool ONE_V = D > 192;  // one V buffer (see the top of the file)
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;  // Q or dO; one K or one V tile
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;                     // K, then V
-    static constexpr int SMEM = 2 * Q_BYTES + 2 * STAGE_BYTES + sm90::kAtomBytes;  // + alignment slack
+    static constexpr int SMEM =  // + alignment slack
+        2 * Q_BYTES + (ONE_V ? 3 * KV_BYTES : 2 * STAGE_BYTES) + sm90::kAtomBytes;
 };
 
 template <class T>
@@ -32,7 +37,11 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     constexpr int BM = T::BM, BN = T::BN, D = T::D, NT = T::NTHREADS;
     extern __shared__ __align__(16) unsigned char smem[];
     const u32 sQ = align_atom(smem_u32(smem)), sdO = sQ + T::Q_BYTES;
-    const u32 sKV = sdO + T::Q_BYTES;  // stage s: K at sKV + s * STAGE_BYTES, V KV_BYTES after it
+    // Stage s: K at sKV + s * STAGE_BYTES, V KV_BYTES after it; ONE_V: K at sKV + s * KV_BYTES, the
+    // one V buffer after both.
+    const u32 sKV = sdO + T::Q_BYTES;
+    constexpr int K_STRIDE = T::ONE_V ? T::KV_BYTES : T::STAGE_BYTES;
+    const u32 sV1 = sKV + 2 * T::KV_BYTES;  // ONE_V's V buffer
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
@@ -45,13 +54,16 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
                                tid);
     const u16* gk = p.k + b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
     const u16* gv = p.v + b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
-    auto load_kv = [&](int stage, int j) {
-        const u32 sK = sKV + stage * T::STAGE_BYTES;
-        const int rows = tile.vis.Ek - j * BN;
-        load_tile_sw128<BN, D, NT>(sK, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, tid);
-        load_tile_sw128<BN, D, NT>(sK + T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, tid);
+    auto load_k = [&](int stage, int j) {
+        load_tile_sw128<BN, D, NT>(sKV + stage * K_STRIDE, gk + (i64)j * BN * p.k_ss, p.k_ss, tile.vis.Ek - j * BN, tid);
     };
-    if (n_blocks > 0) load_kv(0, tile.key_tile(0));
+    auto load_v = [&](u32 sV, int j) {
+        load_tile_sw128<BN, D, NT>(sV, gv + (i64)j * BN * p.v_ss, p.v_ss, tile.vis.Ek - j * BN, tid);
+    };
+    if (n_blocks > 0) {
+        load_k(0, tile.key_tile(0));
+        load_v(T::ONE_V ? sV1 : sKV + T::KV_BYTES, tile.key_tile(0));
+    }
     cp_async_commit();
 
     // This warpgroup's 64 query rows (rows 64 wg.. of the Q and dO tiles); a thread holds rows
@@ -76,29 +88,66 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
         cp_async_wait<0>();
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
         __syncthreads();      // every thread's writes landed; every warpgroup is done with the other stage
-        if (it + 1 < n_blocks) load_kv(stage ^ 1, tile.next_key_tile(it, j));
+        const int j_next = it + 1 < n_blocks ? tile.next_key_tile(it, j) : -1;
+        if (j_next >= 0) {
+            load_k(stage ^ 1, j_next);
+            if constexpr (!T::ONE_V) load_v(sKV + (stage ^ 1) * T::STAGE_BYTES + T::KV_BYTES, j_next);
+        }
         cp_async_commit();
-        const u32 sK = sKV + stage * T::STAGE_BYTES, sV = sK + T::KV_BYTES;
+        const u32 sK = sKV + stage * K_STRIDE, sV = T::ONE_V ? sV1 : sK + T::KV_BYTES;
 
         float s[BN / 2], dp[BN / 2];
+        auto issue_s = [&] {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK, kk), kk > 0);
+            wgmma_commit();
+        };
+        auto issue_dp = [&] {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_ss<BN, 0, T::BF16>(dp, desc_k_major<BM>(sdOw, kk), desc_k_major<BN>(sV, kk), kk > 0);
+            wgmma_commit();
+        };
+        // ONE_V (head_dim 256, 255 registers unmasked): the element mask is evaluated into one bit per
+        // S element before the wgmmas hold their accumulators (evaluated on the fragment afterwards,
+        // the variants with block / segment ids spilled 40-48 bytes, NVRTC 12.9).
+        static_assert(!T::ONE_V || BN / 2 == 32, "one bit per S element of a thread");
+        u32 hidden = 0;
+        if constexpr (T::ONE_V) {
+            if (tile.needs_mask(it, j)) {
+#pragma unroll 1
+                for (int i = 0; i < BN / 2; ++i)
+                    if (!tile.vis.visible(row_base + 8 * ((i >> 1) & 1), n0 + 8 * (i >> 2) + 2 * t + (i & 1), h))
+                        hidden |= 1u << i;
+            }
+        }
         wgmma_fence();  // orders the dQ accumulator writes (zeroing, last tile) before the wgmmas
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK, kk), kk > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            wgmma_ss<BN, 0, T::BF16>(dp, desc_k_major<BM>(sdOw, kk), desc_k_major<BN>(sV, kk), kk > 0);
-        wgmma_commit();
-
-        wgmma_wait<1>();  // S is complete (dP may not be)
+        if constexpr (T::ONE_V) {
+            issue_dp();
+            issue_s();
+            wgmma_wait<1>();  // dP is complete (S may not be)
+            fence_operand(dp);
+            __syncthreads();  // both warpgroups' dP wgmmas have read V: refill it with the next tile's
+            if (j_next >= 0) load_v(sV1, j_next);
+            cp_async_commit();
+            wgmma_wait<0>();
+        } else {
+            issue_s();
+            issue_dp();
+            wgmma_wait<1>();  // S is complete (dP may not be)
+        }
         fence_operand(s);
         // P = exp2(S * scale_log2 - lse2[row]), 0 where the mask hides the pair.
 #pragma unroll
         for (int jj = 0; jj < BN / 8; ++jj)
 #pragma unroll
             for (int c = 0; c < 4; ++c) s[4 * jj + c] = fast_exp2(fmaf(s[4 * jj + c], p.scale_log2, -lse2[c >> 1]));
-        if (tile.needs_mask(it, j)) {
+        if constexpr (T::ONE_V) {
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i)
+                if (hidden >> i & 1) s[i] = 0.f;
+        } else if (tile.needs_mask(it, j)) {
 #pragma unroll
             for (int jj = 0; jj < BN / 8; ++jj)
 #pragma unroll
@@ -106,8 +155,10 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
                     if (!tile.vis.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), h)) s[4 * jj + c] = 0.f;
         }
 
-        wgmma_wait<0>();
-        fence_operand(dp);
+        if constexpr (!T::ONE_V) {
+            wgmma_wait<0>();
+            fence_operand(dp);
+        }
         // dS = P o (dP - delta[row]).
 #pragma unroll
         for (int jj = 0; jj < BN / 8; ++jj)

@@ -175,6 +175,13 @@ FRT_DEVICE void fence_operand(u32 (&a)[R]) {
 // an immediate: with a register id ptxas reserves all 16 hardware barriers.
 template <int ID>
 FRT_DEVICE void warpgroup_bar() { asm volatile("bar.sync %0, 128;\n" :: "n"(ID) : "memory"); }
+// A producer / consumer handoff between warpgroups on named barrier ID over THREADS threads: the
+// producers arrive (no wait; their earlier shared-memory writes are ordered before the consumers'
+// reads after the barrier), the consumers wait until all THREADS threads have arrived or waited.
+template <int ID, int THREADS>
+FRT_DEVICE void bar_arrive() { asm volatile("bar.arrive %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
+template <int ID, int THREADS>
+FRT_DEVICE void bar_wait() { asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
 
 // ---------------------------------------------------------------------------------------
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16, N = 64 or 128.

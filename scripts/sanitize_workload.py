@@ -17,6 +17,8 @@ CASES = [
     (2, 130, 130, 2, 1, 128, False, torch.bfloat16),
     (1, 17, 9, 2, 1, 8, True, torch.float16),
     (2, 200, 200, 8, 1, 96, True, torch.bfloat16),  # MQA, small grid: split dK/dV with partials
+    (1, 200, 150, 8, 1, 256, False, torch.bfloat16),  # the same at 256 (sm_90a: one warpgroup per gradient)
+    (1, 100, 150, 4, 2, 192, True, torch.float16),
 ]
 
 
@@ -46,6 +48,8 @@ run(q, k, v, False, seqlens_q=torch.tensor([150, 33], dtype=torch.int32, device=
     block_ids_q=torch.stack([ids(70, 80)] * 2), block_ids_k=torch.stack([ids(100, 50)] * 2))
 run(q, k, v, True, segment_ids_q=torch.stack([ids(70, 80)] * 2), segment_ids_k=torch.stack([ids(30, 120)] * 2))
 run(q[:, :90], k, v, "top_left", window=(-1, 10))
+q256, k256, v256 = (torch.randn(2, 150, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+run(q256, k256, v256, True, window=(40, 0), seqlens_k=torch.tensor([150, 77], dtype=torch.int32, device="cuda"))
 cu = torch.tensor([0, 50, 51, 150], dtype=torch.int32, device="cuda")
 pq, pk, pv = (x.reshape(300, 2, 64)[:150] for x in (q, k, v))
 run(pq, pk, pv, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=99, max_seqlen_k=99)
@@ -56,4 +60,4 @@ run(q, k, v, True, mask_mod="doc[b * 150 + q] == doc[b * 150 + k] || h == 1", ma
 run(q, k, v, False, mask_mod="(q ^ k) % 3 != 0")
 run(pq, pk, pv, False, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=99, max_seqlen_k=99, mask_mod="k < 20 || q < k")
 torch.cuda.synchronize()
-print(f"sanitize workload: {len(CASES) + 7} cases ran")
+print(f"sanitize workload: {len(CASES) + 8} cases ran")

@@ -28,15 +28,16 @@ def _variants():
                         out.add(tiles.pick_nw(family, d, dtype, causal, arch, limit))
     # Masked variants (kernels_cu/mask.cuh): every feature at once, and lengths alone (padding / varlen).
     for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
-        for d in (d for d in (64, 128, 160, 256) if tiles.applies(family, d, "sm_90a")):
+        for d in (64, 128, 160, 256):
             for causal in (False, True):
                 for mask in (sum(MASK_BITS.values()) & ~MASK_BITS["mod"], MASK_BITS["lengths"]):
-                    out.add(tiles.pick_nw(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
+                    if tiles.applies(family, d, "sm_90a", mask):
+                        out.add(tiles.pick_nw(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
     # mask_mod variants (an expression that reads a tensor and names every variable) with every
     # built-in feature and alone, and their classifiers (kernels_cu/mask_classify.cu).
     for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
-        for d in (d for d in (64, 128, 256) if tiles.applies(family, d, "sm_90a")):
-            for mask in (sum(MASK_BITS.values()), MASK_BITS["mod"]):
+        for d in (64, 128, 256):
+            for mask in (m for m in (sum(MASK_BITS.values()), MASK_BITS["mod"]) if tiles.applies(family, d, "sm_90a", m)):
                 spec = tiles.pick_nw(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
                 out.update([spec, spec.classifier("mask_map"),
                             spec.classifier("mask_rows" if family in QUERY_PARALLEL else "mask_cols")])

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import flashrt
-from flashrt import api, launch, reference
+from flashrt import api, launch, reference, tiles
+from flashrt.spec import MASK_BITS
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
@@ -240,7 +241,7 @@ def test_nondeterministic_fused_is_close_to_split(torch):
             assert err < 1e-2, f"{name}: split and fused differ by {err:.2e}"
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 192, 256])
 @pytest.mark.parametrize("case", ["mqa-splits", "gqa-ragged-causal", "fp16-window-padding"])
 def test_wgmma_split_backward_matches_mma_split(torch, poison, monkeypatch, D, case):
     """On Hopper the split backward runs bwd_dq_sm90 / bwd_dkdv_sm90; FLASHRT_NO_SM90=1 the mma.sync pair."""
@@ -256,11 +257,17 @@ def test_wgmma_split_backward_matches_mma_split(torch, poison, monkeypatch, D, c
     }[case]
     q, k, v, do = (cupy.from_dlpack(x) for x in make_inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed=D + len(case)))
     out, lse = flashrt.forward(q, k, v, causal=causal, **mask)
+    monkeypatch.setenv("FLASHRT_NO_SM90", "0")
+    families = tiles.split_families(D, dev.arch, dev.smem_optin, MASK_BITS["window"] | MASK_BITS["lengths"] if mask else 0)
+    assert families[1] == "bwd_dkdv_sm90" and families[0] == ("bwd_dq" if D == 256 and mask else "bwd_dq_sm90")
     grads = {}
     for name, flag in (("wgmma", "0"), ("mma", "1")):
         monkeypatch.setenv("FLASHRT_NO_SM90", flag)
         grads[name] = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="split", **mask)
-    assert any("bwd_dkdv_sm90" in n for n, _ in launch._functions) and any("bwd_dq_sm90" in n for n, _ in launch._functions)
+        if name == "wgmma":
+            loaded = {n for n, _ in launch._functions}
+            for family in families:
+                assert any(n.startswith(f"flashrt_{family}_hd{D}_{dtype}_") for n in loaded), (family, D)
     keep = reference.visible(B, Sq, Sk, causal=causal, xp=cupy, **mask)
     _, _, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
     for name, ref, a, b in zip(("dq", "dk", "dv"), (rdq, rdk, rdv), grads["wgmma"], grads["mma"]):

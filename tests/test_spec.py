@@ -6,7 +6,7 @@ import pytest
 
 from flashrt import cache, launch, params, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import CLASSIFY, FAMILIES, HEAD_DIMS, KernelSpec
+from flashrt.spec import CLASSIFY, FAMILIES, HEAD_DIMS, MASK_BITS, KernelSpec
 
 
 def spec(**kw):
@@ -183,7 +183,12 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
     wgmma, mma = ("bwd_dq_sm90", "bwd_dkdv_sm90"), ("bwd_dq", "bwd_dkdv")
     assert tiles.split_families(128, "sm_90a", SMEM_OPTIN[90]) == wgmma
     assert tiles.split_families(64, "sm_90a", SMEM_OPTIN[90]) == wgmma
-    assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90]) == mma      # dK/dV accumulators: 64 and 128 only
+    assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90]) == wgmma
+    assert tiles.split_families(192, "sm_90a", SMEM_OPTIN[90], MASK_BITS["window"]) == wgmma
+    # the head_dim 256 wgmma dQ spills with element masks: bwd_dq.cu's dQ beside the wgmma dK/dV
+    for bit in ("window", "block_ids", "segments"):
+        assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], MASK_BITS[bit]) == ("bwd_dq", "bwd_dkdv_sm90")
+    assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], MASK_BITS["lengths"] | MASK_BITS["mod"]) == wgmma
     assert tiles.split_families(96, "sm_90a", SMEM_OPTIN[90]) == mma
     assert tiles.split_families(128, "sm_80", SMEM_OPTIN[80]) == mma       # not Hopper
     assert tiles.split_families(128, "sm_90a", 100 * 1024) == mma          # does not fit
@@ -201,7 +206,16 @@ def test_wgmma_backward_geometry():
     assert dq.smem_bytes == (2 * 128 + 4 * 64) * 128 * 2 + 1024
     dkdv = KernelSpec("bwd_dkdv_sm90", 64, "fp16", 64, 128, 8, True, "sm_90a")
     assert dkdv.smem_bytes == (2 * 128 + 4 * 64) * 64 * 2 + 4 * 64 * 4 + 1024
+    # above head_dim 128: 64-key tiles, P^T between the warpgroups (dK/dV); one V buffer at 256 (dQ)
+    wide = KernelSpec("bwd_dkdv_sm90", 256, "bf16", 64, 64, 8, False, "sm_90a")
+    assert wide.smem_bytes == (2 * 64 + 4 * 64) * 256 * 2 + 4 * 64 * 4 + 128 * 32 * 4 + 1024
+    assert KernelSpec("bwd_dq_sm90", 256, "bf16", 128, 64, 8, False, "sm_90a").smem_bytes == \
+        (2 * 128 + 3 * 64) * 256 * 2 + 1024
+    assert KernelSpec("bwd_dq_sm90", 192, "bf16", 128, 64, 8, False, "sm_90a").smem_bytes == \
+        (2 * 128 + 4 * 64) * 192 * 2 + 1024
     for bad in (dict(family="bwd_dkdv_sm90", head_dim=192, block_m=64, block_n=128),
+                dict(family="bwd_dkdv_sm90", head_dim=256, block_m=64, block_n=128),
+                dict(family="bwd_dq_sm90", head_dim=192, block_m=128, block_n=128),
                 dict(family="bwd_dkdv_sm90", head_dim=128, block_m=128, block_n=128),
                 dict(family="bwd_dq_sm90", head_dim=96, block_m=128, block_n=64),
                 dict(family="bwd_dq_sm90", head_dim=128, block_m=128, block_n=64, arch="sm_90")):
