@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 
-from . import interop, launch, masks, nvrtc, params, tiles
+import numpy as np
+
+from . import _env, interop, launch, masks, nvrtc, params, tiles
 from .interop import Array
 from .spec import ELEMENTWISE
 
@@ -130,15 +133,15 @@ def _classify(p: dict, m: masks.Masking, H: int, Q: Array, dev, stream, *needs) 
                 launch.function(mapper, dev)
             except nvrtc.CompileError as exc:
                 raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
-            tile_map = interop.empty(Q, (-(-batches * heads * tiles_mn[0] * tiles_mn[1] // 4),), int32=True)
+            tile_map = interop.new(Q.obj, (-(-batches * heads * tiles_mn[0] * tiles_mn[1] // 4),), "i32")
             p["mod_map"] = interop.data_ptr(tile_map)
             launch.launch(mapper, dev, launch.grid(mapper, batches, heads, 0, m.Sq, m.Sk),
                           params.pack(params.FWD, p), stream)
             maps[tiling] = tile_map
         p["mod_map"] = interop.data_ptr(maps[tiling])
         outer = tiles_mn[0] if family == "mask_rows" else tiles_mn[1]
-        lists = interop.empty(Q, (batches * heads * tiles_mn[0] * tiles_mn[1],), int32=True)
-        counts = interop.empty(Q, (batches * heads * outer,), int32=True)
+        lists = interop.new(Q.obj, (batches * heads * tiles_mn[0] * tiles_mn[1],), "i32")
+        counts = interop.new(Q.obj, (batches * heads * outer,), "i32")
         p[family.replace("mask", "mod")] = interop.data_ptr(lists)
         p[family.replace("mask", "mod") + "_count"] = interop.data_ptr(counts)
         spec = consumer.classifier(family)
@@ -195,28 +198,35 @@ MASK_DOC = """
 def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, validate: bool = True, **mask_args):
     """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library."""
     masks.check_names(mask_args, "forward")
+    tensors = (q, k, v)
+    key = _plan_key("forward", tensors, (causal, softmax_scale), mask_args)
+    plan = _PLANS.get(key)
+    result = plan.run(tensors) if plan is not None else None
+    if result is None:  # a new signature (or a misaligned pointer, which _forward_plan reports)
+        plan = _forward_plan(q, k, v, causal, softmax_scale, validate, mask_args)
+        _remember(key, plan)
+        result = plan.run(tensors)
+    return tuple(result)
+
+
+def _forward_plan(q, k, v, causal, softmax_scale, validate: bool, mask_args: dict) -> "_Plan":
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal), validate)
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
-    if m.B * m.Sq * H == 0 or m.Sk == 0:
-        # Defined results without a launch: nothing to attend to gives out = 0, lse = -inf.
-        return interop.full(Q, Q.shape, 0.0), interop.full(Q, m.lse_shape(H), -math.inf, float32=True)
-    if m.varlen:  # rows outside every sequence are not written by the kernel: zeros, lse -inf
-        out, lse = interop.full(Q, Q.shape, 0.0), interop.full(Q, m.lse_shape(H), -math.inf, float32=True)
-        O = _as_batch(interop.describe(out, "out"))
-    else:
-        out, O = interop.empty_like_layout(Q, Q.shape)
-        lse = interop.empty(Q, m.lse_shape(H), float32=True)
-
+    # Varlen: rows outside every sequence are not written by the kernel: zeros, lse -inf. Nothing to
+    # attend to: out = 0, lse = -inf, no launch.
+    empty = m.B * m.Sq * H == 0 or m.Sk == 0
+    fill = (0.0, -math.inf) if m.varlen or empty else (None, None)
+    allocs = [_Alloc(("o",), Q.shape, "like", fill[0]), _Alloc(("lse",), m.lse_shape(H), "f32", fill[1])]
+    if empty:
+        return _Plan(params.FWD, {}, None, (), allocs, [], None)
     dev = launch.device(Q.device)
-    stream = interop.stream(Q)
     spec = _pick(tiles.forward_family(D, dev.arch, dev.smem_optin), D, Q, m, dev)
-    p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, lse=interop.data_ptr(lse), H=H, Hkv=Hkv, scale_log2=scale * _LOG2E,
-             **m.kernel_fields(H))
-    _tensor_fields(p, q=Q4, k=K4, v=V4, o=O)
-    keep = _classify(p, m, H, Q, dev, stream, (spec, "mask_rows")) if m.mask_mod else ()  # noqa: F841
-    launch.launch(spec, dev, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), params.pack(params.FWD, p), stream)
-    return out, lse
+    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
+    _tensor_fields(p, q=Q4, k=K4, v=V4)
+    keep = _classify(p, m, H, Q, dev, interop.stream(q), (spec, "mask_rows")) if m.mask_mod else ()
+    return _Plan(params.FWD, p, None, ("q", "k", "v"), allocs, [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), 0)],
+                 dev, reusable=not (m.arrays or m.mask_mod), keep=keep)
 
 
 forward.__doc__ += MASK_DOC
@@ -241,8 +251,22 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     With deterministic=True (the default) dq, dk and dv are bitwise identical for
     identical inputs, run after run and process after process, for every impl.
     """
-    _check_impl(impl)
     masks.check_names(mask_args, "backward")
+    tensors = (dout, q, k, v, out, lse)
+    key = _plan_key("backward", tensors, (causal, softmax_scale, impl, deterministic), mask_args)
+    plan = _PLANS.get(key)
+    result = plan.run(tensors) if plan is not None else None
+    if result is None:  # a new signature (or a misaligned pointer, which _backward_plan reports)
+        plan = _backward_plan(tensors, causal, softmax_scale, impl, deterministic, validate, mask_args)
+        _remember(key, plan)
+        result = plan.run(tensors)
+    return tuple(result[:3])
+
+
+def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, validate: bool,
+                   mask_args: dict) -> "_Plan":
+    _check_impl(impl)
+    dout, q, k, v, out, lse = tensors
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal), validate)
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
@@ -252,22 +276,19 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
         raise ValueError("impl='fused' with deterministic=True cannot order its dQ additions under segment_ids "
                          "or mask_mod masks; use impl='split' (or 'auto'), or deterministic=False")
 
-    if m.B * m.Sq * H == 0 or m.Sk == 0:
-        return (interop.full(Q, Q.shape, 0.0), interop.full(Q, K.shape, 0.0), interop.full(Q, K.shape, 0.0))
-    if m.varlen:  # rows outside every sequence are not written by the kernels
-        dq, dk, dv = (interop.full(Q, shape, 0.0) for shape in (Q.shape, K.shape, K.shape))
-        dQ, dK, dV = (_as_batch(interop.describe(x, n)) for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
-    else:
-        (dq, dQ), (dk, dK), (dv, dV) = (interop.empty_like_layout(Q, shape) for shape in (Q.shape, K.shape, K.shape))
-    lse2, delta = (interop.empty(Q, m.lse_shape(H), float32=True) for _ in range(2))
-
-    p = dict(q=Q.ptr, k=K.ptr, v=V.ptr, o=O.ptr, dout=dO.ptr, lse=L.ptr, dq=dQ.ptr, dk=dK.ptr, dv=dV.ptr,
-             lse2=interop.data_ptr(lse2), delta=interop.data_ptr(delta), H=H, Hkv=Hkv,
-             scale_log2=scale * _LOG2E, scale=scale, **m.kernel_fields(H))
-    _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=_as_batch(dO), dq=dQ, dk=dK, dv=dV)
+    # Varlen: rows outside every sequence are not written by the kernels. Nothing to attend to: zeros.
+    empty = m.B * m.Sq * H == 0 or m.Sk == 0
+    fill = 0.0 if m.varlen or empty else None
+    allocs = [_Alloc((n,), shape, "like", fill) for n, shape in (("dq", Q.shape), ("dk", K.shape), ("dv", K.shape))]
+    if empty:
+        return _Plan(params.BWD, {}, None, (), allocs, [], None)
+    allocs += [_Alloc(("lse2",), m.lse_shape(H), "f32"), _Alloc(("delta",), m.lse_shape(H), "f32")]
+    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, **m.kernel_fields(H),
+             **_contiguous_fields("dq", Q.shape), **_contiguous_fields("dk", K.shape),
+             **_contiguous_fields("dv", K.shape))
+    _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=_as_batch(dO))
 
     dev = launch.device(Q.device)
-    stream = interop.stream(Q)
     dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
     if impl == "auto":
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90")
@@ -276,31 +297,136 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     splits = 1 if m.varlen else launch.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
     if splits > 1:
-        partial = interop.empty(Q, (2 * splits * m.B * Hkv * m.Sk * D,), float32=True)
-        p["dkv_partial"] = interop.data_ptr(partial)
+        allocs.append(_Alloc(("dkv_partial",), (2 * splits * m.B * Hkv * m.Sk * D,), "f32"))
     if impl == "fused":
-        dq_accum = interop.empty(Q, (m.total_q * H * D,), float32=True)  # zeroed by bwd_preprocess
-        p["dq_accum"] = interop.data_ptr(dq_accum)
+        allocs.append(_Alloc(("dq_accum",), (m.total_q * H * D,), "f32"))  # zeroed by bwd_preprocess
         if deterministic:
-            sem = interop.full(Q, (m.B, H, -(-m.Sq // main.block_m)), 0, int32=True)
-            p["dq_sem"] = interop.data_ptr(sem)
+            allocs.append(_Alloc(("dq_sem",), (m.B, H, -(-m.Sq // main.block_m)), "i32", 0))
         families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
     else:
         families = ["bwd_preprocess", dq_family, dkdv_family]
     if splits > 1:
         families.append("bwd_dkdv_reduce")
-    keep = []  # mask_mod's tile lists, alive until the kernels that read them are launched
+    keep = ()  # mask_mod's tile lists, alive until the kernels that read them are launched
     if m.mask_mod:
         needs = [(main, "mask_cols")] + ([] if impl == "fused" else [(_pick(dq_family, D, Q, m, dev), "mask_rows")])
-        keep = _classify(p, m, H, Q, dev, stream, *needs)  # noqa: F841
-    args = params.pack(params.BWD, p)
+        keep = _classify(p, m, H, Q, dev, interop.stream(q), *needs)
     rowwise = m.elementwise_fields(H)
-    rowwise_args = params.pack(params.BWD, {**p, **rowwise}) if rowwise else args
+    launches = []
     for family in families:
         spec = _pick(family, D, Q, m, dev)
         if family in ELEMENTWISE:
             dims = (rowwise.get("B", m.B), H, Hkv, rowwise.get("Sq", m.Sq), rowwise.get("Sk", m.Sk))
-            launch.launch(spec, dev, launch.grid(spec, *dims, dev.sm_count, splits), rowwise_args, stream)
+            launches.append((spec, launch.grid(spec, *dims, dev.sm_count, splits), 1 if rowwise else 0))
         else:
-            launch.launch(spec, dev, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, splits), args, stream)
-    return dq, dk, dv
+            launches.append((spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, splits), 0))
+    return _Plan(params.BWD, p, rowwise, ("dout", "q", "k", "v", "o", "lse"), allocs, launches, dev,
+                 reusable=not (m.arrays or m.mask_mod), keep=keep)
+
+
+# ---------------------------------------------------------------------------
+# Plans: what one call allocates and launches, everything but the pointers
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Alloc:
+    fields: tuple          # params pointer fields that take the new array's address
+    shape: tuple
+    kind: str              # interop.new: "like" (the inputs' dtype), "f32", "i32"
+    fill: float | None = None  # None: uninitialised
+
+
+_PTR = struct.Struct("<Q")
+_ALIGNED = ("q", "k", "v", "o", "dout")  # read as 16-byte vectors (_check_layout); lse is not
+
+
+class _Plan:
+    """A call's allocations, params structs (params.pack) and launches, with the pointers left out.
+
+    The first call of a signature (_plan_key: the tensors' shapes, strides, dtypes and devices, and
+    the options) checks its arguments and builds one; calls with the same signature allocate the
+    outputs, write the pointers into copies of the packed params and launch, with no checks and no
+    planning. Plans of masks with arrays or a mask_mod expression are used once (their pointers and
+    tile lists are in the params).
+    """
+
+    def __init__(self, dtype: np.dtype, p: dict, rowwise: dict | None, inputs: tuple, allocs: list, launches: list,
+                 dev, reusable: bool = True, keep=()):
+        self.templates = [params.pack(dtype, p).tobytes()]
+        if rowwise:  # the row-wise families' copy (masks.Masking.elementwise_fields)
+            self.templates.append(params.pack(dtype, {**p, **rowwise}).tobytes())
+        offset = lambda name: dtype.fields[name][1]  # noqa: E731
+        self.inputs = tuple(offset(n) for n in inputs)  # the call's tensors, in order
+        self.aligned = tuple(i for i, n in enumerate(inputs) if n in _ALIGNED)
+        self.like = inputs.index("q") if inputs else 0  # outputs follow q's library and device
+        self.allocs = [(tuple(offset(f) for f in a.fields), a) for a in allocs]
+        self.launches, self.dev, self.reusable, self.keep = launches, dev, reusable, keep
+        self.void = np.dtype((np.void, dtype.itemsize))
+
+    def run(self, tensors: tuple) -> list | None:
+        """The outputs (allocs in order), after enqueueing the launches; None if a pointer lost its alignment."""
+        ptrs = [interop.data_ptr(x) for x in tensors]
+        if any(ptrs[i] % 16 for i in self.aligned):
+            return None
+        like = tensors[self.like]
+        arrays = [interop.new(like, a.shape, a.kind, a.fill) for _, a in self.allocs]
+        fills = [(offsets, interop.data_ptr(x)) for (offsets, _), x in zip(self.allocs, arrays)]
+        args = []
+        for template in self.templates:
+            buf = bytearray(template)
+            for off, ptr in zip(self.inputs, ptrs):
+                _PTR.pack_into(buf, off, ptr)
+            for offsets, ptr in fills:
+                for off in offsets:
+                    _PTR.pack_into(buf, off, ptr)
+            args.append(np.frombuffer(buf, dtype=self.void))
+        if self.launches:
+            stream = interop.stream(like)
+            for spec, grid_dims, which in self.launches:
+                launch.launch(spec, self.dev, grid_dims, args[which], stream)
+        return arrays
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _signature(x) -> tuple | None:
+    """What a plan depends on of one argument: its layout, not its data or address (None: not a tensor)."""
+    if interop.is_torch(x):
+        return (x.shape, x.stride(), x.dtype, x.device)
+    if type(x).__module__.split(".")[0] == "cupy":
+        return ("cupy", x.shape, x.strides, x.dtype, x.device.id)
+    return None
+
+
+def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict):
+    """The plan cache's key of a call, or None when its plan cannot be reused (mask arrays, mask_mod)."""
+    if any(mask_args.get(n) is not None for n in masks.ARRAY_ARGS) or mask_args.get("mask_mod") is not None \
+            or mask_args.get("mask_tensors"):
+        return None
+    sig = tuple(_signature(x) for x in tensors)
+    if None in sig:
+        return None
+    rest = tuple(sorted((n, tuple(a) if isinstance(a, list) else a) for n, a in mask_args.items()))
+    key = (kind, sig, options, rest, _env.no_sm90())
+    try:
+        hash(key)
+    except TypeError:  # an odd option value: its call is checked (and planned) every time
+        return None
+    return key
+
+
+def _remember(key, plan: _Plan) -> None:
+    if key is None or not plan.reusable:
+        return
+    if len(_PLANS) >= _MAX_PLANS:  # drop the oldest
+        _PLANS.pop(next(iter(_PLANS)), None)
+    _PLANS[key] = plan
+
+
+def _contiguous_fields(prefix: str, shape: tuple) -> dict:
+    """(batch, seq, head) strides of a new contiguous array of `shape` ((B, S, H, D), or (total, H, D) as one
+    batch entry), as _tensor_fields gives them."""
+    shape4 = (1, *shape) if len(shape) == 3 else shape
+    strides = (shape4[1] * shape4[2] * shape4[3], shape4[2] * shape4[3], shape4[3])
+    return {f"{prefix}_{axis}": st if n > 1 else 0 for axis, n, st in zip(("sb", "ss", "sh"), shape4[:3], strides)}

@@ -52,20 +52,29 @@ def describe(x, name: str) -> Array:
     raise TypeError(f"{name} must be a torch CUDA tensor or a CuPy array, got {type(x).__module__}.{type(x).__name__}")
 
 
-def empty(like: Array, shape: tuple[int, ...], float32: bool = False, int32: bool = False):
-    """Uninitialised array in like's library and device; like's dtype, or fp32 / int32."""
-    if like.lib == "torch":
+def is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def new(x, shape: tuple[int, ...], kind: str = "like", fill: float | None = None):
+    """A new contiguous array in the library and on the device of x (a torch tensor or CuPy array):
+    of x's dtype (kind "like"), fp32 ("f32") or int32 ("i32"); uninitialised, or filled with `fill`."""
+    if is_torch(x):
         import torch
-        dtype = torch.float32 if float32 else torch.int32 if int32 else like.obj.dtype
-        return torch.empty(shape, dtype=dtype, device=like.obj.device)
+        dtype = x.dtype if kind == "like" else torch.float32 if kind == "f32" else torch.int32
+        out = torch.empty(shape, dtype=dtype, device=x.device)
+        return out if fill is None else out.fill_(fill)
     import cupy
-    with cupy.cuda.Device(like.device):
-        return cupy.empty(shape, dtype=cupy.float32 if float32 else cupy.int32 if int32 else like.obj.dtype)
+    with cupy.cuda.Device(x.device.id):
+        out = cupy.empty(shape, dtype=x.dtype if kind == "like" else cupy.float32 if kind == "f32" else cupy.int32)
+        if fill is not None:
+            out.fill(fill)
+    return out
 
 
 def data_ptr(x) -> int:
-    """Device address of an array that empty() or full() made (cheaper than describe())."""
-    return x.data_ptr() if type(x).__module__.startswith("torch") else x.data.ptr
+    """Device address of a torch tensor or CuPy array (cheaper than describe())."""
+    return x.data_ptr() if is_torch(x) else x.data.ptr
 
 
 def to_numpy(a: Array):
@@ -74,23 +83,6 @@ def to_numpy(a: Array):
         return a.obj.detach().cpu().numpy()
     import cupy
     return cupy.asnumpy(a.obj)
-
-
-def empty_like_layout(like: Array, shape: tuple[int, ...]) -> tuple[object, Array]:
-    """A new contiguous array of like's dtype, with its descriptor built without querying it."""
-    out = empty(like, shape)
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.insert(0, acc)
-        acc *= n
-    return out, Array(out, like.lib, data_ptr(out), tuple(shape), tuple(strides), like.dtype, like.device,
-                      like.itemsize)
-
-
-def full(like: Array, shape: tuple[int, ...], value: float, float32: bool = False, int32: bool = False):
-    out = empty(like, shape, float32, int32)
-    out.fill_(value) if like.lib == "torch" else out.fill(value)
-    return out
 
 
 _external_streams: dict[tuple[int, int], object] = {}
@@ -115,15 +107,16 @@ def _wrap_stream(ptr: int, device: int):
     return cupy.cuda.ExternalStream(ptr, device)
 
 
-def stream(like: Array):
-    """The stream to launch on: the caller's library's current stream on like's device."""
-    import cupy
-    if like.lib == "cupy":
-        with cupy.cuda.Device(like.device):
+def stream(x):
+    """The stream to launch on: the current stream of x's library (x a torch tensor or CuPy array) on its device."""
+    if not is_torch(x):
+        import cupy
+        with cupy.cuda.Device(x.device.id):
             return cupy.cuda.get_current_stream()
     import torch
-    ptr = torch.cuda.current_stream(like.device).cuda_stream
-    s = _external_streams.get((like.device, ptr))
+    device = x.device.index
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    s = _external_streams.get((device, ptr))
     if s is None:
-        s = _external_streams[(like.device, ptr)] = _wrap_stream(ptr, like.device)
+        s = _external_streams[(device, ptr)] = _wrap_stream(ptr, device)
     return s
