@@ -110,8 +110,9 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             wgmma_commit();
         };
         // ONE_V (head_dim 256, 255 registers unmasked): the element mask is evaluated into one bit per
-        // S element before the wgmmas hold their accumulators (evaluated on the fragment afterwards,
-        // the variants with block / segment ids spilled 40-48 bytes, NVRTC 12.9).
+        // S element before the wgmmas hold their accumulators (evaluated on the fragment afterwards, a
+        // mask_mod expression spilled 84 bytes, NVRTC 12.9). Window and block / segment ids spill
+        // either way (40-64 bytes): tiles._SM90_MASK_LIMITS sends those to bwd_dq.cu.
         static_assert(!T::ONE_V || BN / 2 == 32, "one bit per S element of a thread");
         u32 hidden = 0;
         if constexpr (T::ONE_V) {
