@@ -198,15 +198,8 @@ MASK_DOC = """
 def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, validate: bool = True, **mask_args):
     """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library."""
     masks.check_names(mask_args, "forward")
-    tensors = (q, k, v)
-    key = _plan_key("forward", tensors, (causal, softmax_scale), mask_args)
-    plan = _PLANS.get(key)
-    result = plan.run(tensors) if plan is not None else None
-    if result is None:  # a new signature (or a misaligned pointer, which _forward_plan reports)
-        plan = _forward_plan(q, k, v, causal, softmax_scale, validate, mask_args)
-        _remember(key, plan)
-        result = plan.run(tensors)
-    return tuple(result)
+    return tuple(_planned("forward", (q, k, v), (causal, softmax_scale), mask_args,
+                          lambda: _forward_plan(q, k, v, causal, softmax_scale, validate, mask_args)))
 
 
 def _forward_plan(q, k, v, causal, softmax_scale, validate: bool, mask_args: dict) -> "_Plan":
@@ -253,14 +246,9 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     """
     masks.check_names(mask_args, "backward")
     tensors = (dout, q, k, v, out, lse)
-    key = _plan_key("backward", tensors, (causal, softmax_scale, impl, deterministic), mask_args)
-    plan = _PLANS.get(key)
-    result = plan.run(tensors) if plan is not None else None
-    if result is None:  # a new signature (or a misaligned pointer, which _backward_plan reports)
-        plan = _backward_plan(tensors, causal, softmax_scale, impl, deterministic, validate, mask_args)
-        _remember(key, plan)
-        result = plan.run(tensors)
-    return tuple(result[:3])
+    result = _planned("backward", tensors, (causal, softmax_scale, impl, deterministic), mask_args,
+                      lambda: _backward_plan(tensors, causal, softmax_scale, impl, deterministic, validate, mask_args))
+    return tuple(result[:3])  # (dq, dk, dv; the scratch arrays after them)
 
 
 def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, validate: bool,
@@ -416,12 +404,20 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict):
     return key
 
 
-def _remember(key, plan: _Plan) -> None:
-    if key is None or not plan.reusable:
-        return
-    if len(_PLANS) >= _MAX_PLANS:  # drop the oldest
-        _PLANS.pop(next(iter(_PLANS)), None)
-    _PLANS[key] = plan
+def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, build) -> list:
+    """Run the call's plan: the cached one of its signature, else build() (which checks the arguments and
+    raises what is wrong with them, a misaligned pointer included) and keep it when it is reusable."""
+    key = _plan_key(kind, tensors, options, mask_args)
+    plan = _PLANS.get(key)
+    result = plan.run(tensors) if plan is not None else None
+    if result is None:
+        plan = build()
+        if key is not None and plan.reusable:
+            if len(_PLANS) >= _MAX_PLANS:  # drop the oldest
+                _PLANS.pop(next(iter(_PLANS)), None)
+            _PLANS[key] = plan
+        result = plan.run(tensors)
+    return result
 
 
 def _contiguous_fields(prefix: str, shape: tuple) -> dict:

@@ -110,7 +110,7 @@ def forward_family(head_dim: int, arch: str, smem_limit: int) -> str:
     H200, B=2 S=8192 H=16 bf16 (scripts/probe_sm90.py, docs/perf-notes.md): head_dim 128 422 TFLOP/s
     against 279 for fwd.cu, head_dim 64 333 against ~300.
     """
-    return "fwd_sm90" if _sm90_fits(("fwd_sm90",), head_dim, arch, smem_limit, _env.no_sm90()) else "fwd"
+    return "fwd_sm90" if _sm90_fits("fwd_sm90", head_dim, arch, smem_limit, _env.no_sm90()) else "fwd"
 
 
 def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> tuple[str, str]:
@@ -120,23 +120,17 @@ def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> 
     FLASHRT_NO_SM90=1: the mma.sync pair everywhere. Measurements: docs/perf-notes.md.
     """
     no_sm90 = _env.no_sm90()
-    return tuple(sm90 if _sm90_fits((sm90,), head_dim, arch, smem_limit, no_sm90, mask) else mma
+    return tuple(sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, no_sm90, mask) else mma
                  for sm90, mma in (("bwd_dq_sm90", "bwd_dq"), ("bwd_dkdv_sm90", "bwd_dkdv")))
 
 
 @functools.lru_cache(maxsize=None)
-def _sm90_fits(families: tuple, head_dim: int, arch: str, smem_limit: int, no_sm90: bool, mask: int = 0) -> bool:
-    """Every one of the wgmma `families` has a kernel here whose smallest tiling fits `smem_limit`."""
-    if no_sm90:
+def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: bool, mask: int = 0) -> bool:
+    """The wgmma `family` has a kernel here (applies) whose smallest tiling fits `smem_limit`."""
+    if no_sm90 or not applies(family, head_dim, arch, mask):
         return False
-    for family in families:
-        if not applies(family, head_dim, arch, mask):
-            return False
-        smallest = min(KernelSpec(family, head_dim, "bf16", *tiling, False, arch).smem_bytes
-                       for tiling in candidates(family, head_dim))
-        if smallest > smem_limit:
-            return False
-    return True
+    return min(KernelSpec(family, head_dim, "bf16", *tiling, False, arch).smem_bytes
+               for tiling in candidates(family, head_dim)) <= smem_limit
 
 
 class TilingError(RuntimeError):
