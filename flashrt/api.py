@@ -270,7 +270,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     allocs = [_Alloc((n,), shape, "like", fill) for n, shape in (("dq", Q.shape), ("dk", K.shape), ("dv", K.shape))]
     if empty:
         return _Plan(params.BWD, {}, None, (), allocs, [], None)
-    allocs += [_Alloc(("lse2",), m.lse_shape(H), "f32"), _Alloc(("delta",), m.lse_shape(H), "f32")]
+    rows = math.prod(m.lse_shape(H))
+    scratch = [("lse2", rows), ("delta", rows)]  # fp32, in one allocation (_Alloc.parts)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, **m.kernel_fields(H),
              **_contiguous_fields("dq", Q.shape), **_contiguous_fields("dk", K.shape),
              **_contiguous_fields("dv", K.shape))
@@ -285,14 +286,15 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     splits = 1 if m.varlen else launch.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
     if splits > 1:
-        allocs.append(_Alloc(("dkv_partial",), (2 * splits * m.B * Hkv * m.Sk * D,), "f32"))
+        scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * D))
     if impl == "fused":
-        allocs.append(_Alloc(("dq_accum",), (m.total_q * H * D,), "f32"))  # zeroed by bwd_preprocess
+        scratch.append(("dq_accum", m.total_q * H * D))  # zeroed by bwd_preprocess
         if deterministic:
             allocs.append(_Alloc(("dq_sem",), (m.B, H, -(-m.Sq // main.block_m)), "i32", 0))
         families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
     else:
         families = ["bwd_preprocess", dq_family, dkdv_family]
+    allocs.append(_Alloc.parts(scratch, "f32"))
     if splits > 1:
         families.append("bwd_dkdv_reduce")
     keep = ()  # mask_mod's tile lists, alive until the kernels that read them are launched
@@ -321,6 +323,18 @@ class _Alloc:
     shape: tuple
     kind: str              # interop.new: "like" (the inputs' dtype), "f32", "i32"
     fill: float | None = None  # None: uninitialised
+    offsets: tuple = ()    # byte offset of each field's part of the array (default: all 0)
+
+    @classmethod
+    def parts(cls, parts: list, kind: str) -> "_Alloc":
+        """One uninitialised 1-D array for several (field, elements) parts: one allocation instead of several,
+        each part starting on a 256-byte boundary."""
+        align = 256 // 4  # elements of 4 bytes (f32 / i32)
+        offsets, n = [], 0
+        for _, count in parts:
+            offsets.append(n * 4)
+            n += -(-count // align) * align
+        return cls(tuple(f for f, _ in parts), (n,), kind, None, tuple(offsets))
 
 
 _PTR = struct.Struct("<Q")
@@ -346,31 +360,28 @@ class _Plan:
         self.inputs = tuple(offset(n) for n in inputs)  # the call's tensors, in order
         self.aligned = tuple(i for i, n in enumerate(inputs) if n in _ALIGNED)
         self.like = inputs.index("q") if inputs else 0  # outputs follow q's library and device
-        self.allocs = [(tuple(offset(f) for f in a.fields), a) for a in allocs]
+        self.allocs = [(a.shape, a.kind, a.fill) for a in allocs]  # interop.new_many's specs
+        self.alloc_fields = [(i, offset(f), delta) for i, a in enumerate(allocs)  # (array, params offset, bytes in)
+                             for f, delta in zip(a.fields, a.offsets or (0,) * len(a.fields))]
         self.launches, self.dev, self.reusable, self.keep = launches, dev, reusable, keep
-        self.void = np.dtype((np.void, dtype.itemsize))
 
     def run(self, tensors: tuple) -> list | None:
         """The outputs (allocs in order), after enqueueing the launches; None if a pointer lost its alignment."""
-        ptrs = [interop.data_ptr(x) for x in tensors]
+        ptrs = interop.data_ptrs(tensors)  # one library: the plan's signature says so
         if any(ptrs[i] % 16 for i in self.aligned):
             return None
         like = tensors[self.like]
-        arrays = [interop.new(like, a.shape, a.kind, a.fill) for _, a in self.allocs]
-        fills = [(offsets, interop.data_ptr(x)) for (offsets, _), x in zip(self.allocs, arrays)]
+        arrays = interop.new_many(like, self.allocs)
+        bases = interop.data_ptrs(arrays)
+        patches = [*zip(self.inputs, ptrs), *((off, bases[i] + delta) for i, off, delta in self.alloc_fields)]
         args = []
         for template in self.templates:
             buf = bytearray(template)
-            for off, ptr in zip(self.inputs, ptrs):
+            for off, ptr in patches:
                 _PTR.pack_into(buf, off, ptr)
-            for offsets, ptr in fills:
-                for off in offsets:
-                    _PTR.pack_into(buf, off, ptr)
-            args.append(np.frombuffer(buf, dtype=self.void))
+            args.append(buf)
         if self.launches:
-            stream = interop.stream(like)
-            for spec, grid_dims, which in self.launches:
-                launch.launch(spec, self.dev, grid_dims, args[which], stream)
+            launch.launch_all(self.dev, interop.stream(like), [(spec, g, args[which]) for spec, g, which in self.launches])
         return arrays
 
 
@@ -389,13 +400,15 @@ def _signature(x) -> tuple | None:
 
 def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict):
     """The plan cache's key of a call, or None when its plan cannot be reused (mask arrays, mask_mod)."""
-    if any(mask_args.get(n) is not None for n in masks.ARRAY_ARGS) or mask_args.get("mask_mod") is not None \
-            or mask_args.get("mask_tensors"):
-        return None
-    sig = tuple(_signature(x) for x in tensors)
+    rest = ()
+    if mask_args:
+        if any(mask_args.get(n) is not None for n in masks.ARRAY_ARGS) or mask_args.get("mask_mod") is not None \
+                or mask_args.get("mask_tensors"):
+            return None
+        rest = tuple(sorted((n, tuple(a) if isinstance(a, list) else a) for n, a in mask_args.items()))
+    sig = tuple(map(_signature, tensors))
     if None in sig:
         return None
-    rest = tuple(sorted((n, tuple(a) if isinstance(a, list) else a) for n, a in mask_args.items()))
     key = (kind, sig, options, rest, _env.no_sm90())
     try:
         hash(key)

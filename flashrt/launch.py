@@ -7,11 +7,11 @@ the device before launch, so a misfit is a clear error, not a failed launch.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import threading
 from functools import lru_cache
-
-import numpy as np
 
 from . import cache, nvrtc, tiles
 from .spec import CLASSIFY, ELEMENTWISE, KEY_PARALLEL, QUERY_PARALLEL, KernelSpec
@@ -196,13 +196,38 @@ def function_attributes(spec: KernelSpec, dev: Device) -> dict:
             "max_dynamic_shared_size_bytes": get(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)}
 
 
-def launch(spec: KernelSpec, dev: Device, grid_dims: tuple[int, int, int], args: np.ndarray, stream) -> None:
-    """Launch `spec` with its params struct `args` (params.pack) on `stream`."""
+@lru_cache(maxsize=None)
+def _cuda():
+    """CuPy's runtime and driver bindings, imported on first use (import flashrt does not load CuPy)."""
     import cupy
-    fn = function(spec, dev)
-    with cupy.cuda.Device(dev.index):
-        try:
-            fn(grid_dims, (spec.threads, 1, 1), (args,), shared_mem=spec.smem_bytes, stream=stream)
-        except Exception as exc:
-            raise LaunchError(f"launch of {spec.name} failed (grid={grid_dims}, block={spec.threads}, "
-                              f"dynamic smem={spec.smem_bytes} B): {exc}") from exc
+    from cupy_backends.cuda.api import driver
+    return cupy, driver
+
+
+def launch(spec: KernelSpec, dev: Device, grid_dims: tuple[int, int, int], args, stream: int) -> None:
+    """Launch `spec` with its params struct `args` (params.pack, or its bytes in a bytearray) on the raw
+    stream handle `stream` (interop.stream)."""
+    launch_all(dev, stream, [(spec, grid_dims, args)])
+
+
+def launch_all(dev: Device, stream: int, launches: list) -> None:
+    """launch(spec, dev, grid_dims, args, stream) for each (spec, grid_dims, args) in order.
+
+    cuLaunchKernel through CuPy's driver binding (a CuPy Function call costs several times more host
+    time); the driver copies each params struct at its call.
+    """
+    cupy, driver = _cuda()
+    fns = [function(spec, dev).ptr for spec, _, _ in launches]
+    with cupy.cuda.Device(dev.index) if cupy.cuda.runtime.getDevice() != dev.index else contextlib.nullcontext():
+        for fn, (spec, grid_dims, args) in zip(fns, launches):
+            struct_ = (ctypes.c_char * memoryview(args).nbytes).from_buffer_copy(args)
+            kernel_params = _ONE_POINTER(ctypes.addressof(struct_))  # one kernel argument: the struct
+            try:
+                driver.launchKernel(fn, *grid_dims, spec.threads, 1, 1, spec.smem_bytes, stream,
+                                    ctypes.addressof(kernel_params), 0)
+            except Exception as exc:
+                raise LaunchError(f"launch of {spec.name} failed (grid={grid_dims}, block={spec.threads}, "
+                                  f"dynamic smem={spec.smem_bytes} B): {exc}") from exc
+
+
+_ONE_POINTER = ctypes.c_void_p * 1

@@ -176,7 +176,7 @@ class KernelSpec:
                 return f"{nw} warps do not tile the {m} x {n} ({what}) GEMM in 16 x 8 fragments"
         return None
 
-    @property
+    @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
         bm, bn = self.block_m, self.block_n
         ld = _pitch(_round_up(self.head_dim, 16))

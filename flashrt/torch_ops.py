@@ -57,12 +57,6 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax
          impl: str, deterministic: bool, window: Optional[list[int]], max_seqlen_q: Optional[int],
          max_seqlen_k: Optional[int], validate: bool, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
          mod_names: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_impl(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k,
-                         validate, mask_tensors, mask_mod, mod_names)
-
-
-def _forward_impl(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
-                  mask_tensors, mask_mod, mod_names):
     return api.forward(q, k, v, softmax_scale=softmax_scale, validate=validate,
                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names))
 
@@ -142,23 +136,45 @@ class _Eager(torch.autograd.Function):
     Dispatching the torch.library custom ops from Python cost 0.1-0.2 ms per forward+backward
     on the H100 host (scripts/host_overhead.py: 1233 us per call before, 1024-1145 after),
     as much as the kernels at small shapes; the ops are only needed where torch traces
-    (torch.compile), so eager calls come here.
+    (torch.compile), so eager calls come here. The options travel as one tuple (_call) and the
+    mask tensors after it, only those given: each argument of apply and each saved tensor costs
+    host time on every call (docs/perf-notes.md, session 4).
     """
 
     @staticmethod
-    def forward(ctx, *args):
-        out, lse = _forward_impl(*args)
-        _setup_context(ctx, args, (out, lse))
+    def forward(ctx, q, k, v, call, *tensors):
+        causal, softmax_scale, _, _, validate, *_ = call
+        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, validate=validate,
+                               **_call_masks(call, tensors))
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.call = call
+        # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled lse gradient per backward (an allocation and a fill)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        call = ctx.call
+        if dout is None:  # out took no part in the loss
+            return (None,) * (4 + len(call[6]) + len(call[7]))
         q, k, v, out, lse, *tensors = ctx.saved_tensors
-        causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k = ctx.options
-        dq, dk, dv = api.backward(_kernel_ready(dout), q, k, v, out, lse, softmax_scale=softmax_scale, impl=impl,
-                                  deterministic=deterministic, validate=False,
-                                  **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, tensors, *ctx.mod))
-        return (dq, dk, dv, *_NO_GRADS)
+        causal, softmax_scale, impl, deterministic, *_ = call
+        dq, dk, dv = api.backward(_kernel_ready(dout), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                  impl=impl, deterministic=deterministic, validate=False,  # the forward validated
+                                  **_call_masks(call, tensors))
+        return (dq, dk, dv, None) + (None,) * len(tensors)
+
+
+def _call_masks(call: tuple, tensors: tuple) -> dict:
+    """The mask keyword arguments of an _Eager call: its non-tensor ones, then its tensors by name."""
+    static, arrays, mod = call[5:]
+    if not tensors:
+        return static
+    kw = dict(static, **dict(zip(arrays, tensors)))
+    if mod:
+        kw["mask_tensors"] = dict(zip(mod, tensors[len(arrays):]))
+    return kw
 
 
 def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, return_lse: bool = False,
@@ -170,11 +186,36 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     lse is returned without a gradient.
     """
     api._check_impl(impl)  # here, not first in the backward pass
-    masks.check_names(mask_args, "attention")
+    if mask_args:
+        masks.check_names(mask_args, "attention")
     if causal not in _CAUSAL or isinstance(causal, (int, float)) and not isinstance(causal, bool):
         raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
     scale = None if softmax_scale is None else float(softmax_scale)
+    if q.is_cuda and not torch.compiler.is_compiling():
+        out, lse = _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args)
+    else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls
+        out, lse = _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args)
+    return (out, lse) if return_lse else out
+
+
+def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args):
+    static, arrays, tensors = {}, [], []
+    for name, a in mask_args.items():
+        if name in masks.ARRAY_ARGS:
+            if a is not None:
+                arrays.append(name)
+                tensors.append(a)
+        elif name != "mask_tensors":
+            static[name] = a
+    mod = mask_args.get("mask_tensors") or {}
+    if not isinstance(mod, dict):
+        raise TypeError(f"mask_tensors must be a dict of name -> int32 device array, got {type(mod).__name__}")
+    call = (causal, scale, impl, bool(deterministic), bool(validate), static, tuple(arrays), tuple(mod))
+    return _Eager.apply(q, k, v, call, *tensors, *mod.values())
+
+
+def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args):
     window = mask_args.get("window")
     window = None if window is None else [int(w) for w in window]
     mask_mod, mod_tensors = mask_args.get("mask_mod"), mask_args.get("mask_tensors") or {}
@@ -183,8 +224,4 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS] + list(mod_tensors.values())
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
             mask_args.get("max_seqlen_k"), bool(validate), tensors, mask_mod or "", ",".join(mod_tensors))
-    if q.is_cuda and not torch.compiler.is_compiling():
-        out, lse = _Eager.apply(*args)
-    else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls
-        out, lse = torch.ops.flashrt.fwd.default(*args)
-    return (out, lse) if return_lse else out
+    return torch.ops.flashrt.fwd.default(*args)
