@@ -198,7 +198,7 @@ MASK_DOC = """
 def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, validate: bool = True, **mask_args):
     """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library."""
     masks.check_names(mask_args, "forward")
-    return tuple(_planned("forward", (q, k, v), (causal, softmax_scale), mask_args,
+    return tuple(_planned("forward", (q, k, v), (causal, softmax_scale), mask_args, validate,
                           lambda: _forward_plan(q, k, v, causal, softmax_scale, validate, mask_args)))
 
 
@@ -218,8 +218,9 @@ def _forward_plan(q, k, v, causal, softmax_scale, validate: bool, mask_args: dic
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     keep = _classify(p, m, H, Q, dev, interop.stream(q), (spec, "mask_rows")) if m.mask_mod else ()
-    return _Plan(params.FWD, p, None, ("q", "k", "v"), allocs, [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), 0)],
-                 dev, reusable=not (m.arrays or m.mask_mod), keep=keep)
+    return _Plan(params.FWD, p, None, ("q", "k", "v", *_array_fields(mask_args)), allocs,
+                 [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), 0)], dev,
+                 reusable=not (m.mask_mod and launch._capturing(dev)), keep=keep)
 
 
 forward.__doc__ += MASK_DOC
@@ -246,7 +247,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     """
     masks.check_names(mask_args, "backward")
     tensors = (dout, q, k, v, out, lse)
-    result = _planned("backward", tensors, (causal, softmax_scale, impl, deterministic), mask_args,
+    result = _planned("backward", tensors, (causal, softmax_scale, impl, deterministic), mask_args, validate,
                       lambda: _backward_plan(tensors, causal, softmax_scale, impl, deterministic, validate, mask_args))
     return tuple(result[:3])  # (dq, dk, dv; the scratch arrays after them)
 
@@ -310,8 +311,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
             launches.append((spec, launch.grid(spec, *dims, dev.sm_count, splits), 1 if rowwise else 0))
         else:
             launches.append((spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, splits), 0))
-    return _Plan(params.BWD, p, rowwise, ("dout", "q", "k", "v", "o", "lse"), allocs, launches, dev,
-                 reusable=not (m.arrays or m.mask_mod), keep=keep)
+    return _Plan(params.BWD, p, rowwise, ("dout", "q", "k", "v", "o", "lse", *_array_fields(mask_args)), allocs,
+                 launches, dev, reusable=not (m.mask_mod and launch._capturing(dev)), keep=keep)
 
 
 # ---------------------------------------------------------------------------
@@ -398,14 +399,35 @@ def _signature(x) -> tuple | None:
     return None
 
 
-def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict):
-    """The plan cache's key of a call, or None when its plan cannot be reused (mask arrays, mask_mod)."""
+def _arrays(mask_args: dict) -> list:
+    """The mask arrays given (masks.ARRAY_ARGS order): a reused plan writes their pointers like the tensors'."""
+    return [mask_args[n] for n in masks.ARRAY_ARGS if mask_args.get(n) is not None] if mask_args else []
+
+
+def _array_fields(mask_args: dict) -> list:
+    return [masks.ARRAY_FIELDS[n] for n in masks.ARRAY_ARGS if mask_args.get(n) is not None]
+
+
+def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, validate: bool):
+    """The plan cache's key of a call (tensors: with the mask arrays), or None when its plan cannot be reused.
+
+    Not reused: calls that validate mask arrays (the check reads their data), packed varlen without both
+    max_seqlen (the grid comes from the data), and mask_mod expressions over tensors or with mask arrays
+    (the tile lists come from the data). A mask_mod plan keeps its tile lists, so its key holds the stream:
+    the lists were made on it, and the caching allocator reclaims them on it when the plan is dropped.
+    """
     rest = ()
     if mask_args:
-        if any(mask_args.get(n) is not None for n in masks.ARRAY_ARGS) or mask_args.get("mask_mod") is not None \
-                or mask_args.get("mask_tensors"):
+        arrays = [n for n in masks.ARRAY_ARGS if mask_args.get(n) is not None]
+        mod = mask_args.get("mask_mod") is not None or mask_args.get("mask_tensors")
+        if arrays and (validate or mod) or mask_args.get("mask_tensors"):
             return None
-        rest = tuple(sorted((n, tuple(a) if isinstance(a, list) else a) for n, a in mask_args.items()))
+        if "cu_seqlens_q" in arrays and (mask_args.get("max_seqlen_q") is None or mask_args.get("max_seqlen_k") is None):
+            return None
+        rest = tuple(sorted((n, tuple(a) if isinstance(a, list) else a) for n, a in mask_args.items()
+                            if n not in masks.ARRAY_ARGS)) + (tuple(arrays),)
+        if mod:
+            rest += (interop.stream(tensors[0]),)
     sig = tuple(map(_signature, tensors))
     if None in sig:
         return None
@@ -417,10 +439,11 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict):
     return key
 
 
-def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, build) -> list:
+def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, validate: bool, build) -> list:
     """Run the call's plan: the cached one of its signature, else build() (which checks the arguments and
     raises what is wrong with them, a misaligned pointer included) and keep it when it is reusable."""
-    key = _plan_key(kind, tensors, options, mask_args)
+    tensors = (*tensors, *_arrays(mask_args))
+    key = _plan_key(kind, tensors, options, mask_args, validate)
     plan = _PLANS.get(key)
     result = plan.run(tensors) if plan is not None else None
     if result is None:

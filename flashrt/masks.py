@@ -21,6 +21,8 @@ CAUSAL_MODES = (False, True, "bottom_right", "top_left")
 # Keyword arguments of forward / backward that are device arrays, and all mask keywords.
 ARRAY_ARGS = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "block_ids_q", "block_ids_k",
               "segment_ids_q", "segment_ids_k")
+# The params field (params.py) that carries each array's pointer.
+ARRAY_FIELDS = dict(zip(ARRAY_ARGS, ("seqlens_q", "seqlens_k", "cu_q", "cu_k", "block_q", "block_k", "seg_q", "seg_k")))
 ARGS = ARRAY_ARGS + ("window", "max_seqlen_q", "max_seqlen_k", "mask_mod", "mask_tensors")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 
@@ -120,8 +122,8 @@ class Masking:
             if len(cu_len) != 1 or cu_len[0] < 1:
                 raise ValueError(f"cu_seqlens_q must have shape (batch + 1,), got {cu_len}")
             B = cu_len[0] - 1
-            fields["cu_q"] = int_array(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
-            fields["cu_k"] = int_array(cu_seqlens_k, "cu_seqlens_k", (B + 1,))
+            fields[ARRAY_FIELDS["cu_seqlens_q"]] = int_array(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
+            fields[ARRAY_FIELDS["cu_seqlens_k"]] = int_array(cu_seqlens_k, "cu_seqlens_k", (B + 1,))
             if validate:
                 for name, total in (("cu_seqlens_q", total_q), ("cu_seqlens_k", total_k)):
                     cu = host[name]
@@ -142,11 +144,10 @@ class Masking:
             B, Sq, Sk = Q.shape[0], Q.shape[1], K.shape[1]
             total_q, total_k = B * Sq, B * Sk
             q_ids_shape, k_ids_shape = (B, Sq), (B, Sk)
-            for x, name, extent, key in ((seqlens_q, "seqlens_q", Sq, "seqlens_q"),
-                                         (seqlens_k, "seqlens_k", Sk, "seqlens_k")):
+            for x, name, extent in ((seqlens_q, "seqlens_q", Sq), (seqlens_k, "seqlens_k", Sk)):
                 if x is None:
                     continue
-                fields[key] = int_array(x, name, (B,))
+                fields[ARRAY_FIELDS[name]] = int_array(x, name, (B,))
                 bits |= MASK_BITS["lengths"]
                 if validate and ((host[name] < 0) | (host[name] > extent)).any():
                     raise ValueError(f"{name} must lie in [0, {extent}] (the tensor's seqlen axis), got "
@@ -163,15 +164,14 @@ class Masking:
                 fields.update(win_left=left, win_right=right)
                 bits |= MASK_BITS["window"]
 
-        for kind, (xq, xk), (fq, fk), bit in (
-                ("block_ids", (block_ids_q, block_ids_k), ("block_q", "block_k"), "block_ids"),
-                ("segment_ids", (segment_ids_q, segment_ids_k), ("seg_q", "seg_k"), "segments")):
+        for kind, (xq, xk), bit in (("block_ids", (block_ids_q, block_ids_k), "block_ids"),
+                                    ("segment_ids", (segment_ids_q, segment_ids_k), "segments")):
             if xq is None and xk is None:
                 continue
             if xq is None or xk is None:
                 raise ValueError(f"{kind}_q and {kind}_k go together; got only {kind}_{'q' if xk is None else 'k'}")
-            fields[fq] = int_array(xq, f"{kind}_q", q_ids_shape)
-            fields[fk] = int_array(xk, f"{kind}_k", k_ids_shape)
+            fields[ARRAY_FIELDS[f"{kind}_q"]] = int_array(xq, f"{kind}_q", q_ids_shape)
+            fields[ARRAY_FIELDS[f"{kind}_k"]] = int_array(xk, f"{kind}_k", k_ids_shape)
             bits |= MASK_BITS[bit]
             if validate:
                 for name in (f"{kind}_q", f"{kind}_k"):

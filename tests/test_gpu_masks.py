@@ -263,3 +263,48 @@ def test_mask_input_errors_name_the_argument(cupy):
         flashrt.forward(q, q, q, mask_mod="k <= q && kk > 1")
     with pytest.raises(TypeError, match=r"mask_tensors\['doc'\] must be int32"):
         flashrt.forward(q, q, q, mask_mod="doc[k] == 0", mask_tensors={"doc": ids.astype(cupy.int64)})
+
+
+def _mod_window(rng, B, Sq, Sk):  # a pure expression: its plan keeps its tile lists
+    return (dict(mask_mod="k <= q + (Lk - Lq) && k >= q + (Lk - Lq) - 40"),
+            dict(mask_mod=lambda b, h, q, k, Lq, Lk: (k <= q + (Lk - Lq)) & (k >= q + (Lk - Lq) - 40)))
+
+
+@pytest.mark.parametrize("make", [_padding, _segments, _random_blocks, _mod_window, _mod_heads, "varlen"],
+                         ids=["padding", "segments", "blocks", "mod-window", "mod-heads", "varlen"])
+def test_reused_plan_reads_each_calls_mask_data(cupy, poison, make):  # noqa: F811
+    """A second call of the same signature runs the first call's plan (no new plan is made) and reads
+    its own arrays: new lengths, ids and inputs, not the first call's."""
+    from flashrt import api
+    B, Sq, Sk, H, Hkv, D = 3, 200, 300, 4, 2, 64
+    lens = ([120, 30, 150], [150, 90, 60])  # same total: the packed tensors keep their shape
+    new_plans = []
+    for call in range(2):
+        rng = np.random.default_rng(100 + call)
+        q, k, v, do = _inputs(cupy, (B, Sq, H, D), (B, Sk, Hkv, D), "bf16", 100 + call)
+        if make == "varlen":
+            lq = lens[call]
+            q, k, v, do = (_pack(cupy, x, lq) for x in (q, k, v, do))
+            cu = cupy.asarray(np.concatenate([[0], np.cumsum(lq)]).astype(np.int32))
+            kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150)
+        else:
+            kw, rkw = make(rng, B, Sq, Sk)
+            kw = {n: cupy.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+        before = set(api._PLANS)
+        out, lse = flashrt.forward(q, k, v, causal=True, validate=False, **kw)
+        dq, dk, dv = flashrt.backward(do, q, k, v, out, lse, causal=True, validate=False, **kw)
+        new_plans.append(len(set(api._PLANS) - before))
+        if make == "varlen":
+            for b in range(B):
+                r = slice(int(cu[b]), int(cu[b + 1]))
+                ro, _, rdq, rdk, rdv = reference.attention(*(f64(x[r])[None] for x in (q, k, v)),
+                                                           dout=f64(do[r])[None], causal=True)
+                for name, x, ref in (("out", out, ro), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+                    _check(cupy, f"call {call} seq {b} {name}", x[r][None], ref, TOL["bf16"])
+            continue
+        keep = reference.visible(B, Sq, Sk, causal=True, xp=cupy, heads=H,
+                                 **{n: cupy.asarray(a) if isinstance(a, np.ndarray) else a for n, a in rkw.items()})
+        ro, _, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+        for name, x, ref in (("out", out, ro), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+            _check(cupy, f"call {call} {name}", x, ref, TOL["bf16"])
+    assert new_plans == [2, 0], f"plans made by the two calls (forward + backward each): {new_plans}, expected [2, 0]"
