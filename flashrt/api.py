@@ -14,7 +14,6 @@ import dataclasses
 import math
 import struct
 
-import numpy as np
 
 from . import _env, interop, launch, masks, nvrtc, params, tiles
 from .interop import Array
@@ -115,15 +114,14 @@ def _pick(family: str, D: int, Q: Array, m: masks.Masking, dev):
     return launch.pick(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors)
 
 
-def _classify(p: dict, m: masks.Masking, H: int, Q: Array, dev, stream, *needs) -> list:
-    """mask_mod: the tile lists that each (consumer kernel, "mask_rows" | "mask_cols") in `needs` walks.
-
-    Launches kernels_cu/mask_classify.cu: one map per tiling (the expression on every pair),
-    then the lists. Sets their pointers in the params dict `p` and returns the arrays, to keep
-    alive until the consumers are launched.
+def _classify(p: dict, m: masks.Masking, H: int, dev, *needs) -> tuple:
+    """mask_mod: how to make the tile lists that each (consumer kernel, "mask_rows" | "mask_cols") in
+    `needs` walks, as plan pieces: (one _Alloc for the maps, lists and counts; params structs; launches
+    of kernels_cu/mask_classify.cu, indexing those structs). One map per tiling (the expression on
+    every pair), then the lists. The lists' pointers are the _Alloc's parts, named like their fields.
     """
     heads, batches = m.mod_lists(H)
-    keep, maps = [], {}  # one map per tiling (block_m, block_n)
+    parts, structs, launches, maps = [], [], [], {}  # one map per tiling (block_m, block_n)
     for consumer, family in needs:
         tiling = (consumer.block_m, consumer.block_n)
         tiles_mn = (-(-m.Sq // consumer.block_m), -(-m.Sk // consumer.block_n))
@@ -133,22 +131,33 @@ def _classify(p: dict, m: masks.Masking, H: int, Q: Array, dev, stream, *needs) 
                 launch.function(mapper, dev)
             except nvrtc.CompileError as exc:
                 raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
-            tile_map = interop.new(Q.obj, (-(-batches * heads * tiles_mn[0] * tiles_mn[1] // 4),), "i32")
-            p["mod_map"] = interop.data_ptr(tile_map)
-            launch.launch(mapper, dev, launch.grid(mapper, batches, heads, 0, m.Sq, m.Sk),
-                          params.pack(params.FWD, p), stream)
-            maps[tiling] = tile_map
-        p["mod_map"] = interop.data_ptr(maps[tiling])
+            maps[tiling] = f"mod_map{len(maps)}"
+            parts.append((maps[tiling], -(-batches * heads * tiles_mn[0] * tiles_mn[1] // 4)))  # a byte per tile
+            structs.append((params.FWD, p, {"mod_map": maps[tiling]}))
+            launches.append((mapper, launch.grid(mapper, batches, heads, 0, m.Sq, m.Sk), len(structs) - 1))
         outer = tiles_mn[0] if family == "mask_rows" else tiles_mn[1]
-        lists = interop.new(Q.obj, (batches * heads * tiles_mn[0] * tiles_mn[1],), "i32")
-        counts = interop.new(Q.obj, (batches * heads * outer,), "i32")
-        p[family.replace("mask", "mod")] = interop.data_ptr(lists)
-        p[family.replace("mask", "mod") + "_count"] = interop.data_ptr(counts)
+        lists = family.replace("mask", "mod")
+        parts += [(lists, batches * heads * tiles_mn[0] * tiles_mn[1]), (lists + "_count", batches * heads * outer)]
         spec = consumer.classifier(family)
-        launch.launch(spec, dev, launch.grid(spec, batches, heads, 0, m.Sq, m.Sk), params.pack(params.FWD, p),
-                      stream)
-        keep += [lists, counts]
-    return keep + list(maps.values())
+        structs.append((params.FWD, p, {"mod_map": maps[tiling]}))
+        launches.append((spec, launch.grid(spec, batches, heads, 0, m.Sq, m.Sk), len(structs) - 1))
+    return _Alloc.parts(parts, "i32"), structs, launches
+
+
+def _with_lists(m: masks.Masking, tensors: tuple, inputs: tuple, structs: list, allocs: list, launches: list, dev,
+                classify: tuple) -> tuple:
+    """A mask_mod plan's pieces with _classify's: its classifier launches first, every call; or, when the
+    lists depend on nothing but the call's signature (m.static_lists), made once here and kept, their
+    pointers written into the structs. Returns (structs, allocs, launches, keep)."""
+    alloc, cstructs, claunches = classify
+    if m.static_lists:
+        made = _Plan(cstructs, inputs, [alloc], claunches, dev).run(tensors)
+        base = interop.data_ptr(made[0])
+        for _, values, _ in structs:
+            values.update({f: base + off for f, off in zip(alloc.fields, alloc.offsets)})
+        return structs, allocs, launches, made
+    n = len(structs)
+    return (structs + cstructs, allocs + [alloc], [(sp, g, i + n) for sp, g, i in claunches] + launches, ())
 
 
 def _prepare(q, k, v, mask_args: dict, validate: bool):
@@ -198,11 +207,13 @@ MASK_DOC = """
 def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, validate: bool = True, **mask_args):
     """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library."""
     masks.check_names(mask_args, "forward")
-    return tuple(_planned("forward", (q, k, v), (causal, softmax_scale), mask_args, validate,
-                          lambda: _forward_plan(q, k, v, causal, softmax_scale, validate, mask_args)))
+    result = _planned("forward", (q, k, v), (causal, softmax_scale), mask_args, validate,
+                      lambda tensors: _forward_plan(tensors, causal, softmax_scale, validate, mask_args))
+    return tuple(result[:2])  # (out, lse; mask_mod's tile lists after them)
 
 
-def _forward_plan(q, k, v, causal, softmax_scale, validate: bool, mask_args: dict) -> "_Plan":
+def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dict) -> "_Plan":
+    q, k, v = tensors[:3]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal), validate)
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
@@ -212,15 +223,17 @@ def _forward_plan(q, k, v, causal, softmax_scale, validate: bool, mask_args: dic
     fill = (0.0, -math.inf) if m.varlen or empty else (None, None)
     allocs = [_Alloc(("o",), Q.shape, "like", fill[0]), _Alloc(("lse",), m.lse_shape(H), "f32", fill[1])]
     if empty:
-        return _Plan(params.FWD, {}, None, (), allocs, [], None)
+        return _Plan([], (), allocs, [], None)
     dev = launch.device(Q.device)
     spec = _pick(tiles.forward_family(D, dev.arch, dev.smem_optin), D, Q, m, dev)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
-    keep = _classify(p, m, H, Q, dev, interop.stream(q), (spec, "mask_rows")) if m.mask_mod else ()
-    return _Plan(params.FWD, p, None, ("q", "k", "v", *_array_fields(mask_args)), allocs,
-                 [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), 0)], dev,
-                 reusable=not (m.mask_mod and launch._capturing(dev)), keep=keep)
+    inputs = ("q", "k", "v", *_array_fields(mask_args))
+    structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), 0)], ()
+    if m.mask_mod:
+        structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
+                                                      _classify(p, m, H, dev, (spec, "mask_rows")))
+    return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep)
 
 
 forward.__doc__ += MASK_DOC
@@ -248,14 +261,15 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     masks.check_names(mask_args, "backward")
     tensors = (dout, q, k, v, out, lse)
     result = _planned("backward", tensors, (causal, softmax_scale, impl, deterministic), mask_args, validate,
-                      lambda: _backward_plan(tensors, causal, softmax_scale, impl, deterministic, validate, mask_args))
+                      lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic, validate,
+                                                     mask_args))
     return tuple(result[:3])  # (dq, dk, dv; the scratch arrays after them)
 
 
 def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, validate: bool,
                    mask_args: dict) -> "_Plan":
     _check_impl(impl)
-    dout, q, k, v, out, lse = tensors
+    dout, q, k, v, out, lse = tensors[:6]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal), validate)
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
@@ -270,7 +284,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     fill = 0.0 if m.varlen or empty else None
     allocs = [_Alloc((n,), shape, "like", fill) for n, shape in (("dq", Q.shape), ("dk", K.shape), ("dv", K.shape))]
     if empty:
-        return _Plan(params.BWD, {}, None, (), allocs, [], None)
+        return _Plan([], (), allocs, [], None)
     rows = math.prod(m.lse_shape(H))
     scratch = [("lse2", rows), ("delta", rows)]  # fp32, in one allocation (_Alloc.parts)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, **m.kernel_fields(H),
@@ -298,10 +312,6 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     allocs.append(_Alloc.parts(scratch, "f32"))
     if splits > 1:
         families.append("bwd_dkdv_reduce")
-    keep = ()  # mask_mod's tile lists, alive until the kernels that read them are launched
-    if m.mask_mod:
-        needs = [(main, "mask_cols")] + ([] if impl == "fused" else [(_pick(dq_family, D, Q, m, dev), "mask_rows")])
-        keep = _classify(p, m, H, Q, dev, interop.stream(q), *needs)
     rowwise = m.elementwise_fields(H)
     launches = []
     for family in families:
@@ -311,8 +321,14 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
             launches.append((spec, launch.grid(spec, *dims, dev.sm_count, splits), 1 if rowwise else 0))
         else:
             launches.append((spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, splits), 0))
-    return _Plan(params.BWD, p, rowwise, ("dout", "q", "k", "v", "o", "lse", *_array_fields(mask_args)), allocs,
-                 launches, dev, reusable=not (m.mask_mod and launch._capturing(dev)), keep=keep)
+    inputs = ("dout", "q", "k", "v", "o", "lse", *_array_fields(mask_args))
+    # The row-wise families read their own copy of the struct (masks.Masking.elementwise_fields).
+    structs, keep = [(params.BWD, p, {})] + ([(params.BWD, {**p, **rowwise}, {})] if rowwise else []), ()
+    if m.mask_mod:
+        needs = [(main, "mask_cols")] + ([] if impl == "fused" else [(_pick(dq_family, D, Q, m, dev), "mask_rows")])
+        structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
+                                                      _classify(p, m, H, dev, *needs))
+    return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep)
 
 
 # ---------------------------------------------------------------------------
@@ -345,25 +361,33 @@ _ALIGNED = ("q", "k", "v", "o", "dout")  # read as 16-byte vectors (_check_layou
 class _Plan:
     """A call's allocations, params structs (params.pack) and launches, with the pointers left out.
 
-    The first call of a signature (_plan_key: the tensors' shapes, strides, dtypes and devices, and
-    the options) checks its arguments and builds one; calls with the same signature allocate the
-    outputs, write the pointers into copies of the packed params and launch, with no checks and no
-    planning. Plans of masks with arrays or a mask_mod expression are used once (their pointers and
-    tile lists are in the params).
+    The first call of a signature (_plan_key: the tensors' shapes, strides, dtypes and devices, the
+    mask arrays' too, and the options) checks its arguments and builds one; calls with the same
+    signature allocate, write the pointers into copies of the packed structs and launch, with no
+    checks and no planning.
+
+    structs: (params dtype, values, links) per params struct; a launch names its struct by index.
+    Pointer fields are written at each call from the sources: the call's tensors (named by `inputs`,
+    their params fields) and the allocations' parts (named by _Alloc.fields). A field takes the
+    source of its own name unless `links` maps it to another (mask_classify's mod_map: one per tiling).
     """
 
-    def __init__(self, dtype: np.dtype, p: dict, rowwise: dict | None, inputs: tuple, allocs: list, launches: list,
-                 dev, reusable: bool = True, keep=()):
-        self.templates = [params.pack(dtype, p).tobytes()]
-        if rowwise:  # the row-wise families' copy (masks.Masking.elementwise_fields)
-            self.templates.append(params.pack(dtype, {**p, **rowwise}).tobytes())
-        offset = lambda name: dtype.fields[name][1]  # noqa: E731
-        self.inputs = tuple(offset(n) for n in inputs)  # the call's tensors, in order
+    def __init__(self, structs: list, inputs: tuple, allocs: list, launches: list, dev, reusable: bool = True,
+                 keep=()):
+        sources = list(inputs)
+        self.alloc_parts = []  # (array index, byte offset) of each source after the inputs
+        for i, a in enumerate(allocs):
+            for f, delta in zip(a.fields, a.offsets or (0,) * len(a.fields)):
+                sources.append(f)
+                self.alloc_parts.append((i, delta))
+        index = {name: j for j, name in enumerate(sources)}
+        self.templates = []  # (packed bytes, [(byte offset in the struct, source index)])
+        for dtype, values, links in structs:
+            patches = [(dtype.fields[f][1], index[links.get(f, f)]) for f in dtype.names if links.get(f, f) in index]
+            self.templates.append((params.pack(dtype, values).tobytes(), patches))
         self.aligned = tuple(i for i, n in enumerate(inputs) if n in _ALIGNED)
-        self.like = inputs.index("q") if inputs else 0  # outputs follow q's library and device
+        self.like = inputs.index("q") if "q" in inputs else 0  # outputs follow q's library and device
         self.allocs = [(a.shape, a.kind, a.fill) for a in allocs]  # interop.new_many's specs
-        self.alloc_fields = [(i, offset(f), delta) for i, a in enumerate(allocs)  # (array, params offset, bytes in)
-                             for f, delta in zip(a.fields, a.offsets or (0,) * len(a.fields))]
         self.launches, self.dev, self.reusable, self.keep = launches, dev, reusable, keep
 
     def run(self, tensors: tuple) -> list | None:
@@ -374,12 +398,12 @@ class _Plan:
         like = tensors[self.like]
         arrays = interop.new_many(like, self.allocs)
         bases = interop.data_ptrs(arrays)
-        patches = [*zip(self.inputs, ptrs), *((off, bases[i] + delta) for i, off, delta in self.alloc_fields)]
+        ptrs += [bases[i] + delta for i, delta in self.alloc_parts]
         args = []
-        for template in self.templates:
+        for template, patches in self.templates:
             buf = bytearray(template)
-            for off, ptr in patches:
-                _PTR.pack_into(buf, off, ptr)
+            for off, j in patches:
+                _PTR.pack_into(buf, off, ptrs[j])
             args.append(buf)
         if self.launches:
             launch.launch_all(self.dev, interop.stream(like), [(spec, g, args[which]) for spec, g, which in self.launches])
@@ -400,33 +424,43 @@ def _signature(x) -> tuple | None:
 
 
 def _arrays(mask_args: dict) -> list:
-    """The mask arrays given (masks.ARRAY_ARGS order): a reused plan writes their pointers like the tensors'."""
-    return [mask_args[n] for n in masks.ARRAY_ARGS if mask_args.get(n) is not None] if mask_args else []
+    """The mask arrays given (masks.ARRAY_ARGS order, then mask_tensors'): a reused plan writes their
+    pointers like the tensors'."""
+    if not mask_args:
+        return []
+    mod = mask_args.get("mask_tensors") or {}
+    return [mask_args[n] for n in masks.ARRAY_ARGS if mask_args.get(n) is not None] + \
+        (list(mod.values()) if isinstance(mod, dict) else [])  # not a dict: the build path says so
 
 
 def _array_fields(mask_args: dict) -> list:
-    return [masks.ARRAY_FIELDS[n] for n in masks.ARRAY_ARGS if mask_args.get(n) is not None]
+    """The params fields of _arrays(mask_args), in the same order."""
+    mod = mask_args.get("mask_tensors") or {}  # a dict here: the masking parsed
+    return [masks.ARRAY_FIELDS[n] for n in masks.ARRAY_ARGS if mask_args.get(n) is not None] + \
+        [f"mod_t{i}" for i in range(len(mod))]
 
 
 def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, validate: bool):
-    """The plan cache's key of a call (tensors: with the mask arrays), or None when its plan cannot be reused.
+    """The plan cache's key of a call (tensors: with its _arrays), or None when its plan cannot be reused.
 
-    Not reused: calls that validate mask arrays (the check reads their data), packed varlen without both
-    max_seqlen (the grid comes from the data), and mask_mod expressions over tensors or with mask arrays
-    (the tile lists come from the data). A mask_mod plan keeps its tile lists, so its key holds the stream:
-    the lists were made on it, and the caching allocator reclaims them on it when the plan is dropped.
+    Not reused: calls that validate mask arrays (the check reads their data) and packed varlen without
+    both max_seqlen (the grid comes from the data). A mask_mod plan over no arrays keeps its tile lists
+    (masks.Masking.static_lists), so its key holds the stream: the lists were made on it, and the
+    caching allocator reclaims them in that stream's order when the plan is dropped.
     """
     rest = ()
     if mask_args:
         arrays = [n for n in masks.ARRAY_ARGS if mask_args.get(n) is not None]
-        mod = mask_args.get("mask_mod") is not None or mask_args.get("mask_tensors")
-        if arrays and (validate or mod) or mask_args.get("mask_tensors"):
+        mod = mask_args.get("mask_tensors") or {}
+        if arrays and validate:
             return None
         if "cu_seqlens_q" in arrays and (mask_args.get("max_seqlen_q") is None or mask_args.get("max_seqlen_k") is None):
             return None
+        if not isinstance(mod, dict):
+            return None  # the build path says what is wrong with it
         rest = tuple(sorted((n, tuple(a) if isinstance(a, list) else a) for n, a in mask_args.items()
-                            if n not in masks.ARRAY_ARGS)) + (tuple(arrays),)
-        if mod:
+                            if n not in masks.ARRAY_ARGS and n != "mask_tensors")) + (tuple(arrays), tuple(mod))
+        if mask_args.get("mask_mod") is not None and not arrays and not mod:
             rest += (interop.stream(tensors[0]),)
     sig = tuple(map(_signature, tensors))
     if None in sig:
@@ -447,7 +481,7 @@ def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, validat
     plan = _PLANS.get(key)
     result = plan.run(tensors) if plan is not None else None
     if result is None:
-        plan = build()
+        plan = build(tensors)
         if key is not None and plan.reusable:
             if len(_PLANS) >= _MAX_PLANS:  # drop the oldest
                 _PLANS.pop(next(iter(_PLANS)), None)

@@ -51,6 +51,11 @@ class Masking:
     mod_per_batch: bool = False  # it names b or a tensor, or a built-in mask varies by batch entry
 
     @property
+    def static_lists(self) -> bool:
+        """mask_mod's tile lists depend on the call's shapes and options only (no tensors, no arrays)."""
+        return bool(self.mask_mod) and not self.mod_tensors and not self.arrays
+
+    @property
     def ordered_dq_ok(self) -> bool:
         """The fused backward can add dQ in a fixed order (kernels_cu/mask.cuh: first_key_tile_of)."""
         return not self.bits & (MASK_BITS["segments"] | MASK_BITS["mod"])

@@ -141,6 +141,13 @@ CASES = [
 ]
 
 
+def _on_device(kw: dict) -> dict:
+    """The mask keyword arguments with their host arrays (mask_tensors' too) as CuPy arrays."""
+    import cupy
+    device = lambda x: cupy.asarray(x) if isinstance(x, np.ndarray) else x  # noqa: E731
+    return {n: {t: device(x) for t, x in a.items()} if isinstance(a, dict) else device(a) for n, a in kw.items()}
+
+
 def _impls(kwargs):
     impls = [("split", True), ("fused", False)]
     if "segment_ids_q" not in kwargs and "mask_mod" not in kwargs:
@@ -159,8 +166,7 @@ def test_mask_matches_float64_reference(cupy, poison, case):  # noqa: F811
     cid, B, Sq, Sk, H, Hkv, D, dtype, causal, make = case
     rng = np.random.default_rng(zlib.crc32(cid.encode()))
     kw, rkw = make(rng, B, Sq, Sk) if make else ({}, {})
-    device = lambda x: cupy.asarray(x) if isinstance(x, np.ndarray) else x  # noqa: E731
-    kw = {k: {n: device(t) for n, t in v.items()} if isinstance(v, dict) else device(v) for k, v in kw.items()}
+    kw = _on_device(kw)
     q, k, v, do = _inputs(cupy, (B, Sq, H, D), (B, Sk, Hkv, D), dtype, zlib.crc32(cid.encode()))
 
     out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
@@ -270,11 +276,14 @@ def _mod_window(rng, B, Sq, Sk):  # a pure expression: its plan keeps its tile l
             dict(mask_mod=lambda b, h, q, k, Lq, Lk: (k <= q + (Lk - Lq)) & (k >= q + (Lk - Lq) - 40)))
 
 
-@pytest.mark.parametrize("make", [_padding, _segments, _random_blocks, _mod_window, _mod_heads, "varlen"],
-                         ids=["padding", "segments", "blocks", "mod-window", "mod-heads", "varlen"])
+@pytest.mark.parametrize("make", [_padding, _segments, _random_blocks, _mod_window, _mod_heads, _mod_docs,
+                                  _both(_padding, _mod_sink), "varlen"],
+                         ids=["padding", "segments", "blocks", "mod-window", "mod-heads", "mod-docs-tensors",
+                              "mod-padding", "varlen"])
 def test_reused_plan_reads_each_calls_mask_data(cupy, poison, make):  # noqa: F811
     """A second call of the same signature runs the first call's plan (no new plan is made) and reads
-    its own arrays: new lengths, ids and inputs, not the first call's."""
+    its own arrays: new lengths, ids, mask_mod tensors and inputs, not the first call's (a mask_mod
+    over tensors or arrays classifies its tiles again; over neither it keeps the first call's lists)."""
     from flashrt import api
     B, Sq, Sk, H, Hkv, D = 3, 200, 300, 4, 2, 64
     lens = ([120, 30, 150], [150, 90, 60])  # same total: the packed tensors keep their shape
@@ -289,7 +298,7 @@ def test_reused_plan_reads_each_calls_mask_data(cupy, poison, make):  # noqa: F8
             kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150)
         else:
             kw, rkw = make(rng, B, Sq, Sk)
-            kw = {n: cupy.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+            kw = _on_device(kw)
         before = set(api._PLANS)
         out, lse = flashrt.forward(q, k, v, causal=True, validate=False, **kw)
         dq, dk, dv = flashrt.backward(do, q, k, v, out, lse, causal=True, validate=False, **kw)
