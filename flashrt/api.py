@@ -14,7 +14,6 @@ import dataclasses
 import math
 import struct
 
-
 from . import _env, interop, launch, masks, nvrtc, params, tiles
 from .interop import Array
 from .spec import ELEMENTWISE
