@@ -227,7 +227,7 @@ def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dic
     spec = _pick(tiles.forward_family(D, dev.arch, dev.smem_optin), D, Q, m, dev)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
-    inputs = ("q", "k", "v", *_array_fields(mask_args))
+    inputs = ("q", "k", "v", *(f for f, _ in _mask_arrays(mask_args)))
     structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), 0)], ()
     if m.mask_mod:
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
@@ -320,7 +320,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
             launches.append((spec, launch.grid(spec, *dims, dev.sm_count, splits), 1 if rowwise else 0))
         else:
             launches.append((spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, splits), 0))
-    inputs = ("dout", "q", "k", "v", "o", "lse", *_array_fields(mask_args))
+    inputs = ("dout", "q", "k", "v", "o", "lse", *(f for f, _ in _mask_arrays(mask_args)))
     # The row-wise families read their own copy of the struct (masks.Masking.elementwise_fields).
     structs, keep = [(params.BWD, p, {})] + ([(params.BWD, {**p, **rowwise}, {})] if rowwise else []), ()
     if m.mask_mod:
@@ -337,7 +337,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
 class _Alloc:
     fields: tuple          # params pointer fields that take the new array's address
     shape: tuple
-    kind: str              # interop.new: "like" (the inputs' dtype), "f32", "i32"
+    kind: str              # interop.new_many: "like" (the inputs' dtype), "f32", "i32"
     fill: float | None = None  # None: uninitialised
     offsets: tuple = ()    # byte offset of each field's part of the array (default: all 0)
 
@@ -422,25 +422,18 @@ def _signature(x) -> tuple | None:
     return None
 
 
-def _arrays(mask_args: dict) -> list:
-    """The mask arrays given (masks.ARRAY_ARGS order, then mask_tensors'): a reused plan writes their
-    pointers like the tensors'."""
+def _mask_arrays(mask_args: dict) -> list:
+    """(params field, array) of each mask array given (masks.ARRAY_ARGS order, then mask_tensors'): a
+    reused plan writes their pointers like the tensors'."""
     if not mask_args:
         return []
     mod = mask_args.get("mask_tensors") or {}
-    return [mask_args[n] for n in masks.ARRAY_ARGS if mask_args.get(n) is not None] + \
-        (list(mod.values()) if isinstance(mod, dict) else [])  # not a dict: the build path says so
-
-
-def _array_fields(mask_args: dict) -> list:
-    """The params fields of _arrays(mask_args), in the same order."""
-    mod = mask_args.get("mask_tensors") or {}  # a dict here: the masking parsed
-    return [masks.ARRAY_FIELDS[n] for n in masks.ARRAY_ARGS if mask_args.get(n) is not None] + \
-        [f"mod_t{i}" for i in range(len(mod))]
+    return [(masks.ARRAY_FIELDS[n], mask_args[n]) for n in masks.ARRAY_ARGS if mask_args.get(n) is not None] + \
+        ([(f"mod_t{i}", x) for i, x in enumerate(mod.values())] if isinstance(mod, dict) else [])  # else: build raises
 
 
 def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, validate: bool):
-    """The plan cache's key of a call (tensors: with its _arrays), or None when its plan cannot be reused.
+    """The plan cache's key of a call (tensors: with its _mask_arrays), or None when its plan cannot be reused.
 
     Not reused: calls that validate mask arrays (the check reads their data) and packed varlen without
     both max_seqlen (the grid comes from the data). A mask_mod plan over no arrays keeps its tile lists
@@ -475,7 +468,7 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, valida
 def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, validate: bool, build) -> list:
     """Run the call's plan: the cached one of its signature, else build() (which checks the arguments and
     raises what is wrong with them, a misaligned pointer included) and keep it when it is reusable."""
-    tensors = (*tensors, *_arrays(mask_args))
+    tensors = (*tensors, *(x for _, x in _mask_arrays(mask_args)))
     key = _plan_key(kind, tensors, options, mask_args, validate)
     plan = _PLANS.get(key)
     result = plan.run(tensors) if plan is not None else None

@@ -56,14 +56,10 @@ def is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
-def new(x, shape: tuple[int, ...], kind: str = "like", fill: float | None = None):
-    """A new contiguous array in the library and on the device of x (a torch tensor or CuPy array):
-    of x's dtype (kind "like"), fp32 ("f32") or int32 ("i32"); uninitialised, or filled with `fill`."""
-    return new_many(x, [(shape, kind, fill)])[0]
-
-
 def new_many(x, specs: list) -> list:
-    """new(x, shape, kind, fill) for each (shape, kind, fill) in specs, with one library dispatch."""
+    """For each (shape, kind, fill) in specs, a new contiguous array in the library and on the device of x
+    (a torch tensor or CuPy array): of x's dtype (kind "like"), fp32 ("f32") or int32 ("i32");
+    uninitialised, or filled with `fill`."""
     if is_torch(x):
         import torch
         kinds = {"like": x.dtype, "f32": torch.float32, "i32": torch.int32}

@@ -204,14 +204,9 @@ def _cuda():
     return cupy, driver
 
 
-def launch(spec: KernelSpec, dev: Device, grid_dims: tuple[int, int, int], args, stream: int) -> None:
-    """Launch `spec` with its params struct `args` (params.pack, or its bytes in a bytearray) on the raw
-    stream handle `stream` (interop.stream)."""
-    launch_all(dev, stream, [(spec, grid_dims, args)])
-
-
 def launch_all(dev: Device, stream: int, launches: list) -> None:
-    """launch(spec, dev, grid_dims, args, stream) for each (spec, grid_dims, args) in order.
+    """Launch each (spec, grid_dims, args) in order on the raw stream handle `stream` (interop.stream);
+    args: the params struct (params.pack, or its bytes in a bytearray).
 
     cuLaunchKernel through CuPy's driver binding (a CuPy Function call costs several times more host
     time); the driver copies each params struct at its call.

@@ -52,8 +52,8 @@ class Masking:
 
     @property
     def static_lists(self) -> bool:
-        """mask_mod's tile lists depend on the call's shapes and options only (no tensors, no arrays)."""
-        return bool(self.mask_mod) and not self.mod_tensors and not self.arrays
+        """mask_mod's tile lists depend on the call's shapes and options only (no arrays: its tensors are too)."""
+        return bool(self.mask_mod) and not self.arrays
 
     @property
     def ordered_dq_ok(self) -> bool:

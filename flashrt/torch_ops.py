@@ -206,11 +206,10 @@ def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args):
             if a is not None:
                 arrays.append(name)
                 tensors.append(a)
-        elif name != "mask_tensors":
+        elif name != "mask_tensors" or not isinstance(a, dict):  # not a dict: api.forward says what is wrong
             static[name] = a
-    mod = mask_args.get("mask_tensors") or {}
-    if not isinstance(mod, dict):
-        raise TypeError(f"mask_tensors must be a dict of name -> int32 device array, got {type(mod).__name__}")
+    mod = mask_args.get("mask_tensors")
+    mod = mod if isinstance(mod, dict) else {}
     call = (causal, scale, impl, bool(deterministic), bool(validate), static, tuple(arrays), tuple(mod))
     return _Eager.apply(q, k, v, call, *tensors, *mod.values())
 
