@@ -9,7 +9,8 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
+    value = os.environ.get(name)  # read on every attention call (no_sm90): unset is the fast case
+    return value is not None and value.strip().lower() in _TRUE
 
 
 def cache_dir() -> str | None:

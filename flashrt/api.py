@@ -208,7 +208,7 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, valida
     masks.check_names(mask_args, "forward")
     result = _planned("forward", (q, k, v), (causal, softmax_scale), mask_args, validate,
                       lambda tensors: _forward_plan(tensors, causal, softmax_scale, validate, mask_args))
-    return tuple(result[:2])  # (out, lse; mask_mod's tile lists after them)
+    return result[0], result[1]  # (mask_mod's tile lists follow out and lse)
 
 
 def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dict) -> "_Plan":
@@ -258,11 +258,10 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     identical inputs, run after run and process after process, for every impl.
     """
     masks.check_names(mask_args, "backward")
-    tensors = (dout, q, k, v, out, lse)
-    result = _planned("backward", tensors, (causal, softmax_scale, impl, deterministic), mask_args, validate,
-                      lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic, validate,
-                                                     mask_args))
-    return tuple(result[:3])  # (dq, dk, dv; the scratch arrays after them)
+    result = _planned("backward", (dout, q, k, v, out, lse), (causal, softmax_scale, impl, deterministic), mask_args,
+                      validate, lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic,
+                                                               validate, mask_args))
+    return result[0], result[1], result[2]  # (the scratch arrays follow)
 
 
 def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, validate: bool,
@@ -380,32 +379,33 @@ class _Plan:
                 sources.append(f)
                 self.alloc_parts.append((i, delta))
         index = {name: j for j, name in enumerate(sources)}
-        self.templates = []  # (packed bytes, [(byte offset in the struct, source index)])
-        for dtype, values, links in structs:
-            patches = [(dtype.fields[f][1], index[links.get(f, f)]) for f in dtype.names if links.get(f, f) in index]
-            self.templates.append((params.pack(dtype, values).tobytes(), patches))
+        templates, self.patches = [], []  # packed structs; (struct index, byte offset, source index)
+        for b, (dtype, values, links) in enumerate(structs):
+            templates.append(params.pack(dtype, values).tobytes())
+            self.patches += [(b, dtype.fields[f][1], index[links.get(f, f)]) for f in dtype.names
+                             if links.get(f, f) in index]
         self.aligned = tuple(i for i, n in enumerate(inputs) if n in _ALIGNED)
         self.like = inputs.index("q") if "q" in inputs else 0  # outputs follow q's library and device
         self.allocs = [(a.shape, a.kind, a.fill) for a in allocs]  # interop.new_many's specs
-        self.launches, self.dev, self.reusable, self.keep = launches, dev, reusable, keep
+        self.launches = launch.Sequence(dev, launches, templates) if launches else None
+        self.dev, self.reusable, self.keep = dev, reusable, keep
 
     def run(self, tensors: tuple) -> list | None:
         """The outputs (allocs in order), after enqueueing the launches; None if a pointer lost its alignment."""
         ptrs = interop.data_ptrs(tensors)  # one library: the plan's signature says so
-        if any(ptrs[i] % 16 for i in self.aligned):
-            return None
+        for i in self.aligned:
+            if ptrs[i] % 16:
+                return None
         like = tensors[self.like]
         arrays = interop.new_many(like, self.allocs)
+        if self.launches is None:
+            return arrays
         bases = interop.data_ptrs(arrays)
         ptrs += [bases[i] + delta for i, delta in self.alloc_parts]
-        args = []
-        for template, patches in self.templates:
-            buf = bytearray(template)
-            for off, j in patches:
-                _PTR.pack_into(buf, off, ptrs[j])
-            args.append(buf)
-        if self.launches:
-            launch.launch_all(self.dev, interop.stream(like), [(spec, g, args[which]) for spec, g, which in self.launches])
+        structs = self.launches.buffers()
+        for b, off, j in self.patches:
+            _PTR.pack_into(structs[b], off, ptrs[j])
+        self.launches.launch(interop.stream(like))
         return arrays
 
 
@@ -413,12 +413,21 @@ _PLANS: dict = {}
 _MAX_PLANS = 256
 
 
-def _signature(x) -> tuple | None:
-    """What a plan depends on of one argument: its layout, not its data or address (None: not a tensor)."""
-    if interop.is_torch(x):
-        return (x.shape, x.stride(), x.dtype, x.device)
-    if type(x).__module__.split(".")[0] == "cupy":
-        return ("cupy", x.shape, x.strides, x.dtype, x.device.id)
+def _signatures(tensors: tuple) -> tuple | None:
+    """What a plan depends on of its arguments: their layouts, not their data or addresses (None: one of
+    them is not a tensor of the first one's library; the build path says what is wrong)."""
+    if interop.is_torch(tensors[0]):
+        import torch
+        for x in tensors:
+            if not isinstance(x, torch.Tensor):
+                return None
+        return tuple([(x.shape, x.stride(), x.dtype, x.device) for x in tensors])
+    if type(tensors[0]).__module__.split(".")[0] == "cupy":
+        import cupy
+        for x in tensors:
+            if not isinstance(x, cupy.ndarray):
+                return None
+        return tuple([(x.shape, x.strides, x.dtype, x.device.id) for x in tensors])
     return None
 
 
@@ -454,23 +463,20 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, valida
                             if n not in masks.ARRAY_ARGS and n != "mask_tensors")) + (tuple(arrays), tuple(mod))
         if mask_args.get("mask_mod") is not None and not arrays and not mod:
             rest += (interop.stream(tensors[0]),)
-    sig = tuple(map(_signature, tensors))
-    if None in sig:
-        return None
-    key = (kind, sig, options, rest, _env.no_sm90())
-    try:
-        hash(key)
-    except TypeError:  # an odd option value: its call is checked (and planned) every time
-        return None
-    return key
+    sig = _signatures(tensors)
+    return None if sig is None else (kind, sig, options, rest, _env.no_sm90())
 
 
 def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, validate: bool, build) -> list:
     """Run the call's plan: the cached one of its signature, else build() (which checks the arguments and
     raises what is wrong with them, a misaligned pointer included) and keep it when it is reusable."""
-    tensors = (*tensors, *(x for _, x in _mask_arrays(mask_args)))
+    if mask_args:
+        tensors = (*tensors, *(x for _, x in _mask_arrays(mask_args)))
     key = _plan_key(kind, tensors, options, mask_args, validate)
-    plan = _PLANS.get(key)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an odd option value: its call is checked (and planned) every time
+        plan = key = None
     result = plan.run(tensors) if plan is not None else None
     if result is None:
         plan = build(tensors)

@@ -56,19 +56,23 @@ def is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
+_KINDS = {"f32": "float32", "i32": "int32"}  # new_many's kinds besides "like", as dtype names
+
+
 def new_many(x, specs: list) -> list:
     """For each (shape, kind, fill) in specs, a new contiguous array in the library and on the device of x
     (a torch tensor or CuPy array): of x's dtype (kind "like"), fp32 ("f32") or int32 ("i32");
     uninitialised, or filled with `fill`."""
     if is_torch(x):
         import torch
-        kinds = {"like": x.dtype, "f32": torch.float32, "i32": torch.int32}
-        out = [torch.empty(shape, dtype=kinds[kind], device=x.device) for shape, kind, _ in specs]
-        return [a if fill is None else a.fill_(fill) for a, (_, _, fill) in zip(out, specs)]
+        device, out = x.device, []
+        for shape, kind, fill in specs:
+            a = torch.empty(shape, dtype=x.dtype if kind == "like" else getattr(torch, _KINDS[kind]), device=device)
+            out.append(a if fill is None else a.fill_(fill))
+        return out
     import cupy
-    kinds = {"like": x.dtype, "f32": cupy.float32, "i32": cupy.int32}
     with cupy.cuda.Device(x.device.id):
-        out = [cupy.empty(shape, dtype=kinds[kind]) for shape, kind, _ in specs]
+        out = [cupy.empty(shape, dtype=x.dtype if kind == "like" else _KINDS[kind]) for shape, kind, _ in specs]
         for a, (_, _, fill) in zip(out, specs):
             if fill is not None:
                 a.fill(fill)

@@ -204,25 +204,43 @@ def _cuda():
     return cupy, driver
 
 
-def launch_all(dev: Device, stream: int, launches: list) -> None:
-    """Launch each (spec, grid_dims, args) in order on the raw stream handle `stream` (interop.stream);
-    args: the params struct (params.pack, or its bytes in a bytearray).
+class Sequence:
+    """Kernel launches that run in order, again and again, with their params structs rewritten in place.
 
-    cuLaunchKernel through CuPy's driver binding (a CuPy Function call costs several times more host
-    time); the driver copies each params struct at its call.
+    launches: (spec, grid, struct index) each; templates: the packed params structs (params.pack), one
+    kernel argument each. Each thread gets its own writable ctypes copies of the structs (buffers());
+    the caller writes its pointers into them and calls launch(stream). cuLaunchKernel through CuPy's
+    driver binding copies the struct at each call, so a later run may overwrite it at once (a CuPy
+    Function call, or a ctypes copy per launch, costs several times more host time).
     """
-    cupy, driver = _cuda()
-    fns = [function(spec, dev).ptr for spec, _, _ in launches]
-    with cupy.cuda.Device(dev.index) if cupy.cuda.runtime.getDevice() != dev.index else contextlib.nullcontext():
-        for fn, (spec, grid_dims, args) in zip(fns, launches):
-            struct_ = (ctypes.c_char * memoryview(args).nbytes).from_buffer_copy(args)
-            kernel_params = _ONE_POINTER(ctypes.addressof(struct_))  # one kernel argument: the struct
-            try:
-                driver.launchKernel(fn, *grid_dims, spec.threads, 1, 1, spec.smem_bytes, stream,
-                                    ctypes.addressof(kernel_params), 0)
-            except Exception as exc:
-                raise LaunchError(f"launch of {spec.name} failed (grid={grid_dims}, block={spec.threads}, "
-                                  f"dynamic smem={spec.smem_bytes} B): {exc}") from exc
+
+    def __init__(self, dev: Device, launches: list, templates: list):
+        self.dev, self.launches, self.templates = dev, launches, templates
+        self._local = threading.local()
+
+    def buffers(self) -> list:
+        """This thread's params structs, writable (made, and the kernels loaded, on this thread's first use)."""
+        mine = getattr(self._local, "mine", None)
+        if mine is None:
+            structs = [(ctypes.c_char * len(t)).from_buffer_copy(t) for t in self.templates]
+            pointers = [_ONE_POINTER(ctypes.addressof(s)) for s in structs]  # kernelParams: one pointer each
+            calls = [(function(spec, self.dev).ptr, grid_dims, spec, ctypes.addressof(pointers[i]))
+                     for spec, grid_dims, i in self.launches]
+            mine = self._local.mine = (structs, pointers, calls)
+        return mine[0]
+
+    def launch(self, stream: int) -> None:
+        """Enqueue every launch on the raw stream handle `stream` (interop.stream), with this thread's structs."""
+        cupy, driver = _cuda()
+        calls = self._local.mine[2]
+        index = self.dev.index
+        with cupy.cuda.Device(index) if cupy.cuda.runtime.getDevice() != index else contextlib.nullcontext():
+            for fn, (gx, gy, gz), spec, kernel_params in calls:
+                try:
+                    driver.launchKernel(fn, gx, gy, gz, spec.threads, 1, 1, spec.smem_bytes, stream, kernel_params, 0)
+                except Exception as exc:
+                    raise LaunchError(f"launch of {spec.name} failed (grid={(gx, gy, gz)}, block={spec.threads}, "
+                                      f"dynamic smem={spec.smem_bytes} B): {exc}") from exc
 
 
 _ONE_POINTER = ctypes.c_void_p * 1

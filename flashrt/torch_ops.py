@@ -23,8 +23,11 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     expanded tensor with zero strides), so the backward op normalises dout. It runs
     inside the op's real impl: a fake tensor under torch.compile has no data pointer.
     """
-    aligned = x.data_ptr() % 16 == 0 and x.stride(-1) == 1
-    aligned = aligned and all(s % 8 == 0 for n, s in zip(x.shape[:-1], x.stride()[:-1]) if n > 1)
+    if x.data_ptr() % 16:  # (contiguous() would return a contiguous x itself)
+        return x.clone(memory_format=torch.contiguous_format)
+    if x.is_contiguous() and x.shape[-1] % 8 == 0:  # the common case, checked first (host time)
+        return x
+    aligned = x.stride(-1) == 1 and all(s % 8 == 0 for n, s in zip(x.shape[:-1], x.stride()[:-1]) if n > 1)
     return x if aligned else x.contiguous()
 
 

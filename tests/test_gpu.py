@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import flashrt
-from flashrt import api, launch, reference, tiles
+from flashrt import launch, reference, tiles
 from flashrt.spec import MASK_BITS
 
 pytestmark = pytest.mark.gpu

@@ -118,6 +118,19 @@ def test_sdpa_entry_shape_errors():
         flashrt.torch.scaled_dot_product_attention(q[0], k[0], v[0], enable_gqa=True)
 
 
+def test_upstream_gradient_made_readable_only_when_needed():
+    from flashrt.torch_ops import _kernel_ready
+    x = torch.randn(2, 16, 4, 64)
+    assert _kernel_ready(x) is x  # contiguous and aligned: read in place
+    for view in (x.transpose(1, 2), x[:, ::2]):  # strided, but in 16-byte steps: read in place
+        assert _kernel_ready(view) is view
+    for view in (torch.ones(()).expand(2, 16, 4, 64),    # all strides 0 (out.sum()'s gradient)
+                 x[..., ::2],                           # head_dim not contiguous
+                 torch.randn(2 * 16 * 4 * 64 + 1)[1:].view(2, 16, 4, 64)):  # contiguous, base not 16-byte aligned
+        got = _kernel_ready(view)
+        assert got.is_contiguous() and got.data_ptr() % 16 == 0 and torch.equal(got, view)
+
+
 # ---------------------------------------------------------------------------
 # GPU: the custom ops under torch's checkers and compilers
 # ---------------------------------------------------------------------------
