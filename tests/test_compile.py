@@ -26,11 +26,13 @@ def _variants():
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
                         out.add(tiles.pick_nw(family, d, dtype, causal, arch, limit))
-    # Masked variants (kernels_cu/mask.cuh): every feature at once, and lengths alone (padding / varlen).
+    # Masked variants (kernels_cu/mask.cuh): every feature at once, lengths alone (padding / varlen), and
+    # lengths with a window (Visibility::visible's branch-free form, taken without id arrays).
     for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
         for d in (64, 128, 160, 256):
             for causal in (False, True):
-                for mask in (sum(MASK_BITS.values()) & ~MASK_BITS["mod"], MASK_BITS["lengths"]):
+                for mask in (sum(MASK_BITS.values()) & ~MASK_BITS["mod"], MASK_BITS["lengths"],
+                             MASK_BITS["lengths"] | MASK_BITS["window"]):
                     if tiles.applies(family, d, "sm_90a", mask):
                         out.add(tiles.pick_nw(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
     # mask_mod variants (an expression that reads a tensor and names every variable) with every
