@@ -115,14 +115,15 @@ struct Visibility {
     // and 1.6x its time). With them, early returns guard the reads (and the branch-free form made the
     // head_dim 64 wgmma dQ spill with every feature, NVRTC 12.9).
     FRT_DEVICE bool visible(int i, int j, int h) const {
-        const int d = j - i - shift;  // the key's offset from the query's diagonal
         if constexpr (!(BLOCK_IDS || SEGMENTS || MOD)) {
+            const int d = j - i - shift;  // the key's offset from the query's diagonal
             bool ok = (i < Lq) & (j < Lk);
             if (CAUSAL) ok &= d <= 0;
             if (WINDOW) ok &= ((wl < 0) | (d >= -wl)) & ((wr < 0) | (d <= wr));
             return ok;
         }
         if (i >= Lq || j >= Lk) return false;
+        const int d = j - i - shift;
         if (CAUSAL && d > 0) return false;
         if (WINDOW && ((wl >= 0 && d < -wl) || (wr >= 0 && d > wr))) return false;
         if (BLOCK_IDS && bk[j] > bq[i]) return false;
