@@ -30,6 +30,8 @@ with autograd recording, as in training, so backward = (forward+backward) - forw
 implementation alike. FLOPs: forward 4*B*H*Sq*Sk*D (halved when causal), backward 2.5x, forward+
 backward 3.5x. Peak memory: max allocated during one forward+backward, above what was allocated
 before it.
+The seed and stack sets, bound by host time, are measured in 7 interleaved rounds (each
+implementation in turn, round after round); each figure is the median of its rounds.
 
 Stack: 18 layers of [q/k/v projections from a hidden state of width H*D, attention, output
 projection, residual], each under torch.utils.checkpoint (non-reentrant); forward+backward time of
@@ -351,23 +353,56 @@ def bench_impl(impl: str, c: dict, inputs, ref: dict, measure, make=None) -> dic
     make(row) -> attn builds the implementation (and may note set-up facts in the row); by default
     make_attention for the case.
     """
-    row = dict(c, impl=impl)
-    reason = skip_reason(impl, c)
-    if reason:
-        row["error"] = reason
-        return row
-    try:
-        attn = make(row) if make else make_attention(impl, c["causal"], c["S"])
-        row.update(gate(attn, *inputs, ref))
+    return bench_impls([impl], c, inputs, ref, measure, (lambda _: make) if make else None)[0]
+
+
+def bench_impls(impls: list[str], c: dict, inputs, ref: dict, measure, make_of=None, rounds: int = 1) -> list[dict]:
+    """bench_impl for each implementation: every one gated first, then measured `rounds` times in turn
+    (impl 1, impl 2, ..., impl 1, ...), each figure the median of its rounds. The host-bound sets
+    (seed, stack) take rounds > 1: the device machine's host drifts between fast and slow states over
+    seconds, which one-after-the-other timing turns into a ratio between implementations.
+    make_of(impl): the implementation's make (bench_impl), or None for make_attention.
+    """
+    rows, ready = [], []
+    for impl in impls:
+        row = dict(c, impl=impl)
+        rows.append(row)
+        reason = skip_reason(impl, c)
+        if reason:
+            row["error"] = reason
+            continue
+        try:
+            make = make_of(impl) if make_of else None
+            attn = make(row) if make else make_attention(impl, c["causal"], c["S"])
+            row.update(gate(attn, *inputs, ref))
+            if "error" not in row:
+                ready.append((row, attn, []))
+        except Exception as exc:  # an implementation that cannot run this case
+            row["error"] = error_text(exc)
+            print(f"{impl} {c}:\n{traceback.format_exc(limit=-4)}", file=sys.stderr)
+        _release(inputs)
+    for _ in range(rounds):
+        for row, attn, samples in ready:
+            if "error" in row:
+                continue
+            try:
+                samples.append(measure(attn))
+            except Exception as exc:
+                row["error"] = error_text(exc)
+                print(f"{row['impl']} {c}:\n{traceback.format_exc(limit=-4)}", file=sys.stderr)
+            _release(inputs)
+    for row, _, samples in ready:
         if "error" not in row:
-            row.update(measure(attn))
-    except Exception as exc:  # an implementation that cannot run this case
-        row["error"] = error_text(exc)
-        print(f"{impl} {c}:\n{traceback.format_exc(limit=-4)}", file=sys.stderr)
+            row.update({key: statistics.median(s[key] for s in samples) for key in samples[0]})
+            if rounds > 1:
+                row["rounds"] = rounds
+    return rows
+
+
+def _release(inputs) -> None:
     for x in inputs[:3]:
         x.grad = None
     torch.cuda.empty_cache()
-    return row
 
 
 def error_text(exc: Exception) -> str:
@@ -390,10 +425,14 @@ def attention_measure(c: dict, q, k, v, do):
     return measure
 
 
+HOST_BOUND_ROUNDS = 7  # the seed and stack sets: measured in interleaved rounds (bench_impls)
+
+
 def bench_case(c: dict, impls: list[str]) -> list[dict]:
     q, k, v, do = make_inputs(c)
     ref = reference(q, k, v, do, c["causal"])
-    return [bench_impl(impl, c, (q, k, v, do), ref, attention_measure(c, q, k, v, do)) for impl in impls]
+    rounds = HOST_BOUND_ROUNDS if c["set"] == "seed" else 1
+    return bench_impls(impls, c, (q, k, v, do), ref, attention_measure(c, q, k, v, do), rounds=rounds)
 
 
 # ---------------------------------------------------------------- the 18-layer stack
@@ -441,7 +480,7 @@ def bench_stack(impls: list[str], causal: bool) -> list[dict]:
     dy = torch.randn_like(x)
     q, k, v, do = make_inputs(c)
     ref = reference(q, k, v, do, causal)
-    return [bench_impl(impl, c, (q, k, v, do), ref, stack_measure(blocks, x, dy)) for impl in impls]
+    return bench_impls(impls, c, (q, k, v, do), ref, stack_measure(blocks, x, dy), rounds=HOST_BOUND_ROUNDS)
 
 
 # ---------------------------------------------------------------- masks
