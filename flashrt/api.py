@@ -361,8 +361,8 @@ class _Plan:
 
     The first call of a signature (_plan_key: the tensors' shapes, strides, dtypes and devices, the
     mask arrays' too, and the options) checks its arguments and builds one; calls with the same
-    signature allocate, write the pointers into copies of the packed structs and launch, with no
-    checks and no planning.
+    signature allocate, write the pointers into this thread's copies of the packed structs
+    (launch.Sequence) and launch, with no checks and no planning.
 
     structs: (params dtype, values, links) per params struct; a launch names its struct by index.
     Pointer fields are written at each call from the sources: the call's tensors (named by `inputs`,
