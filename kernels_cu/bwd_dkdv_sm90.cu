@@ -212,14 +212,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             }
             // dV += P^T dO (warpgroup 0) or dK += dS^T Q (warpgroup 1), 64 x D, k = the BM queries:
             // A from registers, B MN-major (the [query][head_dim] tile read as K x N).
-            const u32 sOperand = wg == 0 ? sdO : sQ;
-            wgmma_fence();  // orders the A fragment writes before the wgmmas that read them
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-                wgmma_rs<D, 1, T::BF16>(acc[0], a[kk], desc_mn_major<BM>(sOperand, kk), 1);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_operand(acc[0]);
+            wgmma_rs_wait<D, BM, T::BF16>(acc[0], a, wg == 0 ? sdO : sQ);
         } else {
             const auto pr = tile.pair(p, it);
             const u32 hidden = pr.partial ? hidden_bits<BM>(tile, pr.h, pr.m, key_base, t) : 0u;

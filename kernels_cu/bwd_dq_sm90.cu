@@ -170,12 +170,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
         for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, T::BF16>(dp, kk, dsa[kk]);
 
         // dQ_w += dS K (64 x D, k = the BN keys): A from registers, K the MN-major B operand.
-        wgmma_fence();  // orders the dsa writes before the wgmmas that read them
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D, 1, T::BF16>(dq, dsa[kk], desc_mn_major<BN>(sK, kk), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operand(dq);
+        wgmma_rs_wait<D, BN, T::BF16>(dq, dsa, sK);
     }
     cp_async_wait<0>();  // the last (empty) group
     // Every thread's Q copies have landed before a warpgroup overwrites its rows with dQ (with no

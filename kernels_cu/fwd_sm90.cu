@@ -119,12 +119,7 @@ __device__ void fwd_sm90(const FwdParams& p) {
         u32 pa[BN / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, T::BF16>(s, kk, pa[kk]);
-        wgmma_fence();  // orders the o rescale and the pa writes before the wgmmas that read them
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D, 1, T::BF16>(o, pa[kk], desc_mn_major<BN>(sV, kk), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operand(o);
+        wgmma_rs_wait<D, BN, T::BF16>(o, pa, sV);  // O += P V (after the o rescale and the pa writes)
     }
     cp_async_wait<0>();  // the last (empty) group
     // Every thread's Q copies have landed before a warpgroup overwrites its rows with O (with no
