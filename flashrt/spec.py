@@ -96,6 +96,7 @@ class KernelSpec:
     mask: int = 0  # MASK_BITS of the mask features compiled in (0 for ELEMENTWISE families)
     mask_mod: str = ""              # the user's expression (MASK_BITS["mod"])
     mod_tensors: tuple = ()         # names the expression gives its int32 tensors, in order
+    min_blocks: int = 1             # blocks per SM the registers must allow (__launch_bounds__; 1: no cap)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -130,7 +131,8 @@ class KernelSpec:
         if self.mask_mod:  # the expression's identity
             mask += hashlib.sha256(repr((self.mask_mod, self.mod_tensors)).encode()).hexdigest()[:12]
         what = self.family if self.family in CLASSIFY else f"{self.family}_hd{self.head_dim}_{self.dtype}"
-        return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}_{self.arch}"
+        occupancy = f"b{self.min_blocks}" if self.min_blocks > 1 else ""
+        return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}{occupancy}_{self.arch}"
 
     def classifier(self, family: str) -> "KernelSpec":
         """A mask_mod classification kernel (CLASSIFY) for this kernel's tiles."""
@@ -149,6 +151,8 @@ class KernelSpec:
         bm, bn, nw = self.block_m, self.block_n, self.warps
         if nw < 1 or nw > 16:
             return "warps must be in [1, 16]"
+        if self.min_blocks < 1 or self.min_blocks * nw > 64:
+            return "min_blocks must be in [1, 64 / warps]"
         if self.family in ELEMENTWISE:
             return None
         if self.family in CLASSIFY:
@@ -187,9 +191,10 @@ class KernelSpec:
             return (bm + 4 * bn) * self.head_dim * 2 + 1024
         if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V); above head_dim 192 one V buffer
             return (2 * bm + (3 if self.head_dim > 192 else 4) * bn) * self.head_dim * 2 + 1024
-        if self.family == "bwd_dkdv_sm90":  # K, V + 2 stages of (Q, dO) + 2 stages of (lse2, delta) [+ P^T]
+        if self.family == "bwd_dkdv_sm90":  # K, V + stages of (Q, dO, lse2, delta) [+ P^T]
+            stages = 3 if self.head_dim == 64 else 2  # head_dim 64: pipelined (bwd_dkdv_sm90.cu)
             xch = 128 * (bm // 2) * 4 if self.head_dim > 128 else 0  # fp32 P^T between the warpgroups
-            return (2 * bn + 4 * bm) * self.head_dim * 2 + 2 * 2 * bm * 4 + xch + 1024
+            return (2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + xch + 1024
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)
@@ -208,6 +213,7 @@ class KernelSpec:
             "FRT_BLOCK_M": self.block_m,
             "FRT_BLOCK_N": self.block_n,
             "FRT_WARPS": self.warps,
+            "FRT_MIN_BLOCKS": self.min_blocks,
             "FRT_BF16": int(self.dtype == "bf16"),
             "FRT_CAUSAL": int(self.causal),
             "FRT_SMEM_BYTES": self.smem_bytes,

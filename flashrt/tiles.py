@@ -14,7 +14,8 @@ import functools
 from . import _env
 from .spec import ELEMENTWISE, MASK_BITS, SM90_HEAD_DIMS, KernelSpec
 
-# family -> [(max head_dim, [(block_m, block_n, warps), ...] in order of preference)]
+# family -> [(max head_dim, [(block_m, block_n, warps[, min_blocks]), ...] in order of preference)];
+# min_blocks (default 1): blocks per SM the kernel's registers must allow (spec.KernelSpec.min_blocks)
 _PREFERENCES = {
     "fwd": [
         (64, [(128, 64, 4), (128, 64, 8)]),
@@ -29,11 +30,15 @@ _PREFERENCES = {
         (256, [(128, 64, 8), (64, 32, 4)]),
     ],
     # wgmma (sm_90a): two warpgroups of 64 query rows; head_dim 64, 128, 192, 256 (forward_family);
-    # 128-key tiles do not fit in shared memory above 128
-    "fwd_sm90": [(128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
+    # 128-key tiles do not fit in shared memory above 128. At head_dim 64, 64-key tiles (113-115
+    # registers unmasked: two blocks per SM, one block's softmax runs under the other's wgmmas) beat
+    # 128-key tiles (193 registers, one block): H200, 1.12-1.36x at S 512-8k (docs/perf-notes.md, session 6).
+    "fwd_sm90": [(64, [(128, 64, 8), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
-    "bwd_dq_sm90": [(64, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
+    # (head_dim 64: two blocks per SM, capped at 128 registers, 1-9% faster than 128-key tiles at one
+    # block, H200 S 512-8k; causal and lengths variants spill: SPILL_ALLOWANCE)
+    "bwd_dq_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (256, [(128, 64, 8)])],
     "bwd_dkdv_sm90": [(128, [(64, 128, 8)]), (256, [(64, 64, 8)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
@@ -63,6 +68,8 @@ _PREFERENCES = {
 # replace them for masked variants.
 _MASKED_PREFERENCES = {
     "fwd": [(192, [(128, 64, 8), (64, 64, 4)]), (256, [(64, 32, 4)])],
+    # (the head_dim 64 dQ at two blocks per SM spills 8-156 bytes with window, block or segment ids)
+    "bwd_dq_sm90": [(64, [(128, 128, 8)]), (256, [(128, 64, 8)])],
     "bwd_fused": [(256, [(64, 64, 8), (64, 32, 8)])],
 }
 # With a mask_mod expression as well, the fused backward at head_dim > 128 spills at 64x64 (12 bytes with
@@ -70,10 +77,21 @@ _MASKED_PREFERENCES = {
 _MOD_PREFERENCES = {
     "bwd_fused": [(128, [(64, 64, 8), (64, 32, 8)]), (256, [(64, 32, 8)])],
     # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression)
-    "fwd_sm90": [(256, [(128, 64, 8)])],
+    "fwd_sm90": [(64, [(128, 64, 8, 2)]), (256, [(128, 64, 8)])],
     # (the wgmma dQ at head_dim 64 with 128-key tiles spills 32 bytes with an expression alone, NVRTC 12.9)
     "bwd_dq_sm90": [(256, [(128, 64, 8)])],
 }
+# Measured exceptions to "no register spills": (family, head_dim, min_blocks) -> bytes of local memory a
+# variant may use. The head_dim 64 dQ at two blocks per SM (128 registers) spills 20-24 bytes in its causal
+# and lengths variants and still runs 1-9% faster than at one block (H200, docs/perf-notes.md, session 6).
+SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32}
+
+
+def spill_allowance(spec: KernelSpec) -> int:
+    """Bytes of local memory (register spills) `spec` may use: 0 unless SPILL_ALLOWANCE says otherwise."""
+    return SPILL_ALLOWANCE.get((spec.family, spec.head_dim, spec.min_blocks), 0)
+
+
 # Smaller tilings, tried in order when none of the preferred ones fits.
 _FALLBACKS = {
     "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
@@ -129,15 +147,16 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
     """The wgmma `family` has a kernel here (applies) whose smallest tiling fits `smem_limit`."""
     if no_sm90 or not applies(family, head_dim, arch, mask):
         return False
-    return min(KernelSpec(family, head_dim, "bf16", *tiling, False, arch).smem_bytes
-               for tiling in candidates(family, head_dim)) <= smem_limit
+    return min(KernelSpec(family, head_dim, "bf16", bm, bn, nw, False, arch, min_blocks=mb).smem_bytes
+               for bm, bn, nw, mb in candidates(family, head_dim)) <= smem_limit
 
 
 class TilingError(RuntimeError):
     """No tiling of a kernel fits the device."""
 
 
-def candidates(family: str, head_dim: int, mask: int = 0) -> list[tuple[int, int, int]]:
+def candidates(family: str, head_dim: int, mask: int = 0) -> list[tuple[int, int, int, int]]:
+    """(block_m, block_n, warps, min_blocks) of `family` at `head_dim` in order of preference."""
     table = _PREFERENCES[family]
     if mask & ~MASK_BITS["lengths"]:
         table = _MASKED_PREFERENCES.get(family, table)
@@ -145,7 +164,7 @@ def candidates(family: str, head_dim: int, mask: int = 0) -> list[tuple[int, int
         table = _MOD_PREFERENCES.get(family, table)
     for max_d, prefs in table:
         if head_dim <= max_d:
-            return prefs + [f for f in _FALLBACKS[family] if f not in prefs]
+            return [(*t, 1) if len(t) == 3 else t for t in prefs + [f for f in _FALLBACKS[family] if f not in prefs]]
     raise ValueError(f"head_dim must be at most 256, got {head_dim}")
 
 
@@ -158,11 +177,11 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
     """
     elementwise = family in ELEMENTWISE
     tried = []
-    for bm, bn, nw in candidates(family, head_dim, mask):
+    for bm, bn, nw, mb in candidates(family, head_dim, mask):
         try:
             spec = KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise, arch,
                               0 if elementwise else mask, "" if elementwise else mask_mod,
-                              () if elementwise else tuple(mod_tensors))
+                              () if elementwise else tuple(mod_tensors), mb)
         except ValueError as exc:  # this tiling does not divide this head_dim; try the next
             tried.append(str(exc))
             continue

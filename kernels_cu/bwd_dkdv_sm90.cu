@@ -15,6 +15,13 @@
 // no shared-memory round trip for P or dS. At head_dim 64 or 128 each warpgroup keeps its keys' dK
 // and dV (64 x D fp32 each) in registers (254 registers at 128).
 //
+// head_dim 64 ("pipelined"): a pair's dV / dK wgmmas are issued in the next pair's iteration, between
+// that pair's S^T and dP^T, so that the tensor cores run them and dP^T while the warpgroup computes
+// the exponentials of P^T (at head_dim 64 those cost about half as long as the four matmuls, which
+// ran one after the other before). The previous pair's Q / dO are still read then: three stages.
+// The warpgroup's K and V rows, fixed for the block, are the register A operands of S^T and dP^T
+// (32 registers), so those wgmmas read only Q / dO from shared memory.
+//
 // head_dim 192 or 256 ("roles": 64 x D of both gradients would not fit one warpgroup's registers):
 // 64 keys per block, and the warpgroups split the work by gradient instead of by key. Warpgroup 0
 // computes S^T and P^T and accumulates dV += P^T dO; warpgroup 1 computes dP^T, takes P^T from
@@ -33,6 +40,8 @@ struct DkdvSm90Traits {
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32;
     static constexpr bool ROLES = D > 128;  // one warpgroup per gradient (see the top of the file)
+    static constexpr bool PIPELINED = D == 64;  // dV / dK of a pair under the next's exponentials (top)
+    static constexpr int STAGES = PIPELINED ? 3 : 2;  // query stages (Q, dO, lse2, delta)
     static_assert(D == 64 || D == 128 || D == 192 || D == 256, "bwd_dkdv_sm90: head_dim 64, 128, 192 or 256");
     static_assert(BM == 64, "bwd_dkdv_sm90: query tiles of 64 rows (S^T is one m64n64 accumulator)");
     static_assert(NW == 8 && BN == (ROLES ? 64 : 128),
@@ -43,7 +52,7 @@ struct DkdvSm90Traits {
     static constexpr int STAT_STAGE_BYTES = 2 * BM * 4;   // lse2[BM], then delta[BM]
     static constexpr int XCH_BYTES = ROLES ? 128 * (BM / 2) * 4 : 0;  // P^T from warpgroup 0 to 1, fp32
     static constexpr int SMEM =
-        2 * KV_BYTES + 2 * STAGE_BYTES + 2 * STAT_STAGE_BYTES + XCH_BYTES + sm90::kAtomBytes;
+        2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + XCH_BYTES + sm90::kAtomBytes;
 };
 
 // Pair `it`'s query tile (Q, dO) and its lse2 / delta into one pipeline stage: the tiles at sQ (dO
@@ -115,6 +124,44 @@ FRT_DEVICE void acc_to_partial(float* dst, const float (&acc)[D / 2], int rows, 
         }
 }
 
+// dS^T = P^T o (dP^T - delta[query]) in dp, with P^T (s) in fp32.
+template <int BM>
+FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const float* s_delta, int t) {
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+        const float2 dl = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * t);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            dp[4 * j + 2 * hh] = s[4 * j + 2 * hh] * (dp[4 * j + 2 * hh] - dl.x);
+            dp[4 * j + 2 * hh + 1] = s[4 * j + 2 * hh + 1] * (dp[4 * j + 2 * hh + 1] - dl.y);
+        }
+    }
+}
+
+// dV_w += P^T dO and dK_w += dS^T Q (64 x D, k = the BM queries of the stage at sQ, dO after it): A from
+// registers, B MN-major (the [query][head_dim] tiles read as K x N). Issued, not committed.
+template <class T>
+FRT_DEVICE void mma_dv_dk(float (&acc)[2][T::D / 2], const u32 (&pa)[T::BM / 16][4], const u32 (&dsa)[T::BM / 16][4],
+                          u32 sQ) {
+    using namespace sm90;
+#pragma unroll
+    for (int kk = 0; kk < T::BM / 16; ++kk)
+        wgmma_rs<T::D, 1, T::BF16>(acc[1], pa[kk], desc_mn_major<T::BM>(sQ + T::QT_BYTES, kk), 1);
+#pragma unroll
+    for (int kk = 0; kk < T::BM / 16; ++kk)
+        wgmma_rs<T::D, 1, T::BF16>(acc[0], dsa[kk], desc_mn_major<T::BM>(sQ, kk), 1);
+}
+
+// After the wait for mma_dv_dk: its accumulators are final and its A fragments free (their registers
+// stay reserved until here: the compiler does not know the wgmmas read them after the issue).
+template <int R, int F>
+FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&dsa)[F][4]) {
+    sm90::fence_operand(acc[0]);
+    sm90::fence_operand(acc[1]);
+#pragma unroll
+    for (int kk = 0; kk < F; ++kk) sm90::fence_operand(pa[kk]), sm90::fence_operand(dsa[kk]);
+}
+
 template <class T>
 __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     using namespace sm90;
@@ -122,9 +169,9 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const u32 smem_base = smem_u32(smem);
     const u32 sK = align_atom(smem_base), sV = sK + T::KV_BYTES;
-    const u32 sQdO = sV + T::KV_BYTES;            // stage s: Q at sQdO + s * STAGE_BYTES, dO QT_BYTES after
-    const u32 sStat = sQdO + 2 * T::STAGE_BYTES;  // stage s: lse2[BM], delta[BM] at sStat + s * STAT_STAGE_BYTES
-    const u32 sXch = sStat + 2 * T::STAT_STAGE_BYTES;  // ROLES: P^T, float4 q of thread i at (q * 128 + i) * 16
+    const u32 sQdO = sV + T::KV_BYTES;  // stage s: Q at sQdO + s * STAGE_BYTES, dO QT_BYTES after
+    const u32 sStat = sQdO + T::STAGES * T::STAGE_BYTES;  // stage s: lse2[BM], delta[BM] at sStat + s * STAT_STAGE_BYTES
+    const u32 sXch = sStat + T::STAGES * T::STAT_STAGE_BYTES;  // ROLES: P^T, float4 q of thread i at (q * 128 + i) * 16
     const float* stat_base = reinterpret_cast<const float*>(smem + (sStat - smem_base));
 
     const int tid = threadIdx.x, lane = tid & 31, wtid = tid & 127;
@@ -154,17 +201,22 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) acc[a][i] = 0.f;
 
-    for (int it = it_begin; it < it_end; ++it) {
-        const int stage = (it - it_begin) & 1;
+    // P^T and dS^T as A fragments (PIPELINED: the previous pair's, and its stage, for its dV / dK wgmmas).
+    u32 pa[BM / 16][4], dsa[BM / 16][4];
+    u32 sQ_prev = 0;
+    // PIPELINED: this warpgroup's K and V rows as A fragments, once K / V have landed.
+    u32 ka[T::PIPELINED ? D / 16 : 1][4], va[T::PIPELINED ? D / 16 : 1][4];
+    for (int it = it_begin, stage = 0; it < it_end; ++it, stage = stage + 1 == T::STAGES ? 0 : stage + 1) {
         cp_async_wait<0>();
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
-        // Every thread's writes landed; both warpgroups finished the previous pair (its wgmmas were
-        // waited for, ROLES: P^T was read), so the other stage, Q / dO / lse2 / delta alike, may be
+        // Every thread's writes landed; both warpgroups finished the wgmmas that read the next stage
+        // (the previous pair's; PIPELINED: the one before, its dV / dK waited for in the previous
+        // iteration; ROLES: P^T was read as well), so that stage, Q / dO / lse2 / delta alike, may be
         // refilled, and P^T rewritten.
         __syncthreads();
+        const int next = stage + 1 == T::STAGES ? 0 : stage + 1;
         if (it + 1 < it_end)
-            load_query_stage<T>(p, tile, it + 1, sQdO + (stage ^ 1) * T::STAGE_BYTES,
-                                sStat + (stage ^ 1) * T::STAT_STAGE_BYTES, tid);
+            load_query_stage<T>(p, tile, it + 1, sQdO + next * T::STAGE_BYTES, sStat + next * T::STAT_STAGE_BYTES, tid);
         cp_async_commit();
         const u32 sQ = sQdO + stage * T::STAGE_BYTES, sdO = sQ + T::QT_BYTES;
         const float* s_lse2 = stat_base + stage * (T::STAT_STAGE_BYTES / 4);
@@ -213,6 +265,39 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             // dV += P^T dO (warpgroup 0) or dK += dS^T Q (warpgroup 1), 64 x D, k = the BM queries:
             // A from registers, B MN-major (the [query][head_dim] tile read as K x N).
             wgmma_rs_wait<D, BM, T::BF16>(acc[0], a, wg == 0 ? sdO : sQ);
+        } else if constexpr (T::PIPELINED) {
+            if (it == it_begin) {  // K and V landed with the first pair's group
+                sw128_to_a_frags<BN, D>(sKw, ka, w, g, t);
+                sw128_to_a_frags<BN, D>(sVw, va, w, g, t);
+            }
+            float s[BM / 2], dp[BM / 2];
+            wgmma_fence();  // orders the accumulator and fragment writes before the wgmmas
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_rs<BM, 0, T::BF16>(s, ka[kk], desc_k_major<BM>(sQ, kk), kk > 0);
+            wgmma_commit();
+            if (it > it_begin) mma_dv_dk<T>(acc, pa, dsa, sQ_prev);
+            wgmma_commit();  // (empty for the first pair: three groups in every iteration)
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_rs<BM, 0, T::BF16>(dp, va[kk], desc_k_major<BM>(sdO, kk), kk > 0);
+            wgmma_commit();
+            const auto pr = tile.pair(p, it);
+            const u32 hidden = pr.partial ? hidden_bits<BM>(tile, pr.h, pr.m, key_base, t) : 0u;
+
+            wgmma_wait<2>();  // S^T is complete (the previous dV / dK and dP^T may not be)
+            fence_operand(s);
+            probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t);
+            wgmma_wait<0>();
+            fence_operand(dp);
+            fence_acc_and_frags(acc, pa, dsa);  // the previous pair's wgmmas are done with them
+            ds_from_dp<BM>(dp, s, s_delta, t);
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk) {
+                acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
+                acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);
+            }
+            sQ_prev = sQ;
         } else {
             const auto pr = tile.pair(p, it);
             const u32 hidden = pr.partial ? hidden_bits<BM>(tile, pr.h, pr.m, key_base, t) : 0u;
@@ -230,39 +315,29 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)
             fence_operand(s);
             probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t);
-            u32 pa[BM / 16][4];
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
 
             wgmma_wait<0>();
             fence_operand(dp);
-            // dS^T = P^T o (dP^T - delta[query]), with P^T in fp32.
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
-                const float2 dl = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * t);
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    dp[4 * j + 2 * hh] = s[4 * j + 2 * hh] * (dp[4 * j + 2 * hh] - dl.x);
-                    dp[4 * j + 2 * hh + 1] = s[4 * j + 2 * hh + 1] * (dp[4 * j + 2 * hh + 1] - dl.y);
-                }
-            }
-            u32 dsa[BM / 16][4];
+            ds_from_dp<BM>(dp, s, s_delta, t);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);
 
-            // dV_w += P^T dO and dK_w += dS^T Q (64 x D, k = the BM queries): A from registers, B
-            // MN-major (the [query][head_dim] tiles read as K x N).
             wgmma_fence();  // orders the pa / dsa writes before the wgmmas that read them
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-                wgmma_rs<D, 1, T::BF16>(acc[1], pa[kk], desc_mn_major<BM>(sdO, kk), 1);
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-                wgmma_rs<D, 1, T::BF16>(acc[0], dsa[kk], desc_mn_major<BM>(sQ, kk), 1);
+            mma_dv_dk<T>(acc, pa, dsa, sQ);
             wgmma_commit();
             wgmma_wait<0>();
-            fence_operand(acc[1]);
-            fence_operand(acc[0]);
+            fence_acc_and_frags(acc, pa, dsa);
+        }
+    }
+    if constexpr (T::PIPELINED) {
+        if (it_begin < it_end) {  // the last pair's dV / dK
+            wgmma_fence();
+            mma_dv_dk<T>(acc, pa, dsa, sQ_prev);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_acc_and_frags(acc, pa, dsa);
         }
     }
     cp_async_wait<0>();  // the last (empty) group

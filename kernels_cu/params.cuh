@@ -289,12 +289,12 @@ struct KeyTile {
 }  // namespace frt
 
 // One compiled variant: a plain extern "C" entry named FRT_KERNEL_NAME whose
-// template arguments come from the -D defines of flashrt/spec.py. The minimum of
-// one block per SM in the launch bounds keeps ptxas from capping registers to
-// raise occupancy (it did, and spilled).
+// template arguments come from the -D defines of flashrt/spec.py. FRT_MIN_BLOCKS, the
+// blocks per SM in the launch bounds, is 1 unless a tiling asks for more (tiles.py):
+// left to itself ptxas capped registers to raise occupancy, and spilled.
 #define FRT_ENTRY(TRAITS, BODY, PARAMS)                                                              \
     typedef frt::TRAITS<FRT_HEAD_DIM, FRT_BLOCK_M, FRT_BLOCK_N, FRT_WARPS, FRT_BF16, FRT_CAUSAL> FrtTraits; \
     static_assert(FrtTraits::SMEM == FRT_SMEM_BYTES, "launcher and kernel disagree on dynamic shared memory"); \
-    extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, 1) FRT_KERNEL_NAME(const frt::PARAMS p) {  \
+    extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, FRT_MIN_BLOCKS) FRT_KERNEL_NAME(const frt::PARAMS p) {  \
         frt::BODY<FrtTraits>(p);                                                                      \
     }

@@ -329,6 +329,19 @@ FRT_DEVICE void acc_to_a_frag(const float (&d)[R], int kk, u32 (&a)[4]) {
     for (int i = 0; i < 4; ++i) a[i] = Elem<BF16>::pack(d[8 * kk + 2 * i], d[8 * kk + 2 * i + 1]);
 }
 
+// The A fragments of k-steps 0 .. K / 16 - 1 (the layout acc_to_a_frag makes) of a warpgroup's 64 rows
+// of a sw128 tile of ROWS rows (s_rows: the address of its first row), read from shared memory.
+template <int ROWS, int K>
+FRT_DEVICE void sw128_to_a_frags(u32 s_rows, u32 (&a)[K / 16][4], int w, int g, int t) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 at = s_rows + sw128_offset<ROWS>(16 * w + g + 8 * (i & 1), 2 * kk + (i >> 1)) + 4 * t;
+            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a[kk][i]) : "r"(at));
+        }
+}
+
 // Epilogue, step 1: a warpgroup's 64 x N fp32 accumulator (wgmma layout), times `scale`, as 16-bit
 // values into its 64 rows of a sw128 tile of ROWS rows (s_rows: the address of its first row).
 // Step 2, after a barrier of the warpgroup: sw128_rows_to_global.

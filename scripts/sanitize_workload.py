@@ -12,6 +12,7 @@ import flashrt  # noqa: E402
 # (B, Sq, Sk, H, Hkv, D, causal, dtype): ragged tiles, padded head dims, GQA, Sq != Sk both ways.
 CASES = [
     (1, 70, 45, 2, 1, 64, True, torch.bfloat16),
+    (1, 300, 300, 4, 1, 64, False, torch.bfloat16),  # head_dim 64: the pipelined dK/dV's stages wrap, splits
     (1, 45, 70, 2, 2, 72, False, torch.float16),
     (1, 33, 97, 4, 2, 256, True, torch.bfloat16),
     (2, 130, 130, 2, 1, 128, False, torch.bfloat16),

@@ -85,7 +85,7 @@ def test_no_register_spills(compiled):
         stores = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
         stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
         assert stores, f"{spec.name}: no resource usage in NVRTC's log"
-        if any(stores) or any(stack):
+        if max(stores + stack) > tiles.spill_allowance(spec):
             spilled.append(f"{spec.name}: spill stores {stores}, stack {stack}")
     assert not spilled, "\n".join(spilled)
 

@@ -24,18 +24,38 @@ def test_name_is_systematic_and_unique():
     assert len(names) == 8
     pre = KernelSpec("bwd_preprocess", 64, "bf16", 0, 0, 8, False, "sm_80")
     assert pre.name == "flashrt_bwd_preprocess_hd64_bf16_w8_sm_80"
+    assert spec(min_blocks=2).name == "flashrt_fwd_hd128_bf16_causal_m128n64w8b2_sm_90a"
 
 
 def test_options_bake_every_parameter():
     opts = spec().options()
     assert "--gpu-architecture=sm_90a" in opts
     for define in ("FRT_HEAD_DIM=128", "FRT_BLOCK_M=128", "FRT_BLOCK_N=64", "FRT_WARPS=8", "FRT_BF16=1",
-                   "FRT_CAUSAL=1", f"FRT_SMEM_BYTES={spec().smem_bytes}", f"FRT_KERNEL_NAME={spec().name}"):
+                   "FRT_CAUSAL=1", f"FRT_SMEM_BYTES={spec().smem_bytes}", f"FRT_KERNEL_NAME={spec().name}",
+                   "FRT_MIN_BLOCKS=1"):
         assert f"-D{define}" in opts
+    assert "-DFRT_MIN_BLOCKS=2" in spec(min_blocks=2).options()
+
+
+def test_tilings_for_several_blocks_per_sm_fit_their_shared_memory():
+    """A tiling asking for min_blocks per SM must leave room for them in an SM's shared memory (H100 / H200:
+    228 KiB, 1 KiB of it reserved per block); registers are capped by the kernel's launch bounds."""
+    for family in set(FAMILIES) - set(CLASSIFY):
+        for d in HEAD_DIMS:
+            for mask in (0, MASK_BITS["lengths"] | MASK_BITS["window"], MASK_BITS["mod"]):
+                try:
+                    tilings = tiles.candidates(family, d, mask)
+                except ValueError:
+                    continue
+                for bm, bn, nw, mb in tilings:
+                    if mb > 1 and tiles.applies(family, d, "sm_90a"):
+                        s = KernelSpec(family, d, "bf16", bm, bn, nw, False, "sm_90a", min_blocks=mb)
+                        assert mb * (s.smem_bytes + 1024) <= 228 * 1024, s.name
 
 
 @pytest.mark.parametrize("bad", [dict(head_dim=12), dict(head_dim=264), dict(dtype="fp32"), dict(arch="90"),
-                                 dict(family="nope"), dict(block_m=96, warps=4), dict(block_n=24)])
+                                 dict(family="nope"), dict(block_m=96, warps=4), dict(block_n=24),
+                                 dict(min_blocks=0), dict(min_blocks=9)])
 def test_invalid_specs_are_rejected(bad):
     with pytest.raises(ValueError):
         spec(**bad)
@@ -68,7 +88,8 @@ def test_pick_nw_fits_every_head_dim(arch, limit):
 def test_pick_nw_prefers_large_tiles_when_they_fit():
     big = tiles.pick_nw("fwd", 128, "bf16", False, "sm_90a", SMEM_OPTIN[90])
     small = tiles.pick_nw("fwd", 128, "bf16", False, "sm_86", 48 * 1024)
-    assert (big.block_m, big.block_n, big.warps) == tiles.candidates("fwd", 128)[0] and big.smem_bytes > 48 * 1024
+    assert (big.block_m, big.block_n, big.warps, big.min_blocks) == tiles.candidates("fwd", 128)[0]
+    assert big.smem_bytes > 48 * 1024
     assert small.smem_bytes <= 48 * 1024 and small.block_m * small.block_n < big.block_m * big.block_n
 
 
@@ -204,8 +225,11 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
 def test_wgmma_backward_geometry():
     dq = KernelSpec("bwd_dq_sm90", 128, "bf16", 128, 64, 8, False, "sm_90a")
     assert dq.smem_bytes == (2 * 128 + 4 * 64) * 128 * 2 + 1024
+    dkdv = KernelSpec("bwd_dkdv_sm90", 128, "fp16", 64, 128, 8, True, "sm_90a")
+    assert dkdv.smem_bytes == (2 * 128 + 4 * 64) * 128 * 2 + 4 * 64 * 4 + 1024
+    # head_dim 64: three stages of (Q, dO, lse2, delta), the pipelined kernel
     dkdv = KernelSpec("bwd_dkdv_sm90", 64, "fp16", 64, 128, 8, True, "sm_90a")
-    assert dkdv.smem_bytes == (2 * 128 + 4 * 64) * 64 * 2 + 4 * 64 * 4 + 1024
+    assert dkdv.smem_bytes == (2 * 128 + 6 * 64) * 64 * 2 + 6 * 64 * 4 + 1024
     # above head_dim 128: 64-key tiles, P^T between the warpgroups (dK/dV); one V buffer at 256 (dQ)
     wide = KernelSpec("bwd_dkdv_sm90", 256, "bf16", 64, 64, 8, False, "sm_90a")
     assert wide.smem_bytes == (2 * 64 + 4 * 64) * 256 * 2 + 4 * 64 * 4 + 128 * 32 * 4 + 1024
