@@ -32,7 +32,7 @@ _PREFERENCES = {
     # wgmma (sm_90a): two warpgroups of 64 query rows; head_dim 64, 128, 192, 256 (forward_family);
     # 128-key tiles do not fit in shared memory above 128. At head_dim 64, 64-key tiles (113-115
     # registers unmasked: two blocks per SM, one block's softmax runs under the other's wgmmas) beat
-    # 128-key tiles (193 registers, one block): H200, 1.12-1.36x at S 512-8k (docs/perf-notes.md, session 6).
+    # 128-key tiles (193 registers, one block): H200, 1.13-1.36x at S 512-8k (docs/perf-notes.md, session 6).
     "fwd_sm90": [(64, [(128, 64, 8), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
@@ -77,7 +77,7 @@ _MASKED_PREFERENCES = {
 _MOD_PREFERENCES = {
     "bwd_fused": [(128, [(64, 64, 8), (64, 32, 8)]), (256, [(64, 32, 8)])],
     # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression)
-    "fwd_sm90": [(64, [(128, 64, 8, 2)]), (256, [(128, 64, 8)])],
+    "fwd_sm90": [(256, [(128, 64, 8)])],
     # (the wgmma dQ at head_dim 64 with 128-key tiles spills 32 bytes with an expression alone, NVRTC 12.9)
     "bwd_dq_sm90": [(256, [(128, 64, 8)])],
 }
