@@ -143,13 +143,8 @@ FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const 
 template <class T>
 FRT_DEVICE void mma_dv_dk(float (&acc)[2][T::D / 2], const u32 (&pa)[T::BM / 16][4], const u32 (&dsa)[T::BM / 16][4],
                           u32 sQ) {
-    using namespace sm90;
-#pragma unroll
-    for (int kk = 0; kk < T::BM / 16; ++kk)
-        wgmma_rs<T::D, 1, T::BF16>(acc[1], pa[kk], desc_mn_major<T::BM>(sQ + T::QT_BYTES, kk), 1);
-#pragma unroll
-    for (int kk = 0; kk < T::BM / 16; ++kk)
-        wgmma_rs<T::D, 1, T::BF16>(acc[0], dsa[kk], desc_mn_major<T::BM>(sQ, kk), 1);
+    sm90::wgmma_rs_mn<T::D, T::BM, T::BF16>(acc[1], pa, sQ + T::QT_BYTES);
+    sm90::wgmma_rs_mn<T::D, T::BM, T::BF16>(acc[0], dsa, sQ);
 }
 
 // After the wait for mma_dv_dk: its accumulators are final and its A fragments free (their registers

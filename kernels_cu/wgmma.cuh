@@ -302,20 +302,26 @@ FRT_DEVICE void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, int s
 #undef FRT_WG_R32
 #undef FRT_WG_R64
 
-// bf16x2 of two floats, lo in the low half (the lower column).
-// d += A B, waited for: A the K_ROWS / 16 register fragments `a` (acc_to_a_frag), B the MN-major
-// K_ROWS x N shared tile at s_b (desc_mn_major). The fence first orders the caller's writes to a
-// and d (the fragment packing, an accumulator rescale) before the wgmmas that read them.
+// d += A B, issued (not committed): A the K_ROWS / 16 register fragments `a` (acc_to_a_frag), B the
+// MN-major K_ROWS x N shared tile at s_b (desc_mn_major).
+template <int N, int K_ROWS, bool BF16>
+FRT_DEVICE void wgmma_rs_mn(float (&d)[N / 2], const u32 (&a)[K_ROWS / 16][4], u32 s_b) {
+#pragma unroll
+    for (int kk = 0; kk < K_ROWS / 16; ++kk) wgmma_rs<N, 1, BF16>(d, a[kk], desc_mn_major<K_ROWS>(s_b, kk), 1);
+}
+
+// wgmma_rs_mn, waited for. The fence first orders the caller's writes to a and d (the fragment
+// packing, an accumulator rescale) before the wgmmas that read them.
 template <int N, int K_ROWS, bool BF16>
 FRT_DEVICE void wgmma_rs_wait(float (&d)[N / 2], const u32 (&a)[K_ROWS / 16][4], u32 s_b) {
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < K_ROWS / 16; ++kk) wgmma_rs<N, 1, BF16>(d, a[kk], desc_mn_major<K_ROWS>(s_b, kk), 1);
+    wgmma_rs_mn<N, K_ROWS, BF16>(d, a, s_b);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operand(d);
 }
 
+// bf16x2 of two floats, lo in the low half (the lower column).
 FRT_DEVICE u32 pack_bf16(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
