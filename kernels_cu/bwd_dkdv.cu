@@ -176,7 +176,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                     const int qc = qcol1 + nt * 8 + 2 * t + (c & 1);     // query column within the tile
                     float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -s_lse2[qc]));
                     if (need_mask) {
-                        if (!vis.visible(m0 + qc, n0 + kr, pa.h)) pr = 0.f;
+                        if (!tile.visible(m0 + qc, n0 + kr, pa.h)) pr = 0.f;
                     }
                     s[mt][nt][c] = pr;
                     dp[mt][nt][c] = pr * (dp[mt][nt][c] - s_delta[qc]);

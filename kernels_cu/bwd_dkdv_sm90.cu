@@ -87,7 +87,7 @@ FRT_DEVICE u32 hidden_bits(const Tile& tile, int h, int m, int key_base, int t) 
     const int q0 = m * BM + 2 * t;
 #pragma unroll 1
     for (int i = 0; i < BM / 2; ++i)
-        if (!tile.vis.visible(q0 + 8 * (i >> 2) + (i & 1), key_base + 8 * ((i >> 1) & 1), h)) hidden |= 1u << i;
+        if (!tile.visible(q0 + 8 * (i >> 2) + (i & 1), key_base + 8 * ((i >> 1) & 1), h)) hidden |= 1u << i;
     return hidden;
 }
 

@@ -83,7 +83,7 @@ __device__ void bwd_dq(const BwdParams& p) {
                     if (need_mask) {
                         const int row = m0 + wrow + mt * 16 + g + 8 * hh;
                         const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (!tile.vis.visible(row, col, h)) pr = 0.f;
+                        if (!tile.visible(row, col, h)) pr = 0.f;
                     }
                     s[mt][nt][c] = pr * (dp[mt][nt][c] - delta[mt][hh]);  // dS
                 }

@@ -119,7 +119,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             if (tile.needs_mask(it, j)) {
 #pragma unroll 1
                 for (int i = 0; i < BN / 2; ++i)
-                    if (!tile.vis.visible(row_base + 8 * ((i >> 1) & 1), n0 + 8 * (i >> 2) + 2 * t + (i & 1), h))
+                    if (!tile.visible(row_base + 8 * ((i >> 1) & 1), n0 + 8 * (i >> 2) + 2 * t + (i & 1), h))
                         hidden |= 1u << i;
             }
         }
@@ -153,7 +153,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             for (int jj = 0; jj < BN / 8; ++jj)
 #pragma unroll
                 for (int c = 0; c < 4; ++c)
-                    if (!tile.vis.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), h)) s[4 * jj + c] = 0.f;
+                    if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), h)) s[4 * jj + c] = 0.f;
         }
 
         if constexpr (!T::ONE_V) {

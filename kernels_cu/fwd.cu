@@ -85,7 +85,7 @@ __device__ void fwd(const FwdParams& p) {
                     for (int c = 0; c < 4; ++c) {
                         const int row = tile.m0 + wrow + mt * 16 + g + 8 * (c >> 1);
                         const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (!tile.vis.visible(row, col, tile.h)) s[mt][nt][c] = -FRT_INF;
+                        if (!tile.visible(row, col, tile.h)) s[mt][nt][c] = -FRT_INF;
                     }
         }
 

@@ -88,7 +88,7 @@ __device__ void fwd_sm90(const FwdParams& p) {
             for (int jj = 0; jj < BN / 8; ++jj)
 #pragma unroll
                 for (int c = 0; c < 4; ++c)
-                    if (!tile.vis.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
+                    if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
                         s[4 * jj + c] = -FRT_INF;
         }
 

@@ -9,7 +9,9 @@
 // tile map: a query tile sees a contiguous span of keys and a key tile is seen by a
 // contiguous span of queries (block ids and segment ids are non-decreasing within a
 // sequence: flashrt/api.py validates them), tiles outside the span are never loaded,
-// and the element predicate runs only on tiles that are not entirely visible.
+// and the element predicate runs only on tiles that are not entirely visible. With id
+// arrays, each row's visible positions are one interval, found once per block
+// (TileIntervals), so the element predicate is two compares instead of two id reads.
 //
 // A mask_mod expression (MASK_MOD) can hide any pair, so the bounds above no longer
 // describe which tiles hold visible pairs: mask_classify.cu evaluates every pair once
@@ -55,6 +57,20 @@ FRT_DEVICE int block_rank(const int* a, int n, int x, int tid, int nthreads) {
             lo += c * step;
             hi = first_not_below;
         }
+    }
+    return lo;
+}
+
+// The first index in [lo, hi) of the non-decreasing a[] whose value is >= x (STRICT: > x), or hi.
+// One thread's binary search.
+template <bool STRICT>
+FRT_DEVICE int first_at_least(const int* a, int lo, int hi, int x) {
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (STRICT ? a[mid] > x : a[mid] >= x)
+            hi = mid;
+        else
+            lo = mid + 1;
     }
     return lo;
 }
@@ -109,18 +125,19 @@ struct Visibility {
         sq = SEGMENTS ? p.seg_q + iq : nullptr, sk = SEGMENTS ? p.seg_k + ik : nullptr;
     }
 
-    // Whether query i (of query head h) sees key j. Without id arrays or mask_mod, the tests are
-    // combined with non-short-circuit & : as early returns they made the masked tiles' loops a branch
-    // per element (fwd_sm90 with a window: 288 branches against 27 with the same mask as a mask_mod,
-    // and 1.6x its time). With them, early returns guard the reads (and the branch-free form made the
-    // head_dim 64 wgmma dQ spill with every feature, NVRTC 12.9).
+    // Whether query i (of query head h) sees key j: the specification, as mask_classify.cu
+    // evaluates it (the attention kernels test QueryTile / KeyTile's intervals when there are id
+    // arrays). Without id arrays, the tests are combined with non-short-circuit & : as early
+    // returns they made the masked tiles' loops a branch per element (fwd_sm90 with a window: 288
+    // branches against 27 with the same mask as a mask_mod, and 1.6x its time). With them, early
+    // returns guard the reads. mask_mod is evaluated last, only where the rest let the pair through.
     FRT_DEVICE bool visible(int i, int j, int h) const {
-        if constexpr (!(BLOCK_IDS || SEGMENTS || MOD)) {
+        if constexpr (!(BLOCK_IDS || SEGMENTS)) {
             const int d = j - i - shift;  // the key's offset from the query's diagonal
             bool ok = (i < Lq) & (j < Lk);
             if (CAUSAL) ok &= d <= 0;
             if (WINDOW) ok &= ((wl < 0) | (d >= -wl)) & ((wr < 0) | (d <= wr));
-            return ok;
+            return ok && mod_visible(i, j, h);
         }
         if (i >= Lq || j >= Lk) return false;
         const int d = j - i - shift;
@@ -128,9 +145,46 @@ struct Visibility {
         if (WINDOW && ((wl >= 0 && d < -wl) || (wr >= 0 && d > wr))) return false;
         if (BLOCK_IDS && bk[j] > bq[i]) return false;
         if (SEGMENTS && sk[j] != sq[i]) return false;
+        return mod_visible(i, j, h);
+    }
+
+    // Every built-in rule hides all but an interval of keys from a query and all but an interval
+    // of queries from a key (ids are non-decreasing: block ids show a prefix of the keys and a
+    // suffix of the queries, segment ids a run). keys_of(i) is query i's [lo, hi), queries_of(j)
+    // key j's, each found inside a span [lo, hi) that holds it (key_span / query_span of a tile
+    // that holds i / j): the id searches stay inside the span and are skipped when the id is that
+    // of the span's ends. mask_mod is not part of them (mod_visible).
+    FRT_DEVICE int2 keys_of(int i, int lo, int hi) const {
+        if (i >= Lq) return make_int2(0, 0);
+        const int c = i + shift;  // query i's diagonal key
+        if (CAUSAL) hi = min(hi, c + 1);
+        if (WINDOW && wr >= 0) hi = min(hi, c + wr + 1);
+        if (WINDOW && wl >= 0) lo = max(lo, c - wl);
+        if (BLOCK_IDS && lo < hi && bk[hi - 1] > bq[i]) hi = first_at_least<true>(bk, lo, hi, bq[i]);
+        if (SEGMENTS) {
+            if (lo < hi && sk[lo] < sq[i]) lo = first_at_least<false>(sk, lo, hi, sq[i]);
+            if (lo < hi && sk[hi - 1] > sq[i]) hi = first_at_least<true>(sk, lo, hi, sq[i]);
+        }
+        return make_int2(lo, max(lo, hi));
+    }
+    FRT_DEVICE int2 queries_of(int j, int lo, int hi) const {
+        if (j >= Lk) return make_int2(0, 0);
+        const int c = j - shift;  // the query whose diagonal is key j
+        if (CAUSAL) lo = max(lo, c);
+        if (WINDOW && wr >= 0) lo = max(lo, c - wr);
+        if (WINDOW && wl >= 0) hi = min(hi, c + wl + 1);
+        if (BLOCK_IDS && lo < hi && bq[lo] < bk[j]) lo = first_at_least<false>(bq, lo, hi, bk[j]);
+        if (SEGMENTS) {
+            if (lo < hi && sq[lo] < sk[j]) lo = first_at_least<false>(sq, lo, hi, sk[j]);
+            if (lo < hi && sq[hi - 1] > sk[j]) hi = first_at_least<true>(sq, lo, hi, sk[j]);
+        }
+        return make_int2(lo, max(lo, hi));
+    }
+
+    // mask_mod's verdict on a pair that every built-in rule lets through (true without mask_mod).
+    FRT_DEVICE bool mod_visible(int i, int j, int h) const {
 #if FRT_MASK & 16
-        if constexpr (MOD)
-            if (!flashrt_mask_mod(mod.b, h, i, j, Lq, Lk, mod.t[0], mod.t[1], mod.t[2], mod.t[3])) return false;
+        if constexpr (MOD) return flashrt_mask_mod(mod.b, h, i, j, Lq, Lk, mod.t[0], mod.t[1], mod.t[2], mod.t[3]);
 #endif
         return true;
     }
@@ -191,6 +245,32 @@ struct Visibility {
         return need <= 0 ? 0 : max(0, ceil_div(need - (bn - 1), bn));
     }
 };
+
+// Each of a tile's N rows' interval of visible positions on the other axis (QueryTile: a query's
+// keys, Visibility::keys_of; KeyTile: a key's queries, queries_of), and their intersection: the
+// positions that every row of the tile sees, so a tile of the other axis inside it needs no
+// element mask. In shared memory; `of(r)` gives row r's interval. Whole-block call.
+template <int N>
+struct TileIntervals {
+    int2 row[N];
+    int2 all;
+    FRT_DEVICE bool covers(int lo, int n) const { return all.x <= lo && lo + n <= all.y; }
+};
+
+template <int N, class Of>
+FRT_DEVICE const TileIntervals<N>& tile_intervals(Of of, int tid, int nthreads) {
+    __shared__ TileIntervals<N> iv;
+    if (tid == 0) iv.all = make_int2(0, 0x7fffffff);  // intervals start at >= 0
+    __syncthreads();
+    for (int r = tid; r < N; r += nthreads) {
+        const int2 x = of(r);
+        iv.row[r] = x;
+        atomicMax(&iv.all.x, x.x);
+        atomicMin(&iv.all.y, x.y);
+    }
+    __syncthreads();
+    return iv;
+}
 
 // The block's Visibility for batch entry b. With mask features it lives in shared memory:
 // the kernels read it where they need it, so its fields do not hold registers that the

@@ -143,12 +143,13 @@ struct RowTraits {
 // n_end), or with mask_mod the tiles of its ModLists row. key_tile(0) is the last.
 template <int BM, int BN, bool CAUSAL, int MASK>
 struct QueryTile {
-    static constexpr bool MOD = MASK & MASK_MOD;
+    static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
     typename VisibilityOf<CAUSAL, MASK>::type vis;  // in shared memory when MASK != 0 (block_visibility)
     int h, b, hk, m0, rows, n_first, n_end, n_blocks;
     i64 row0;   // the tile's first row on the seq axis of q / out / dout / dq
     i64 stat0;  // lse / lse2 / delta index of the tile's first row
     const int* mod_list;  // MOD: this query tile's ModLists row
+    const TileIntervals<BM>* keys;  // IDS: each row's visible keys (Visibility::keys_of)
 
     template <class P>
     FRT_DEVICE QueryTile(const P& p, int tid, int nthreads) : vis(block_visibility<CAUSAL, MASK>(p, blockIdx.z)) {
@@ -166,6 +167,9 @@ struct QueryTile {
         n_first = lo / BN;
         n_end = hi > lo ? ceil_div(hi, BN) : n_first;
         n_blocks = n_end - n_first;
+        keys = nullptr;
+        if constexpr (IDS)
+            keys = &tile_intervals<BM>([&](int r) { return vis.keys_of(m0 + r, lo, hi); }, tid, nthreads);
         mod_list = nullptr;
         if constexpr (MOD) {
             n_blocks = 0;
@@ -198,7 +202,19 @@ struct QueryTile {
     // The it-th key tile (j) holds some (query, key) pair of this tile that is not visible.
     FRT_DEVICE bool needs_mask(int it, int j) const {
         if constexpr (MOD) return mod_list[it] < 0;
+        if constexpr (IDS) return !keys->covers(j * BN, BN);
         return !vis.all_visible(m0, BM, j * BN, BN);
+    }
+
+    // Whether row i of the tile (of query head h) sees key j: the element mask of the tiles that
+    // need it. With id arrays, an interval test (their element test was a branch and two global
+    // loads per pair, and cost a masked tile ~5x an unmasked one: docs/perf-notes.md, session 7).
+    FRT_DEVICE bool visible(int i, int j, int h) const {
+        if constexpr (IDS) {
+            const int2 r = keys->row[i - m0];
+            return ((j >= r.x) & (j < r.y)) && vis.mod_visible(i, j, h);
+        }
+        return vis.visible(i, j, h);
     }
 };
 
@@ -220,11 +236,12 @@ FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, i64 k_row0, int 
 // pairs [it_begin, it_end).
 template <int BM, int BN, bool CAUSAL, int MASK>
 struct KeyTile {
-    static constexpr bool MOD = MASK & MASK_MOD;
+    static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
     typename VisibilityOf<CAUSAL, MASK>::type vis;  // in shared memory when MASK != 0 (block_visibility)
     int n_block, hk, split, b, group, n0, rows;     // rows <= 0: past a packed sequence's end
     int m_first, m_count, it_begin, it_end;
     ModLists lists;
+    const TileIntervals<BN>* queries;  // IDS: each key's visible queries (Visibility::queries_of)
 
     struct Pair {
         int h, m;      // query head, query tile
@@ -238,8 +255,9 @@ struct KeyTile {
         n0 = n_block * BN;
         rows = min(BN, vis.Ek - n0);
         m_first = m_count = it_begin = it_end = 0;
+        queries = nullptr;
         if (rows <= 0) return;  // (the launcher uses one split when varlen: no partials to write)
-        int n_pairs;
+        int n_pairs, q_lo = 0, q_hi = vis.Lq;
         if constexpr (MOD) {
             lists = ModLists::cols(p, BM, BN);
             n_pairs = 0;
@@ -249,7 +267,6 @@ struct KeyTile {
                 n_pairs = group * mod_count(p, 0);
             }
         } else {
-            int q_lo, q_hi;
             vis.query_span(n0, BN, q_lo, q_hi, tid, nthreads);
             m_first = q_lo / BM;
             m_count = q_hi > q_lo ? ceil_div(q_hi, BM) - m_first : 0;
@@ -257,6 +274,18 @@ struct KeyTile {
         }
         const int chunk = ceil_div(n_pairs, p.splits);
         it_begin = min(n_pairs, split * chunk), it_end = min(n_pairs, it_begin + chunk);
+        if constexpr (IDS)
+            queries = &tile_intervals<BN>([&](int r) { return vis.queries_of(n0 + r, q_lo, q_hi); }, tid, nthreads);
+    }
+
+    // Whether key j of the tile is seen by query i (of query head h): the element mask of the
+    // pairs that need it (QueryTile::visible's twin).
+    FRT_DEVICE bool visible(int i, int j, int h) const {
+        if constexpr (IDS) {
+            const int2 r = queries->row[j - n0];
+            return ((i >= r.x) & (i < r.y)) && vis.mod_visible(i, j, h);
+        }
+        return vis.visible(i, j, h);
     }
 
     template <class P>
@@ -281,7 +310,8 @@ struct KeyTile {
             return {h, ModLists::tile(e), e < 0};
         } else {
             const int m = m_first + m_count - 1 - it % m_count;
-            return {hk * group + it / m_count, m, !vis.all_visible(m * BM, BM, n0, BN)};
+            const bool partial = IDS ? !queries->covers(m * BM, BM) : !vis.all_visible(m * BM, BM, n0, BN);
+            return {hk * group + it / m_count, m, partial};
         }
     }
 };

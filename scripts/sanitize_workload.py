@@ -54,6 +54,11 @@ run(q, k, v, True, segment_ids_q=torch.stack([ids(70, 80)] * 2), segment_ids_k=t
 run(q[:, :90], k, v, "top_left", window=(-1, 10))
 q256, k256, v256 = (torch.randn(2, 150, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 run(q256, k256, v256, True, window=(40, 0), seqlens_k=torch.tensor([150, 77], dtype=torch.int32, device="cuda"))
+# ids with many short runs: query tiles whose rows search their key intervals (TileIntervals)
+short = torch.randint(0, 30, (2, 150), dtype=torch.int32, device="cuda").sort(-1).values
+run(q, k, v, True, segment_ids_q=short, segment_ids_k=short, window=(60, -1),
+    seqlens_q=torch.tensor([150, 101], dtype=torch.int32, device="cuda"))
+run(q256, k256, v256, False, block_ids_q=short, block_ids_k=short.flip(0))
 cu = torch.tensor([0, 50, 51, 150], dtype=torch.int32, device="cuda")
 pq, pk, pv = (x.reshape(300, 2, 64)[:150] for x in (q, k, v))
 run(pq, pk, pv, True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=99, max_seqlen_k=99)
@@ -64,4 +69,4 @@ run(q, k, v, True, mask_mod="doc[b * 150 + q] == doc[b * 150 + k] || h == 1", ma
 run(q, k, v, False, mask_mod="(q ^ k) % 3 != 0")
 run(pq, pk, pv, False, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=99, max_seqlen_k=99, mask_mod="k < 20 || q < k")
 torch.cuda.synchronize()
-print(f"sanitize workload: {len(CASES) + 8} cases ran")
+print(f"sanitize workload: {len(CASES) + 10} cases ran")

@@ -26,13 +26,14 @@ def _variants():
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
                         out.add(tiles.pick_nw(family, d, dtype, causal, arch, limit))
-    # Masked variants (kernels_cu/mask.cuh): every feature at once, lengths alone (padding / varlen), and
-    # lengths with a window (Visibility::visible's branch-free form, taken without id arrays).
+    # Masked variants (kernels_cu/mask.cuh): every feature at once, lengths alone (padding / varlen),
+    # lengths with a window (Visibility::visible's branch-free form, taken without id arrays), and
+    # segment ids alone (documents: before TileIntervals, two of these spilled where every feature did not).
     for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
         for d in (64, 128, 160, 256):
             for causal in (False, True):
                 for mask in (sum(MASK_BITS.values()) & ~MASK_BITS["mod"], MASK_BITS["lengths"],
-                             MASK_BITS["lengths"] | MASK_BITS["window"]):
+                             MASK_BITS["lengths"] | MASK_BITS["window"], MASK_BITS["segments"]):
                     if tiles.applies(family, d, "sm_90a", mask):
                         out.add(tiles.pick_nw(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
     # mask_mod variants (an expression that reads a tensor and names every variable) with every

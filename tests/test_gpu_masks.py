@@ -80,6 +80,18 @@ def _random_blocks(rng, B, Sq, Sk):
     return dict(block_ids_q=iq, block_ids_k=ik), dict(block_ids_q=iq, block_ids_k=ik)
 
 
+def _segments_many(rng, B, Sq, Sk):  # short documents: query tiles hold many ids (the per-row searches)
+    iq = np.stack([_sorted_ids(rng, Sq, Sq // 6) for _ in range(B)])
+    ik = np.stack([_sorted_ids(rng, Sk, Sk // 6) for _ in range(B)])
+    return dict(segment_ids_q=iq, segment_ids_k=ik), dict(segment_ids_q=iq, segment_ids_k=ik)
+
+
+def _blocks_many(rng, B, Sq, Sk):
+    iq = np.stack([_sorted_ids(rng, Sq, Sq // 4) for _ in range(B)])
+    ik = np.stack([_sorted_ids(rng, Sk, Sk // 4) for _ in range(B)])
+    return dict(block_ids_q=iq, block_ids_k=ik), dict(block_ids_q=iq, block_ids_k=ik)
+
+
 def _window(left, right):
     def make(rng, B, Sq, Sk):
         return dict(window=(left, right)), dict(window=(left, right))
@@ -131,6 +143,10 @@ CASES = [
     ("segments", 2, 333, 333, 4, 2, 128, "bf16", False, _segments),
     ("segments-causal-fp16", 2, 200, 200, 2, 2, 64, "fp16", True, _segments),
     ("padding-blocks-window", 3, 200, 300, 2, 2, 64, "bf16", False, _both(_padding, _window(50, 50), _random_blocks)),
+    ("segments-many-padding-window-d256", 3, 333, 290, 4, 2, 256, "bf16", "top_left",
+     _both(_padding, _window(90, 30), _segments_many)),
+    ("blocks-segments-many-causal", 2, 517, 517, 4, 1, 128, "bf16", True, _both(_blocks_many, _segments_many)),
+    ("blocks-many-sq>sk-fp16", 2, 400, 170, 2, 2, 64, "fp16", False, _blocks_many),
     ("blocks-causal-window-fused", 2, 400, 400, 4, 4, 128, "bf16", True, _both(_window(100, -1), _random_blocks)),
     ("mod-sink-padding-gqa", 3, 200, 300, 4, 2, 64, "bf16", False, _both(_padding, _mod_sink)),
     ("mod-per-head-mqa-causal", 2, 257, 257, 8, 1, 128, "bf16", True, _mod_heads),
