@@ -72,6 +72,10 @@ __device__ void bwd_dq(const BwdParams& p) {
         gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(dp, sdO + wrow * LD, LD, sV, LD, lane);
 
         const bool need_mask = tile.needs_mask(n_blocks - 1 - it, j);
+        // dS = P o (dP - delta), P = 0 where the mask hides the pair: the element mask inside this
+        // loop, or with mask_mod in a pass of its own between P and dS (at head_dim 256 on sm_90a
+        // each form spills 4 bytes in the other's variants, NVRTC 12.9).
+        constexpr bool MOD_PASS = T::MASK & MASK_MOD;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -80,13 +84,34 @@ __device__ void bwd_dq(const BwdParams& p) {
                 for (int c = 0; c < 4; ++c) {
                     const int hh = c >> 1;
                     float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -lse2[mt][hh]));
-                    if (need_mask) {
+                    if (!MOD_PASS && need_mask) {
                         const int row = m0 + wrow + mt * 16 + g + 8 * hh;
                         const int col = n0 + nt * 8 + 2 * t + (c & 1);
                         if (!tile.visible(row, col, h)) pr = 0.f;
                     }
-                    s[mt][nt][c] = pr * (dp[mt][nt][c] - delta[mt][hh]);  // dS
+                    s[mt][nt][c] = MOD_PASS ? pr : pr * (dp[mt][nt][c] - delta[mt][hh]);
                 }
+        if constexpr (MOD_PASS) {
+            if (need_mask) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int row = m0 + wrow + mt * 16 + g + 8 * hh;
+#pragma unroll
+                        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                if (!tile.visible(row, n0 + nt * 8 + 2 * t + e, h)) s[mt][nt][2 * hh + e] = 0.f;
+                    }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) s[mt][nt][c] *= dp[mt][nt][c] - delta[mt][c >> 1];
+        }
         u32 dsf[KS_N][MT][4];
         acc_to_a<T::BF16, MT, KS_N>(s, dsf);
         gemm_rs<T::BF16, MT, NT_D, KS_N, B_KN>(dq, dsf, sK, LD, lane);

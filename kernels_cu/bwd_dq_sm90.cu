@@ -117,7 +117,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
         u32 hidden = 0;
         if constexpr (T::ONE_V) {
             if (tile.needs_mask(it, j)) {
-#pragma unroll 1
+#pragma unroll
                 for (int i = 0; i < BN / 2; ++i)
                     if (!tile.visible(row_base + 8 * ((i >> 1) & 1), n0 + 8 * (i >> 2) + 2 * t + (i & 1), h))
                         hidden |= 1u << i;

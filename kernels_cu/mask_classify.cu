@@ -45,9 +45,23 @@ FRT_DEVICE void mask_map(const FwdParams& p) {
     if (n >= n_tiles) return;
     bool any = false, all = true;
     if (m * BM < vis.Lq && n * BN < vis.Lk) {  // else no pair exists
-        for (int e = lane; e < BM * BN; e += 32) {
-            const bool v = vis.visible(m * BM + e / BN, n * BN + e % BN, h);
-            any |= v, all &= v;
+        // A lane owns columns lane, lane + 32, ... of the tile and walks the rows, R rows between
+        // votes: the expression's key-side reads stay the same from row to row (the compiler can keep
+        // them), the query-side ones are the same across the warp, and a round's reads are in flight
+        // together (voting after every pair made each pair wait for the previous vote).
+        constexpr int COLS = (BN + 31) / 32, R = COLS >= 8 ? 1 : 8 / COLS;
+        static_assert(BM % R == 0, "whole rounds");
+        for (int r0 = 0; r0 < BM; r0 += R) {
+#pragma unroll
+            for (int r = r0; r < r0 + R; ++r)
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) {
+                    const int col = lane + 32 * c;
+                    if (BN % 32 == 0 || col < BN) {
+                        const bool v = vis.visible(m * BM + r, n * BN + col, h);
+                        any |= v, all &= v;
+                    }
+                }
             if (__any_sync(~0u, any) && !__all_sync(~0u, all)) break;  // partial: nothing more to learn
         }
     }

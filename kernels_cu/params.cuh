@@ -212,7 +212,7 @@ struct QueryTile {
     FRT_DEVICE bool visible(int i, int j, int h) const {
         if constexpr (IDS) {
             const int2 r = keys->row[i - m0];
-            return ((j >= r.x) & (j < r.y)) && vis.mod_visible(i, j, h);
+            return ((j >= r.x) & (j < r.y)) & vis.mod_visible(i, j, h);
         }
         return vis.visible(i, j, h);
     }
@@ -283,7 +283,7 @@ struct KeyTile {
     FRT_DEVICE bool visible(int i, int j, int h) const {
         if constexpr (IDS) {
             const int2 r = queries->row[j - n0];
-            return ((i >= r.x) & (i < r.y)) && vis.mod_visible(i, j, h);
+            return ((i >= r.x) & (i < r.y)) & vis.mod_visible(i, j, h);
         }
         return vis.visible(i, j, h);
     }
