@@ -96,14 +96,11 @@ __device__ void bwd_dq(const BwdParams& p) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const int row = m0 + wrow + mt * 16 + g + 8 * hh;
+                    for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-                        for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e)
-                                if (!tile.visible(row, n0 + nt * 8 + 2 * t + e, h)) s[mt][nt][2 * hh + e] = 0.f;
-                    }
+                        for (int c = 0; c < 4; ++c)
+                            if (!tile.visible(m0 + wrow + mt * 16 + g + 8 * (c >> 1), n0 + nt * 8 + 2 * t + (c & 1), h))
+                                s[mt][nt][c] = 0.f;
             }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)

@@ -195,15 +195,15 @@ struct Visibility {
         return true;
     }
 
-    // Every (query, key) pair of rows [m0, m0 + bm) x keys [n0, n0 + bn) is visible.
+    // Every (query, key) pair of rows [m0, m0 + bm) x keys [n0, n0 + bn) is visible. Lengths, causal
+    // and window only: with id arrays TileIntervals::covers answers, with mask_mod the tile lists.
     FRT_DEVICE bool all_visible(int m0, int bm, int n0, int bn) const {
+        static_assert(!(BLOCK_IDS || SEGMENTS || MOD), "ids: TileIntervals::covers; mask_mod: ModLists");
         const int m1 = m0 + bm - 1, n1 = n0 + bn - 1;
-        if (MOD || m1 >= Lq || n1 >= Lk) return false;  // MOD: the tile lists say which tiles are full
+        if (m1 >= Lq || n1 >= Lk) return false;
         const int d_max = n1 - m0 - shift, d_min = n0 - m1 - shift;
         if (CAUSAL && d_max > 0) return false;
         if (WINDOW && ((wl >= 0 && d_min < -wl) || (wr >= 0 && d_max > wr))) return false;
-        if (BLOCK_IDS && bk[n1] > bq[m0]) return false;
-        if (SEGMENTS && !(sq[m0] == sq[m1] && sk[n0] == sk[n1] && sq[m0] == sk[n0])) return false;
         return true;
     }
 
@@ -261,6 +261,7 @@ struct TileIntervals {
     int2 row[N];
     int2 all;
     FRT_DEVICE bool covers(int lo, int n) const { return all.x <= lo && lo + n <= all.y; }
+    FRT_DEVICE bool holds(int r, int x) const { return (x >= row[r].x) & (x < row[r].y); }  // row r sees x
 };
 
 template <int N, class Of>

@@ -201,19 +201,19 @@ struct QueryTile {
 
     // The it-th key tile (j) holds some (query, key) pair of this tile that is not visible.
     FRT_DEVICE bool needs_mask(int it, int j) const {
-        if constexpr (MOD) return mod_list[it] < 0;
-        if constexpr (IDS) return !keys->covers(j * BN, BN);
-        return !vis.all_visible(m0, BM, j * BN, BN);
+        if constexpr (MOD)
+            return mod_list[it] < 0;
+        else if constexpr (IDS)
+            return !keys->covers(j * BN, BN);
+        else
+            return !vis.all_visible(m0, BM, j * BN, BN);
     }
 
     // Whether row i of the tile (of query head h) sees key j: the element mask of the tiles that
     // need it. With id arrays, an interval test (their element test was a branch and two global
     // loads per pair, and cost a masked tile ~5x an unmasked one: docs/perf-notes.md, session 7).
     FRT_DEVICE bool visible(int i, int j, int h) const {
-        if constexpr (IDS) {
-            const int2 r = keys->row[i - m0];
-            return ((j >= r.x) & (j < r.y)) & vis.mod_visible(i, j, h);
-        }
+        if constexpr (IDS) return keys->holds(i - m0, j) & vis.mod_visible(i, j, h);
         return vis.visible(i, j, h);
     }
 };
@@ -281,10 +281,7 @@ struct KeyTile {
     // Whether key j of the tile is seen by query i (of query head h): the element mask of the
     // pairs that need it (QueryTile::visible's twin).
     FRT_DEVICE bool visible(int i, int j, int h) const {
-        if constexpr (IDS) {
-            const int2 r = queries->row[j - n0];
-            return ((i >= r.x) & (i < r.y)) & vis.mod_visible(i, j, h);
-        }
+        if constexpr (IDS) return queries->holds(j - n0, i) & vis.mod_visible(i, j, h);
         return vis.visible(i, j, h);
     }
 
@@ -310,7 +307,11 @@ struct KeyTile {
             return {h, ModLists::tile(e), e < 0};
         } else {
             const int m = m_first + m_count - 1 - it % m_count;
-            const bool partial = IDS ? !queries->covers(m * BM, BM) : !vis.all_visible(m * BM, BM, n0, BN);
+            bool partial;
+            if constexpr (IDS)
+                partial = !queries->covers(m * BM, BM);
+            else
+                partial = !vis.all_visible(m * BM, BM, n0, BN);
             return {hk * group + it / m_count, m, partial};
         }
     }
