@@ -31,6 +31,7 @@ class Device:
     arch: str          # the arch flashrt compiles for: sm_90a on Hopper, else sm_<major><minor>
     sm_count: int
     smem_optin: int    # max dynamic + static shared memory per block after opting in
+    l2_bytes: int = 50 * 2**20
 
 
 def arch_for(major: int, minor: int) -> str:
@@ -56,7 +57,7 @@ def device(index: int) -> Device:
     props = cupy.cuda.runtime.getDeviceProperties(index)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     return Device(index, name, arch_for(props["major"], props["minor"]), props["multiProcessorCount"],
-                  props["sharedMemPerBlockOptin"])
+                  props["sharedMemPerBlockOptin"], props["l2CacheSize"])
 
 
 @lru_cache(maxsize=None)
@@ -72,10 +73,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def work_items(spec: KernelSpec, B: int, H: int, Sq: int) -> int:
+    """Work items of a persistent kernel (spec.persistent; kernels_cu/params.cuh: work_item): one per query tile."""
+    return _cdiv(Sq, spec.block_m) * H * B
+
+
 def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132,
-         splits: int = 1) -> tuple[int, int, int]:
-    """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu."""
-    if spec.family in QUERY_PARALLEL:
+         splits: int = 1, resident: int = 0) -> tuple[int, int, int]:
+    """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu.
+
+    fwd_sm90: a 1-D grid of work items (params.cuh: work_item); when persistent, at most `resident` blocks
+    (resident_blocks: those that run at once; 0: no cap), which take the rest of the items from a counter.
+    """
+    if spec.family == "fwd_sm90":
+        items = work_items(spec, B, H, Sq)
+        g = (min(items, resident) if spec.persistent and resident else items, 1, 1)
+    elif spec.family in QUERY_PARALLEL:
         g = (_cdiv(Sq, spec.block_m), H, B)
     elif spec.family in CLASSIFY:  # kernels_cu/mask_classify.cu; B, H: the lists' batch entries and heads
         m_tiles, n_tiles, nw = _cdiv(Sq, spec.block_m), _cdiv(Sk, spec.block_n), spec.warps
@@ -98,6 +111,21 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
         raise LaunchError(f"{spec.name}: grid {g} exceeds the CUDA limit of {_MAX_GRID_YZ} on its y/z axes "
                           f"(heads={H}, batch={B}); split the batch into chunks of at most {_MAX_GRID_YZ}")
     return g
+
+
+@lru_cache(maxsize=None)
+def resident_blocks(spec: KernelSpec, dev: Device) -> int:
+    """Blocks of `spec` that run at once on `dev` (its occupancy per SM times the SMs); loads the kernel."""
+    _, driver = _cuda()
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function(spec, dev).ptr, spec.threads, spec.smem_bytes)
+    return max(1, per_sm) * dev.sm_count
+
+
+def item_chunk(dev: Device, Sk: int, head_dim: int, H: int, Hkv: int) -> int:
+    """(batch entry, head) pairs per chunk of a persistent kernel's work items (params.cuh: work_item): as
+    many as have their K and V (bf16 / fp16) in half of the L2 cache, whole KV-head groups."""
+    kv_heads = max(1, dev.l2_bytes // 2 // (4 * max(Sk, 1) * head_dim))
+    return kv_heads * (H // Hkv)
 
 
 # fp32 dK/dV partials of a split dK/dV pass are bounded by this many bytes.

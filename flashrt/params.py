@@ -33,7 +33,8 @@ FWD = np.dtype(
     + _strides("q", "k", "v", "o")
     + _STATS + _DIMS
     + [("scale_log2", _F32)]
-    + _MOD,
+    + _MOD
+    + [("tile_counter", _PTR), ("sched_pairs", _I32)],
     align=True,
 )
 
