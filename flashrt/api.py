@@ -227,14 +227,10 @@ def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dic
     spec = _pick(tiles.forward_family(D, dev.arch, dev.smem_optin), D, Q, m, dev)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
-    resident = launch.resident_blocks(spec, dev) if spec.persistent else 0
-    grid = launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, resident=resident)
     if spec.family == "fwd_sm90":
         p["sched_pairs"] = launch.item_chunk(dev, m.Sk, D, H, Hkv)
-        if grid[0] < launch.work_items(spec, m.B, H, m.Sq):  # persistent: a counter hands out the rest
-            allocs.append(_Alloc(("tile_counter",), (1,), "i32", 0))
     inputs = ("q", "k", "v", *(f for f, _ in _mask_arrays(mask_args)))
-    structs, launches, keep = [(params.FWD, p, {})], [(spec, grid, 0)], ()
+    structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), 0)], ()
     if m.mask_mod:
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, (spec, "mask_rows")))

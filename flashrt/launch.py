@@ -31,7 +31,7 @@ class Device:
     arch: str          # the arch flashrt compiles for: sm_90a on Hopper, else sm_<major><minor>
     sm_count: int
     smem_optin: int    # max dynamic + static shared memory per block after opting in
-    l2_bytes: int = 50 * 2**20
+    l2_bytes: int      # L2 cache size (fwd_sm90 orders its work items by it: item_chunk)
 
 
 def arch_for(major: int, minor: int) -> str:
@@ -73,21 +73,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def work_items(spec: KernelSpec, B: int, H: int, Sq: int) -> int:
-    """Work items of a persistent kernel (spec.persistent; kernels_cu/params.cuh: work_item): one per query tile."""
-    return _cdiv(Sq, spec.block_m) * H * B
-
-
 def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132,
-         splits: int = 1, resident: int = 0) -> tuple[int, int, int]:
-    """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu.
-
-    fwd_sm90: a 1-D grid of work items (params.cuh: work_item); when persistent, at most `resident` blocks
-    (resident_blocks: those that run at once; 0: no cap), which take the rest of the items from a counter.
-    """
+         splits: int = 1) -> tuple[int, int, int]:
+    """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu (fwd_sm90: a 1-D grid
+    of work items, kernels_cu/params.cuh: work_item)."""
     if spec.family == "fwd_sm90":
-        items = work_items(spec, B, H, Sq)
-        g = (min(items, resident) if spec.persistent and resident else items, 1, 1)
+        g = (_cdiv(Sq, spec.block_m) * H * B, 1, 1)
     elif spec.family in QUERY_PARALLEL:
         g = (_cdiv(Sq, spec.block_m), H, B)
     elif spec.family in CLASSIFY:  # kernels_cu/mask_classify.cu; B, H: the lists' batch entries and heads
@@ -113,17 +104,9 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
     return g
 
 
-@lru_cache(maxsize=None)
-def resident_blocks(spec: KernelSpec, dev: Device) -> int:
-    """Blocks of `spec` that run at once on `dev` (its occupancy per SM times the SMs); loads the kernel."""
-    _, driver = _cuda()
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function(spec, dev).ptr, spec.threads, spec.smem_bytes)
-    return max(1, per_sm) * dev.sm_count
-
-
 def item_chunk(dev: Device, Sk: int, head_dim: int, H: int, Hkv: int) -> int:
-    """(batch entry, head) pairs per chunk of a persistent kernel's work items (params.cuh: work_item): as
-    many as have their K and V (bf16 / fp16) in half of the L2 cache, whole KV-head groups."""
+    """(batch entry, head) pairs per chunk of fwd_sm90's work items (kernels_cu/params.cuh: work_item): as many
+    as have their K and V (bf16 / fp16) in half of the L2 cache, whole KV-head groups."""
     kv_heads = max(1, dev.l2_bytes // 2 // (4 * max(Sk, 1) * head_dim))
     return kv_heads * (H // Hkv)
 

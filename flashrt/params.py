@@ -34,7 +34,7 @@ FWD = np.dtype(
     + _STATS + _DIMS
     + [("scale_log2", _F32)]
     + _MOD
-    + [("tile_counter", _PTR), ("sched_pairs", _I32)],
+    + [("sched_pairs", _I32)],
     align=True,
 )
 

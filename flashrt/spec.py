@@ -180,12 +180,6 @@ class KernelSpec:
                 return f"{nw} warps do not tile the {m} x {n} ({what}) GEMM in 16 x 8 fragments"
         return None
 
-    @property
-    def persistent(self) -> bool:
-        """The kernel walks work items (a grid of the blocks that fit at once, a counter handing out the rest):
-        fwd_sm90 up to head_dim 192, where a second Q buffer fits (kernels_cu/fwd_sm90.cu: PERSIST)."""
-        return self.family == "fwd_sm90" and self.head_dim <= 192
-
     @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
         bm, bn = self.block_m, self.block_n
@@ -193,8 +187,8 @@ class KernelSpec:
         if self.family == "fwd":  # Q + 2 stages of (K, V)
             return bm * ld + 2 * 2 * bn * ld
         # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
-        if self.family == "fwd_sm90":  # Q (two buffers when persistent) + 2 stages of (K, V)
-            return ((2 if self.persistent else 1) * bm + 4 * bn) * self.head_dim * 2 + 1024
+        if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
+            return (bm + 4 * bn) * self.head_dim * 2 + 1024
         if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V); above head_dim 192 one V buffer
             return (2 * bm + (3 if self.head_dim > 192 else 4) * bn) * self.head_dim * 2 + 1024
         if self.family == "bwd_dkdv_sm90":  # K, V + stages of (Q, dO, lse2, delta) [+ P^T]

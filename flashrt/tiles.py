@@ -30,10 +30,11 @@ _PREFERENCES = {
         (256, [(128, 64, 8), (64, 32, 4)]),
     ],
     # wgmma (sm_90a): two warpgroups of 64 query rows; head_dim 64, 128, 192, 256 (forward_family);
-    # 128-key tiles do not fit in shared memory above 128. At head_dim 64, 64-key tiles (113-115
-    # registers unmasked: two blocks per SM, one block's softmax runs under the other's wgmmas) beat
-    # 128-key tiles (193 registers, one block): H200, 1.13-1.36x at S 512-8k (docs/perf-notes.md, session 6).
-    "fwd_sm90": [(64, [(128, 64, 8), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
+    # 128-key tiles do not fit in shared memory above 128. At head_dim 64, 64-key tiles at two blocks
+    # per SM (one block's softmax runs under the other's wgmmas; capped at 128 registers, 118-122 used)
+    # beat 128-key tiles (193 registers, one block): H200, 1.13-1.36x at S 512-8k (docs/perf-notes.md,
+    # session 6).
+    "fwd_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
     # (head_dim 64: two blocks per SM, capped at 128 registers, 1-9% faster than 128-key tiles at one

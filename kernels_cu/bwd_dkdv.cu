@@ -117,8 +117,8 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         const auto pr = pair(it);
         const int h = pr.h;
         const int m0 = pr.m * BM;
-        const int rows = min(BM, vis->Eq - m0);
-        const i64 row0 = vis->q_row0 + m0;
+        const int rows = min(BM, vis.Eq - m0);
+        const i64 row0 = vis.q_row0 + m0;
         const u32 sQ = sQdO + stage * T::SMEM_QDO_STAGE;
         load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + row0 * p.q_ss + h * p.q_sh, p.q_ss, rows, tid);
         load_tile<BM, T::D, T::NTHREADS>(sQ + BM * LD, p.dout + b * p.do_sb + row0 * p.do_ss + h * p.do_sh,
@@ -131,7 +131,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         }
     };
 
-    const i64 krow0 = vis->k_row0 + n0;
+    const i64 krow0 = vis.k_row0 + n0;
     load_tile<BN, T::D, T::NTHREADS>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, rows_k, tid);
     load_tile<BN, T::D, T::NTHREADS>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, rows_k, tid);
     if (it_begin < it_end) load_q(it_begin, 0);
@@ -190,11 +190,11 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         if constexpr (T::FUSED) {
             // dQ_pair = dS K: A = dS^T read transposed from shared memory, B = K.
             const int h = pa.h;
-            float* dq_rows = p.dq_accum + ((i64)b * p.st_sb + (i64)h * p.st_sh + vis->q_row0 + m0) * T::D;
+            float* dq_rows = p.dq_accum + ((i64)b * p.st_sb + (i64)h * p.st_sh + vis.q_row0 + m0) * T::D;
             int* sem = p.dq_sem ? p.dq_sem + ((i64)b * p.H + h) * ceil_div(p.Sq, BM) + pa.m : nullptr;
             // Key tiles add into a query tile in order, counted from the first that visits it
             // (never with mask_mod: flashrt/masks.py sends those to split or unordered fused).
-            const int turn = sem ? n_block - vis->first_key_tile_of(pa.m, BM, BN) : 0;
+            const int turn = sem ? n_block - vis.first_key_tile_of(pa.m, BM, BN) : 0;
 #pragma unroll 1
             for (int pass = 0; pass < T::NT3 / T::NQ; ++pass) {
                 const int col0 = dcol3 + pass * T::NQ * 8;
@@ -208,7 +208,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                         }
                     __syncthreads();
                 }
-                acc_red_add<T::MT3, T::NQ>(dq_rows + (i64)qrow3 * T::D + col0, T::D, dq, vis->Eq - m0 - qrow3,
+                acc_red_add<T::MT3, T::NQ>(dq_rows + (i64)qrow3 * T::D + col0, T::D, dq, vis.Eq - m0 - qrow3,
                                            T::D - col0, lane);
             }
             if (sem) {

@@ -34,7 +34,7 @@ __device__ void bwd_dq(const BwdParams& p) {
     load_tile<BM, T::D, T::NTHREADS>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss,
                                      tile.rows, tid);
     auto load_kv = [&](u32 stage, int j) {
-        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, b, tile.hk, tile.vis->k_row0, tile.vis->Ek, j, tid);
+        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, b, tile.hk, tile.vis.k_row0, tile.vis.Ek, j, tid);
     };
     // Key tiles first to last: visit number it is tile.key_tile(n_blocks - 1 - it).
     const int n_blocks = tile.n_blocks;

@@ -52,13 +52,13 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.rows, tid);
     load_tile_sw128<BM, D, NT>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss, tile.rows,
                                tid);
-    const u16* gk = p.k + b * p.k_sb + tile.vis->k_row0 * p.k_ss + tile.hk * p.k_sh;
-    const u16* gv = p.v + b * p.v_sb + tile.vis->k_row0 * p.v_ss + tile.hk * p.v_sh;
+    const u16* gk = p.k + b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
+    const u16* gv = p.v + b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
     auto load_k = [&](int stage, int j) {
-        load_tile_sw128<BN, D, NT>(sKV + stage * K_STRIDE, gk + (i64)j * BN * p.k_ss, p.k_ss, tile.vis->Ek - j * BN, tid);
+        load_tile_sw128<BN, D, NT>(sKV + stage * K_STRIDE, gk + (i64)j * BN * p.k_ss, p.k_ss, tile.vis.Ek - j * BN, tid);
     };
     auto load_v = [&](u32 sV, int j) {
-        load_tile_sw128<BN, D, NT>(sV, gv + (i64)j * BN * p.v_ss, p.v_ss, tile.vis->Ek - j * BN, tid);
+        load_tile_sw128<BN, D, NT>(sV, gv + (i64)j * BN * p.v_ss, p.v_ss, tile.vis.Ek - j * BN, tid);
     };
     if (n_blocks > 0) {
         load_k(0, tile.key_tile(0));

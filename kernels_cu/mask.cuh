@@ -100,10 +100,6 @@ struct Visibility {
     // existed (moving them cost the forward at head_dim 256 a spill).
     ModFields<MOD> mod;
 
-    // vis->field reads the same whether a kernel holds a Visibility (no mask features) or a pointer
-    // to the block's shared copy (VisibilityOf).
-    FRT_DEVICE const Visibility* operator->() const { return this; }
-
     template <class P>
     FRT_DEVICE void init(const P& p, int b) {
         if constexpr (MOD) {
@@ -268,12 +264,9 @@ struct TileIntervals {
     FRT_DEVICE bool holds(int r, int x) const { return (x >= row[r].x) & (x < row[r].y); }  // row r sees x
 };
 
-// SLOTS copies exist; a persistent kernel fills slot 1 for its next work item while the current
-// item's (slot 0) are still read, and the other way round.
-template <int N, int SLOTS, class Of>
-FRT_DEVICE const TileIntervals<N>* tile_intervals(Of of, int slot, int tid, int nthreads) {
-    __shared__ TileIntervals<N> ivs[SLOTS];
-    TileIntervals<N>& iv = ivs[slot];
+template <int N, class Of>
+FRT_DEVICE const TileIntervals<N>& tile_intervals(Of of, int tid, int nthreads) {
+    __shared__ TileIntervals<N> iv;
     if (tid == 0) iv.all = make_int2(0, 0x7fffffff);  // intervals start at >= 0
     __syncthreads();
     for (int r = tid; r < N; r += nthreads) {
@@ -283,7 +276,7 @@ FRT_DEVICE const TileIntervals<N>* tile_intervals(Of of, int slot, int tid, int 
         atomicMin(&iv.all.y, x.y);
     }
     __syncthreads();
-    return &iv;
+    return iv;
 }
 
 // The block's Visibility for batch entry b. With mask features it lives in shared memory:
@@ -291,28 +284,27 @@ FRT_DEVICE const TileIntervals<N>* tile_intervals(Of of, int slot, int tid, int 
 // accumulators need (kept in registers, they made the D >= 128 masked variants spill).
 // Without them (MASK == 0) it is a value made of run-time constants (Sq, Sk), which the
 // compiler folds into the index arithmetic as before masks existed (the shared copy cost
-// the dense kernels 5-12%). Either way the kernels read it as vis->field. SLOTS, slot: as
-// tile_intervals'. Whole-block call.
+// the dense kernels 5-12%). Whole-block call.
 template <bool CAUSAL, int MASK>
 struct VisibilityOf {
-    using type = const Visibility<CAUSAL, MASK>*;
+    using type = const Visibility<CAUSAL, MASK>&;
 };
 template <bool CAUSAL>
 struct VisibilityOf<CAUSAL, 0> {
     using type = Visibility<CAUSAL, 0>;
 };
 
-template <bool CAUSAL, int MASK, int SLOTS = 1, class P>
-FRT_DEVICE typename VisibilityOf<CAUSAL, MASK>::type block_visibility(const P& p, int b, int slot = 0) {
+template <bool CAUSAL, int MASK, class P>
+FRT_DEVICE typename VisibilityOf<CAUSAL, MASK>::type block_visibility(const P& p, int b) {
     if constexpr (MASK == 0) {
         Visibility<CAUSAL, 0> vis;
         vis.init(p, b);
         return vis;
     } else {
-        __shared__ Visibility<CAUSAL, MASK> vis[SLOTS];
-        if (threadIdx.x == 0) vis[slot].init(p, b);
+        __shared__ Visibility<CAUSAL, MASK> vis;
+        if (threadIdx.x == 0) vis.init(p, b);
         __syncthreads();
-        return &vis[slot];
+        return vis;
     }
 }
 

@@ -39,12 +39,12 @@ FRT_DEVICE void mask_map(const FwdParams& p) {
     const int z = blockIdx.z, h = z % p.mod_heads, b = z / p.mod_heads;
     // One list stands for every head (batch entry) when mod_heads (mod_batches) is 1: the
     // mask does not depend on it, so head 0 (batch entry 0) is as good as any.
-    const auto vis = block_visibility<T::CAUSAL, T::MASK>(p, b);
+    const auto& vis = block_visibility<T::CAUSAL, T::MASK>(p, b);
     const int m = blockIdx.y, n = blockIdx.x * T::NW + warp;
     const int m_tiles = ceil_div(p.Sq, BM), n_tiles = ceil_div(p.Sk, BN);
     if (n >= n_tiles) return;
     bool any = false, all = true;
-    if (m * BM < vis->Lq && n * BN < vis->Lk) {  // else no pair exists
+    if (m * BM < vis.Lq && n * BN < vis.Lk) {  // else no pair exists
         // A lane owns columns lane, lane + 32, ... of the tile and walks the rows, R rows between
         // votes: the expression's key-side reads stay the same from row to row (the compiler can keep
         // them), the query-side ones are the same across the warp, and a round's reads are in flight
@@ -58,7 +58,7 @@ FRT_DEVICE void mask_map(const FwdParams& p) {
                 for (int c = 0; c < COLS; ++c) {
                     const int col = lane + 32 * c;
                     if (BN % 32 == 0 || col < BN) {
-                        const bool v = vis->visible(m * BM + r, n * BN + col, h);
+                        const bool v = vis.visible(m * BM + r, n * BN + col, h);
                         any |= v, all &= v;
                     }
                 }

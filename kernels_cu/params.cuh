@@ -48,11 +48,7 @@ struct FwdParams {
     const int* mod_t2;
     const int* mod_t3;
     int mod_heads, mod_batches;
-    // Persistent fwd_sm90 (work_item): the counter that hands out work items after the first
-    // gridDim.x (zeroed per call; null: one item per block), and the (batch entry, head) pairs per
-    // chunk of items.
-    int* tile_counter;
-    int sched_pairs;
+    int sched_pairs;  // fwd_sm90: (batch entry, head) pairs per chunk of work items (work_item)
 };
 
 struct BwdParams {
@@ -144,11 +140,9 @@ struct RowTraits {
 };
 
 // The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid
-// (ceil(Sq/BM), H, B)) owns, and the n_blocks key tiles it visits: those of [n_first,
+// (ceil(Sq/BM), H, B); fwd_sm90: work_item) owns, and the n_blocks key tiles it visits: those of [n_first,
 // n_end), or with mask_mod the tiles of its ModLists row. key_tile(0) is the last.
-// A persistent kernel (fwd_sm90) makes one per work item (work_item), in shared-memory slot
-// `slot` of SLOTS, so that the next item's can be made while the current one's is read.
-template <int BM, int BN, bool CAUSAL, int MASK, int SLOTS = 1>
+template <int BM, int BN, bool CAUSAL, int MASK>
 struct QueryTile {
     static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
     typename VisibilityOf<CAUSAL, MASK>::type vis;  // in shared memory when MASK != 0 (block_visibility)
@@ -158,33 +152,31 @@ struct QueryTile {
     const int* mod_list;  // MOD: this query tile's ModLists row
     const TileIntervals<BM>* keys;  // IDS: each row's visible keys (Visibility::keys_of)
 
-    QueryTile() = default;
-
     // The block's tile of grid (ceil(Sq/BM), H, B). Causal: the last query tiles see the most
     // keys; they come first.
     template <class P>
     FRT_DEVICE QueryTile(const P& p, int tid, int nthreads)
-        : QueryTile(p, CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, 0, tid, nthreads) {}
+        : QueryTile(p, CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, tid, nthreads) {}
 
-    // Query tile m_block of head h_ of batch entry b_. Whole-block call.
+    // Query tile m_block of head h_ of batch entry b_ (fwd_sm90: work_item). Whole-block call.
     template <class P>
-    FRT_DEVICE QueryTile(const P& p, int m_block, int h_, int b_, int slot, int tid, int nthreads)
-        : vis(block_visibility<CAUSAL, MASK, SLOTS>(p, b_, slot)) {
+    FRT_DEVICE QueryTile(const P& p, int m_block, int h_, int b_, int tid, int nthreads)
+        : vis(block_visibility<CAUSAL, MASK>(p, b_)) {
         h = h_;
         b = b_;
         hk = h / (p.H / p.Hkv);
         m0 = m_block * BM;
-        rows = min(BM, vis->Eq - m0);  // <= 0: past a packed sequence's end, nothing to do
-        row0 = vis->q_row0 + m0;
+        rows = min(BM, vis.Eq - m0);  // <= 0: past a packed sequence's end, nothing to do
+        row0 = vis.q_row0 + m0;
         stat0 = (i64)b * p.st_sb + (i64)h * p.st_sh + row0;
         int lo = 0, hi = 0;
-        if (rows > 0) vis->key_span(m0, BM, lo, hi, tid, nthreads);
+        if (rows > 0) vis.key_span(m0, BM, lo, hi, tid, nthreads);
         n_first = lo / BN;
         n_end = hi > lo ? ceil_div(hi, BN) : n_first;
         n_blocks = n_end - n_first;
         keys = nullptr;
         if constexpr (IDS)
-            keys = tile_intervals<BM, SLOTS>([&](int r) { return vis->keys_of(m0 + r, lo, hi); }, slot, tid, nthreads);
+            keys = &tile_intervals<BM>([&](int r) { return vis.keys_of(m0 + r, lo, hi); }, tid, nthreads);
         mod_list = nullptr;
         if constexpr (MOD) {
             n_blocks = 0;
@@ -221,23 +213,23 @@ struct QueryTile {
         else if constexpr (IDS)
             return !keys->covers(j * BN, BN);
         else
-            return !vis->all_visible(m0, BM, j * BN, BN);
+            return !vis.all_visible(m0, BM, j * BN, BN);
     }
 
     // Whether row i of the tile (of query head h) sees key j: the element mask of the tiles that
     // need it. With id arrays, an interval test (their element test was a branch and two global
     // loads per pair, and cost a masked tile ~5x an unmasked one: docs/perf-notes.md, session 7).
     FRT_DEVICE bool visible(int i, int j, int h) const {
-        if constexpr (IDS) return keys->holds(i - m0, j) & vis->mod_visible(i, j, h);
-        return vis->visible(i, j, h);
+        if constexpr (IDS) return keys->holds(i - m0, j) & vis.mod_visible(i, j, h);
+        return vis.visible(i, j, h);
     }
 };
 
-// The work items of a persistent query-parallel kernel (fwd_sm90; a 1-D grid whose block k first
-// takes item k, then those p.tile_counter hands out): item -> (query tile m, head h, batch entry b).
-// The (batch entry, head) pairs come in chunks of p.sched_pairs (the launcher sizes a chunk so that
-// its K and V fit in L2: the items running at once share them), and inside a chunk the query tile
-// is the outer loop, heaviest first when causal, so the items handed out last are the lightest.
+// The work items of fwd_sm90 (a 1-D grid; block k does item k): item -> (query tile m, head h,
+// batch entry b). The (batch entry, head) pairs come in chunks of p.sched_pairs (the launcher sizes a
+// chunk so that its K and V fit in half of L2: the blocks running at once share them), and inside a
+// chunk the query tile is the outer loop, heaviest first when causal: the blocks that start last
+// are the lightest of their chunk, and fewer SMs idle behind a long one at the end.
 struct WorkItem {
     int m, h, b;
 };
@@ -284,11 +276,11 @@ struct KeyTile {
         n_block = blockIdx.x, hk = blockIdx.y % p.Hkv, split = blockIdx.y / p.Hkv, b = blockIdx.z;
         group = p.H / p.Hkv;
         n0 = n_block * BN;
-        rows = min(BN, vis->Ek - n0);
+        rows = min(BN, vis.Ek - n0);
         m_first = m_count = it_begin = it_end = 0;
         queries = nullptr;
         if (rows <= 0) return;  // (the launcher uses one split when varlen: no partials to write)
-        int n_pairs, q_lo = 0, q_hi = vis->Lq;
+        int n_pairs, q_lo = 0, q_hi = vis.Lq;
         if constexpr (MOD) {
             lists = ModLists::cols(p, BM, BN);
             n_pairs = 0;
@@ -298,7 +290,7 @@ struct KeyTile {
                 n_pairs = group * mod_count(p, 0);
             }
         } else {
-            vis->query_span(n0, BN, q_lo, q_hi, tid, nthreads);
+            vis.query_span(n0, BN, q_lo, q_hi, tid, nthreads);
             m_first = q_lo / BM;
             m_count = q_hi > q_lo ? ceil_div(q_hi, BM) - m_first : 0;
             n_pairs = m_count > 0 ? group * m_count : 0;
@@ -306,14 +298,14 @@ struct KeyTile {
         const int chunk = ceil_div(n_pairs, p.splits);
         it_begin = min(n_pairs, split * chunk), it_end = min(n_pairs, it_begin + chunk);
         if constexpr (IDS)
-            queries = tile_intervals<BN, 1>([&](int r) { return vis->queries_of(n0 + r, q_lo, q_hi); }, 0, tid, nthreads);
+            queries = &tile_intervals<BN>([&](int r) { return vis.queries_of(n0 + r, q_lo, q_hi); }, tid, nthreads);
     }
 
     // Whether key j of the tile is seen by query i (of query head h): the element mask of the
     // pairs that need it (QueryTile::visible's twin).
     FRT_DEVICE bool visible(int i, int j, int h) const {
-        if constexpr (IDS) return queries->holds(j - n0, i) & vis->mod_visible(i, j, h);
-        return vis->visible(i, j, h);
+        if constexpr (IDS) return queries->holds(j - n0, i) & vis.mod_visible(i, j, h);
+        return vis.visible(i, j, h);
     }
 
     template <class P>
@@ -342,7 +334,7 @@ struct KeyTile {
             if constexpr (IDS)
                 partial = !queries->covers(m * BM, BM);
             else
-                partial = !vis->all_visible(m * BM, BM, n0, BN);
+                partial = !vis.all_visible(m * BM, BM, n0, BN);
             return {hk * group + it / m_count, m, partial};
         }
     }

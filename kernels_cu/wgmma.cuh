@@ -69,12 +69,29 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
     static_assert(COLS % kBlockCols == 0, "sw128 tiles hold whole 64-column blocks");
     static_assert(ROWS % 8 == 0, "sw128 tiles hold whole 8-row atoms");
     static_assert(TOTAL % NTHREADS == 0, "tile chunks must divide evenly among the threads");
+    if constexpr (NTHREADS % CPR == 0 && (NTHREADS / CPR) % 8 == 0) {
+        // A thread's chunks share one column and one swizzle phase, RSTEP rows apart: one shared
+        // and one global address, stepped (the general form below cost the wgmma forward ~160
+        // instructions per key tile between its barrier and its first wgmma: docs/perf-notes.md).
+        constexpr int RSTEP = NTHREADS / CPR;
+        const u32 ut = (u32)tid;
+        const int c = (int)(ut % CPR), r0 = (int)(ut / CPR);
+        const u32 s0 = s_tile + sw128_offset<ROWS>(r0, c);
+        const u16* src = g + (i64)r0 * g_stride + c * 8;
+        const i64 step = (i64)RSTEP * g_stride;
 #pragma unroll
-    for (int i = 0; i < TOTAL / NTHREADS; ++i) {
-        const int idx = tid + i * NTHREADS;
-        const int r = idx / CPR, c = idx % CPR;
-        const bool ok = r < rows_valid;
-        cp_async16(s_tile + sw128_offset<ROWS>(r, c), ok ? g + (i64)r * g_stride + c * 8 : g, ok);
+        for (int i = 0; i < TOTAL / NTHREADS; ++i, src += step) {
+            const bool ok = r0 + i * RSTEP < rows_valid;
+            cp_async16(s0 + i * RSTEP * kSwizzleBytes, ok ? src : g, ok);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < TOTAL / NTHREADS; ++i) {
+            const int idx = tid + i * NTHREADS;
+            const int r = idx / CPR, c = idx % CPR;
+            const bool ok = r < rows_valid;
+            cp_async16(s_tile + sw128_offset<ROWS>(r, c), ok ? g + (i64)r * g_stride + c * 8 : g, ok);
+        }
     }
 }
 

@@ -112,22 +112,12 @@ def test_grids():
         launch.grid(fwd, B=70000, H=8, Hkv=8, Sq=1, Sk=1)
 
 
-def test_persistent_forward_grid_and_smem():
-    """fwd_sm90: a 1-D grid of work items, capped at the resident blocks up to head_dim 192 (a second Q
-    buffer), one block per item at 256."""
+def test_wgmma_forward_grid_is_one_dimensional():
+    """fwd_sm90: a 1-D grid of work items (kernels_cu/params.cuh: work_item), one per query tile: no y/z limit."""
     f128 = KernelSpec("fwd_sm90", 128, "bf16", 128, 128, 8, True, "sm_90a")
-    assert f128.persistent and f128.smem_bytes == (2 * 128 + 4 * 128) * 128 * 2 + 1024
-    assert launch.work_items(f128, B=16, H=16, Sq=1000) == 8 * 16 * 16
-    assert launch.grid(f128, B=16, H=16, Hkv=16, Sq=1000, Sk=1000, resident=132) == (132, 1, 1)
-    assert launch.grid(f128, B=1, H=2, Hkv=1, Sq=200, Sk=200, resident=132) == (4, 1, 1)  # fewer items
-    assert launch.grid(f128, B=16, H=16, Hkv=16, Sq=1000, Sk=1000) == (2048, 1, 1)   # resident unknown
-    f256 = KernelSpec("fwd_sm90", 256, "bf16", 128, 64, 8, True, "sm_90a")
-    assert not f256.persistent and f256.smem_bytes == (128 + 4 * 64) * 256 * 2 + 1024
-    assert launch.grid(f256, B=16, H=16, Hkv=16, Sq=1000, Sk=1000, resident=132) == (2048, 1, 1)
-    assert launch.grid(f256, B=70000, H=8, Hkv=8, Sq=1, Sk=1) == (560000, 1, 1)  # no y/z limit
-    for d in (64, 128, 192, 256):  # every head_dim's forward fits the H100 / H200 with its buffers
-        s = tiles.pick_nw("fwd_sm90", d, "bf16", True, "sm_90a", SMEM_OPTIN[90])
-        assert s.smem_bytes + 2 * 1024 <= SMEM_OPTIN[90], s.name  # + static: slots, next-item tiles
+    assert f128.smem_bytes == (128 + 4 * 128) * 128 * 2 + 1024
+    assert launch.grid(f128, B=16, H=16, Hkv=16, Sq=1000, Sk=1000) == (8 * 16 * 16, 1, 1)
+    assert launch.grid(f128, B=70000, H=8, Hkv=8, Sq=1, Sk=1) == (560000, 1, 1)
 
 
 def test_item_chunk_fits_half_the_l2():
