@@ -228,7 +228,7 @@ def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dic
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     if spec.family == "fwd_sm90":
-        p["sched_pairs"] = launch.item_chunk(dev, m.Sk, D, H, Hkv)
+        p["sched_pairs"] = launch.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
     inputs = ("q", "k", "v", *(f for f, _ in _mask_arrays(mask_args)))
     structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), 0)], ()
     if m.mask_mod:

@@ -104,11 +104,12 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
     return g
 
 
-def item_chunk(dev: Device, Sk: int, head_dim: int, H: int, Hkv: int) -> int:
+def item_chunk(dev: Device, B: int, Sk: int, head_dim: int, H: int, Hkv: int) -> int:
     """(batch entry, head) pairs per chunk of fwd_sm90's work items (kernels_cu/params.cuh: work_item): as many
-    as have their K and V (bf16 / fp16) in half of the L2 cache, whole KV-head groups."""
+    as have their K and V (bf16 / fp16) in half of the L2 cache, whole KV-head groups, at most all B * H (so a
+    chunk's items fit the kernel's int arithmetic as the grid does)."""
     kv_heads = max(1, dev.l2_bytes // 2 // (4 * max(Sk, 1) * head_dim))
-    return kv_heads * (H // Hkv)
+    return min(kv_heads * (H // Hkv), B * H)
 
 
 # fp32 dK/dV partials of a split dK/dV pass are bounded by this many bytes.

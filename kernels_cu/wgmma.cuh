@@ -71,8 +71,9 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
     static_assert(TOTAL % NTHREADS == 0, "tile chunks must divide evenly among the threads");
     if constexpr (NTHREADS % CPR == 0 && (NTHREADS / CPR) % 8 == 0) {
         // A thread's chunks share one column and one swizzle phase, RSTEP rows apart: one shared
-        // and one global address, stepped (the general form below cost the wgmma forward ~160
-        // instructions per key tile between its barrier and its first wgmma: docs/perf-notes.md).
+        // and one global address, stepped. (With the general form below the wgmma forward ran 247
+        // instructions between a key tile's barrier and its first wgmma, 187 with this one:
+        // docs/perf-notes.md, session 8.)
         constexpr int RSTEP = NTHREADS / CPR;
         const u32 ut = (u32)tid;
         const int c = (int)(ut % CPR), r0 = (int)(ut / CPR);

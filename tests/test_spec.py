@@ -122,9 +122,10 @@ def test_wgmma_forward_grid_is_one_dimensional():
 
 def test_item_chunk_fits_half_the_l2():
     dev = launch.Device(0, "H100", "sm_90a", 132, SMEM_OPTIN[90], 50 * 2**20)
-    assert launch.item_chunk(dev, Sk=1024, head_dim=128, H=16, Hkv=16) == 50
-    assert launch.item_chunk(dev, Sk=1024, head_dim=128, H=16, Hkv=4) == 200  # 4 query heads per KV head
-    assert launch.item_chunk(dev, Sk=2**20, head_dim=256, H=8, Hkv=8) == 1
+    assert launch.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=16) == 50
+    assert launch.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=4) == 200  # 4 query heads per KV head
+    assert launch.item_chunk(dev, B=1, Sk=2**20, head_dim=256, H=8, Hkv=8) == 1
+    assert launch.item_chunk(dev, B=2, Sk=8, head_dim=8, H=4, Hkv=4) == 8  # never more than B * H
 
 
 def test_arch_for():
