@@ -174,7 +174,9 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, NT);
     if (tile.rows <= 0) return;
-    const int b = tile.b, hk = tile.hk, n0 = tile.n0, it_begin = tile.it_begin, it_end = tile.it_end;
+    const int b = tile.b, hk = tile.hk, n0 = tile.n0;
+    // (with id masks these come from shared memory; PIPELINED keeps wgmmas in flight across pairs)
+    const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
 
     const i64 krow0 = tile.vis.k_row0 + n0;
     load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.rows, tid);

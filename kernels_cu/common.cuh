@@ -102,6 +102,11 @@ FRT_DEVICE float warp_sum4(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// A value the caller knows to be the same in every thread of the block (e.g. read back from
+// shared memory after a block reduction), passed through lane 0 so that the compiler knows it
+// too: ptxas serialises the wgmmas of a loop whose trip count it takes to be divergent.
+FRT_DEVICE int block_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // ---------------------------------------------------------------------------
 // ldmatrix / cp.async
 // ---------------------------------------------------------------------------

@@ -7,8 +7,9 @@
 // (BN x D) double-buffered by cp.async into 128-byte-swizzled shared tiles (wgmma.cuh);
 // S = Q K^T is a wgmma with both operands in shared memory, the online softmax (base 2, scale
 // folded in) runs on the fp32 accumulator fragments, and O += P V is a wgmma with P from
-// registers and V as the transposed (MN-major) B operand. Each GEMM is waited for before the
-// softmax that needs it (no overlap of softmax and MMA yet: docs/perf-notes.md).
+// registers and V as the transposed (MN-major) B operand. A key tile's softmax runs while the
+// previous tile's P V wgmma is in flight, and warpgroup 0 issues its wgmmas before warpgroup 1
+// (docs/perf-notes.md, session 9).
 #include "params.cuh"
 #include "wgmma.cuh"
 
@@ -40,19 +41,24 @@ __device__ void fwd_sm90(const FwdParams& p) {
     const WorkItem wi = work_item<T::CAUSAL>(p, blockIdx.x, ceil_div(p.Sq, BM));
     const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, wi.m, wi.h, wi.b, tid, NT);
     if (tile.rows <= 0) return;
-    const int n_blocks = tile.n_blocks;
+    const int n_blocks = block_uniform(tile.n_blocks);  // (with id masks it comes from shared memory)
 
     load_tile_sw128<BM, D, NT>(sQ, p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss, tile.rows,
                                tid);
     const u16* gk = p.k + tile.b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
     const u16* gv = p.v + tile.b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
-    auto load_kv = [&](int stage, int j) {
-        const u32 sK = sKV + stage * T::STAGE_BYTES;
-        const int rows = tile.vis.Ek - j * BN;
-        load_tile_sw128<BN, D, NT>(sK, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, tid);
-        load_tile_sw128<BN, D, NT>(sK + T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, tid);
+    // Stage s holds a K tile and, KV_BYTES after it, a V tile. Key tile it's K is loaded one
+    // iteration ahead of its S wgmma and its V one iteration ahead of its P V wgmma (which runs in
+    // iteration it + 1, under that iteration's softmax), so both tiles of tile it live in stage it & 1.
+    auto load_k = [&](int stage, int j) {
+        load_tile_sw128<BN, D, NT>(sKV + stage * T::STAGE_BYTES, gk + (i64)j * BN * p.k_ss, p.k_ss,
+                                   tile.vis.Ek - j * BN, tid);
     };
-    if (n_blocks > 0) load_kv(0, tile.key_tile(0));
+    auto load_v = [&](int stage, int j) {
+        load_tile_sw128<BN, D, NT>(sKV + stage * T::STAGE_BYTES + T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss,
+                                   tile.vis.Ek - j * BN, tid);
+    };
+    if (n_blocks > 0) load_k(0, tile.key_tile(0));
     cp_async_commit();
 
     // This warpgroup's 64 query rows: rows 64 wg.. of every column block of the Q tile. A thread
@@ -65,24 +71,56 @@ __device__ void fwd_sm90(const FwdParams& p) {
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
+    // Across iterations: s holds the last tile's P (fp32) and alpha its rescale of O, until both are
+    // applied at the top of the next iteration; pa is P packed as the A operand of its P V wgmma.
+    float s[BN / 2], alpha[2] = {1.f, 1.f};
+    u32 pa[BN / 16][4];
+    // O += P V of the previous tile and its O rescale, once its P V wgmma (issued last iteration) is done.
+    auto retire_pv = [&] {
+        wgmma_wait<0>();
+        fence_operand(o);
+#pragma unroll
+        for (int jj = 0; jj < D / 8; ++jj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) o[4 * jj + c] *= alpha[c >> 1];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, T::BF16>(s, kk, pa[kk]);
+    };
 
     // Key tiles last to first (as fwd.cu): the ones needing the element mask come first.
+    // Iteration it issues S = Q K^T of tile it and O += P V of tile it - 1, and runs tile it's softmax
+    // while that P V wgmma is in flight (FlashAttention-3's intra-warpgroup overlap); the wait for it
+    // and O's rescale open the next iteration. (Written at the end of an iteration, the wait was
+    // hoisted by ptxas above the softmax, whatever kept P's registers live: SASS, session 9.)
+    // Warpgroup 1 issues its wgmmas once warpgroup 0 has issued its own, so that warpgroup 0's S
+    // completes first and its softmax runs under the other wgmmas: without that order, or with the
+    // order alone, the overlap measured slower than no overlap (docs/perf-notes.md, session 9).
     for (int it = 0; it < n_blocks; ++it) {
         const int j = tile.key_tile(it), stage = it & 1, n0 = j * BN;
-        cp_async_wait<0>();
+        retire_pv();  // (nothing in flight at it = 0: alpha = 1, pa unused)
+        cp_async_wait<0>();   // K of tile it, V of tile it - 1
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
-        __syncthreads();      // every thread's writes landed; every warpgroup is done with the other stage
-        if (it + 1 < n_blocks) load_kv(stage ^ 1, tile.next_key_tile(it, j));
+        __syncthreads();      // every thread's writes landed; iteration it - 1's wgmmas are complete
+        if (it + 1 < n_blocks) load_k(stage ^ 1, tile.next_key_tile(it, j));
+        load_v(stage, j);
         cp_async_commit();
-        const u32 sK = sKV + stage * T::STAGE_BYTES, sV = sK + T::KV_BYTES;
 
-        float s[BN / 2];
-        wgmma_fence();
+        if (wg == 1) bar_wait<3, 256>();  // after warpgroup 0's wgmmas (its arrive below)
+        wgmma_fence();  // orders the o rescale and pa packing before the wgmmas below
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
-            wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK, kk), kk > 0);
+            wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk),
+                                     desc_k_major<BN>(sKV + stage * T::STAGE_BYTES, kk), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        if (it > 0) {
+            wgmma_rs_mn<D, BN, T::BF16>(o, pa, sKV + (stage ^ 1) * T::STAGE_BYTES + T::KV_BYTES);
+            wgmma_commit();
+            if (wg == 0) bar_arrive<3, 256>();
+            wgmma_wait<1>();  // S is complete; P V may still run
+        } else {
+            if (wg == 0) bar_arrive<3, 256>();
+            wgmma_wait<0>();
+        }
         fence_operand(s);
 
         if (tile.needs_mask(it, j)) {
@@ -102,7 +140,7 @@ __device__ void fwd_sm90(const FwdParams& p) {
             const float m_new = fmaxf(row_max[hh], warp_max4(mx) * p.scale_log2);
             // A row that has seen only masked keys keeps m = -inf; subtract 0 then.
             const float base = m_new == -FRT_INF ? 0.f : m_new;
-            const float alpha = fast_exp2(row_max[hh] - base);
+            alpha[hh] = fast_exp2(row_max[hh] - base);
             row_max[hh] = m_new;
             float sum = 0.f;
 #pragma unroll
@@ -113,20 +151,16 @@ __device__ void fwd_sm90(const FwdParams& p) {
                     x = fast_exp2(fmaf(x, p.scale_log2, -base));
                     sum += x;
                 }
-            row_sum[hh] = row_sum[hh] * alpha + sum;
-#pragma unroll
-            for (int jj = 0; jj < D / 8; ++jj) o[4 * jj + 2 * hh] *= alpha, o[4 * jj + 2 * hh + 1] *= alpha;
+            row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
         }
-
-        u32 pa[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, T::BF16>(s, kk, pa[kk]);
-        wgmma_rs_wait<D, BN, T::BF16>(o, pa, sV);  // O += P V (after the o rescale and the pa writes)
     }
-    cp_async_wait<0>();  // the last (empty) group
-    // Every thread's Q copies have landed before a warpgroup overwrites its rows with O (with no
-    // key tile to visit, the loop's barrier never ran: compute-sanitizer's racecheck saw it).
+    retire_pv();
+    cp_async_wait<0>();   // V of the last key tile
+    fence_proxy_async();
+    // Every thread's copies have landed (the last V; with no key tile to visit, Q, before a warpgroup
+    // overwrites its rows with O: compute-sanitizer's racecheck saw that one).
     __syncthreads();
+    if (n_blocks > 0) wgmma_rs_wait<D, BN, T::BF16>(o, pa, sKV + ((n_blocks - 1) & 1) * T::STAGE_BYTES + T::KV_BYTES);
 
     // Epilogue: normalise, LSE, stage O into this warpgroup's own 64 rows of the Q tile (only it
     // read them, and its wgmmas are complete), then 16-byte stores of the rows that exist.
