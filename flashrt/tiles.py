@@ -77,8 +77,9 @@ _MASKED_PREFERENCES = {
 # every built-in mask and a tensor-reading expression, NVRTC 12.9).
 _MOD_PREFERENCES = {
     "bwd_fused": [(128, [(64, 64, 8), (64, 32, 8)]), (256, [(64, 32, 8)])],
-    # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression)
-    "fwd_sm90": [(256, [(128, 64, 8)])],
+    # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression, no
+    # spills; against 64-key tiles it is 1.12x faster on documents-mod at 8k, H200, docs/perf-notes.md s9)
+    "fwd_sm90": [(64, [(128, 64, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # (the wgmma dQ at head_dim 64 with 128-key tiles spills 32 bytes with an expression alone, NVRTC 12.9)
     "bwd_dq_sm90": [(256, [(128, 64, 8)])],
 }
