@@ -50,15 +50,10 @@ __device__ void fwd_sm90(const FwdParams& p) {
     // Stage s holds a K tile and, KV_BYTES after it, a V tile. Key tile it's K is loaded one
     // iteration ahead of its S wgmma and its V one iteration ahead of its P V wgmma (which runs in
     // iteration it + 1, under that iteration's softmax), so both tiles of tile it live in stage it & 1.
-    auto load_k = [&](int stage, int j) {
-        load_tile_sw128<BN, D, NT>(sKV + stage * T::STAGE_BYTES, gk + (i64)j * BN * p.k_ss, p.k_ss,
-                                   tile.vis.Ek - j * BN, tid);
+    auto load = [&](u32 s_tile, const u16* g, i64 stride, int j) {  // key tile j of K or V
+        load_tile_sw128<BN, D, NT>(s_tile, g + (i64)j * BN * stride, stride, tile.vis.Ek - j * BN, tid);
     };
-    auto load_v = [&](int stage, int j) {
-        load_tile_sw128<BN, D, NT>(sKV + stage * T::STAGE_BYTES + T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss,
-                                   tile.vis.Ek - j * BN, tid);
-    };
-    if (n_blocks > 0) load_k(0, tile.key_tile(0));
+    if (n_blocks > 0) load(sKV, gk, p.k_ss, tile.key_tile(0));
     cp_async_commit();
 
     // This warpgroup's 64 query rows: rows 64 wg.. of every column block of the Q tile. A thread
@@ -101,8 +96,8 @@ __device__ void fwd_sm90(const FwdParams& p) {
         cp_async_wait<0>();   // K of tile it, V of tile it - 1
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
         __syncthreads();      // every thread's writes landed; iteration it - 1's wgmmas are complete
-        if (it + 1 < n_blocks) load_k(stage ^ 1, tile.next_key_tile(it, j));
-        load_v(stage, j);
+        if (it + 1 < n_blocks) load(sKV + (stage ^ 1) * T::STAGE_BYTES, gk, p.k_ss, tile.next_key_tile(it, j));
+        load(sKV + stage * T::STAGE_BYTES + T::KV_BYTES, gv, p.v_ss, j);
         cp_async_commit();
 
         if (wg == 1) bar_wait<3, 256>();  // after warpgroup 0's wgmmas (its arrive below)
