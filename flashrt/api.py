@@ -224,13 +224,16 @@ def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dic
     if empty:
         return _Plan([], (), allocs, [], None)
     dev = launch.device(Q.device)
-    spec = _pick(tiles.forward_family(D, dev.arch, dev.smem_optin), D, Q, m, dev)
+    spec = _pick(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
-    if spec.family == "fwd_sm90":
+    if spec.family in ("fwd_sm90", "fwd_sm90_ws"):
         p["sched_pairs"] = launch.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
+    if spec.family == "fwd_sm90_ws":  # its work-item counter, zeroed for the launch
+        allocs.append(_Alloc(("sched",), (1,), "i32", 0))
     inputs = ("q", "k", "v", *(f for f, _ in _mask_arrays(mask_args)))
-    structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk), 0)], ()
+    structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count),
+                                                                                 0)], ()
     if m.mask_mod:
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, (spec, "mask_rows")))

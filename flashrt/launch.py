@@ -79,6 +79,8 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
     of work items, kernels_cu/params.cuh: work_item)."""
     if spec.family == "fwd_sm90":
         g = (_cdiv(Sq, spec.block_m) * H * B, 1, 1)
+    elif spec.family == "fwd_sm90_ws":  # persistent: one block per SM, at most one per work item
+        g = (min(_cdiv(Sq, spec.block_m) * H * B, sm_count), 1, 1)
     elif spec.family in QUERY_PARALLEL:
         g = (_cdiv(Sq, spec.block_m), H, B)
     elif spec.family in CLASSIFY:  # kernels_cu/mask_classify.cu; B, H: the lists' batch entries and heads

@@ -34,7 +34,7 @@ FWD = np.dtype(
     + _STATS + _DIMS
     + [("scale_log2", _F32)]
     + _MOD
-    + [("sched_pairs", _I32)],
+    + [("sched_pairs", _I32), ("sched", _PTR)],
     align=True,
 )
 

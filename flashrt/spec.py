@@ -20,6 +20,7 @@ FAMILIES = {
     # family: (source file, params struct, extra defines)
     "fwd": ("fwd.cu", params.FWD, {}),
     "fwd_sm90": ("fwd_sm90.cu", params.FWD, {}),  # the forward with wgmma (sm_90a, head_dim a multiple of 64)
+    "fwd_sm90_ws": ("fwd_sm90_ws.cu", params.FWD, {}),  # ... warp-specialised and persistent: dense and causal
     "bwd_preprocess": ("bwd_preprocess.cu", params.BWD, {}),
     "bwd_dq": ("bwd_dq.cu", params.BWD, {}),
     "bwd_dkdv": ("bwd_dkdv.cu", params.BWD, {}),
@@ -40,9 +41,9 @@ ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
 # Key-parallel families (bwd_dkdv.cu, bwd_dkdv_sm90.cu): grid over key tiles (KeyTile in params.cuh).
 KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90")
 # Query-parallel families: grid over query tiles (QueryTile in params.cuh).
-QUERY_PARALLEL = ("fwd", "fwd_sm90", "bwd_dq", "bwd_dq_sm90")
+QUERY_PARALLEL = ("fwd", "fwd_sm90", "fwd_sm90_ws", "bwd_dq", "bwd_dq_sm90")
 # wgmma families (sm_90a only; kernels_cu/wgmma.cuh) and the head_dims each has a kernel for.
-SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "bwd_dq_sm90": (64, 128, 192, 256),
+SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128), "bwd_dq_sm90": (64, 128, 192, 256),
                   "bwd_dkdv_sm90": (64, 128, 192, 256)}
 # mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
 # (KernelSpec.classifier); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
@@ -168,6 +169,10 @@ class KernelSpec:
                 return None if (bm, bn, nw) == (64, bn_sm90, 8) else f"block_m 64, block_n {bn_sm90}, 8 warps"
             if self.family == "bwd_dq_sm90" and self.head_dim > 128 and bn != 64:
                 return "block_n 64 above head_dim 128"
+            if self.family == "fwd_sm90_ws":  # two consumer warpgroups and a producer one; dense or causal
+                if self.mask:
+                    return "no mask bits (element masks: fwd_sm90)"
+                return None if (bm, nw) == (128, 12) and bn in (64, 128) else "block_m 128, 12 warps, block_n 64 or 128"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
@@ -189,6 +194,8 @@ class KernelSpec:
         # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
         if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
             return (bm + 4 * bn) * self.head_dim * 2 + 1024
+        if self.family == "fwd_sm90_ws":  # 2 Q slots + 2 K and 2 V stages + mbarriers
+            return (2 * bm + 4 * bn) * self.head_dim * 2 + 128 + 1024
         if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V); above head_dim 192 one V buffer
             return (2 * bm + (3 if self.head_dim > 192 else 4) * bn) * self.head_dim * 2 + 1024
         if self.family == "bwd_dkdv_sm90":  # K, V + stages of (Q, dO, lse2, delta) [+ P^T]

@@ -35,6 +35,8 @@ _PREFERENCES = {
     # beat 128-key tiles (193 registers, one block): H200, 1.13-1.36x at S 512-8k (docs/perf-notes.md,
     # session 6).
     "fwd_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
+    # warp-specialised (8 consumer warps + a producer warp), persistent: dense and causal
+    "fwd_sm90_ws": [(128, [(128, 128, 12)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
     # (head_dim 64: two blocks per SM, capped at 128 registers, 1-9% faster than 128-key tiles at one
@@ -98,6 +100,7 @@ def spill_allowance(spec: KernelSpec) -> int:
 _FALLBACKS = {
     "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "fwd_sm90": [],
+    "fwd_sm90_ws": [],
     "bwd_dq_sm90": [],
     "bwd_dkdv_sm90": [],
     "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
@@ -124,13 +127,17 @@ def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
     return arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family] and not (head_dim > above and mask & bits)
 
 
-def forward_family(head_dim: int, arch: str, smem_limit: int) -> str:
-    """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never).
+def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> str:
+    """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never);
+    without mask bits (dense, causal) its warp-specialised form where that exists and fits.
 
     H200, B=2 S=8192 H=16 bf16 (scripts/probe_sm90.py, docs/perf-notes.md): head_dim 128 422 TFLOP/s
     against 279 for fwd.cu, head_dim 64 333 against ~300.
     """
-    return "fwd_sm90" if _sm90_fits("fwd_sm90", head_dim, arch, smem_limit, _env.no_sm90()) else "fwd"
+    no_sm90 = _env.no_sm90()
+    if not mask and _sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90):
+        return "fwd_sm90_ws"
+    return "fwd_sm90" if _sm90_fits("fwd_sm90", head_dim, arch, smem_limit, no_sm90) else "fwd"
 
 
 def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> tuple[str, str]:

@@ -48,7 +48,8 @@ struct FwdParams {
     const int* mod_t2;
     const int* mod_t3;
     int mod_heads, mod_batches;
-    int sched_pairs;  // fwd_sm90: (batch entry, head) pairs per chunk of work items (work_item)
+    int sched_pairs;  // fwd_sm90, fwd_sm90_ws: (batch entry, head) pairs per chunk of work items (work_item)
+    int* sched;       // fwd_sm90_ws: work items claimed so far beyond the first wave (zeroed per launch)
 };
 
 struct BwdParams {

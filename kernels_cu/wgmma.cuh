@@ -201,6 +201,37 @@ FRT_DEVICE void bar_arrive() { asm volatile("bar.arrive %0, %1;\n" :: "n"(ID), "
 template <int ID, int THREADS>
 FRT_DEVICE void bar_wait() { asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
 
+// Hand registers between warpgroups of a warp-specialised kernel (PTX ISA: setmaxnreg): every warp of
+// a warpgroup runs the same one; the kernel's launch bound sets the count they start from.
+template <int REGS>
+FRT_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS)); }
+template <int REGS>
+FRT_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGS)); }
+
+// mbarriers (PTX ISA 9.7.13.15) for the warp-specialised kernels: a 64-bit shared word counting
+// arrivals per phase. `count` arrivals complete a phase; a waiter names the phase by its parity
+// (the barrier starts in phase 0; waiting on parity 1 returns at once: the "previous" phase).
+FRT_DEVICE void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+FRT_DEVICE void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// One arrival, made when every cp.async this thread issued so far has landed (.noinc: it counts
+// towards the barrier's expected arrivals).
+FRT_DEVICE void mbar_arrive_cp_async(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+FRT_DEVICE void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
 // ---------------------------------------------------------------------------------------
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16, N = 64 or 128.
 //

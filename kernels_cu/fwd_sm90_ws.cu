@@ -1,0 +1,272 @@
+// Attention forward on Hopper (sm_90a), warp-specialised and persistent: O = softmax(scale * Q K^T) V
+// and LSE with wgmma, for dense and causal attention (no element-mask bits; fwd_sm90.cu has them).
+//
+// 384 threads: warpgroups 0 and 1 consume (64 query rows each), warpgroup 2 produces. setmaxnreg moves
+// registers from the producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS).
+// One block per SM loops over work items (params.cuh: work_item, 128-row query tiles ordered for L2
+// and causal balance): block k starts with item k, and the producer claims each later item from a
+// counter in global memory (p.sched, zeroed for each launch) once it has issued the current item's last K / V tile, so
+// that blocks take items greedily, heaviest first, as the hardware hands out blocks.
+//
+// The producer issues every load (cp.async into 128-byte-swizzled tiles, wgmma.cuh) into a ring
+// of two Q slots, two K stages and two V stages; each fill completes an mbarrier (its 128 threads'
+// `cp.async.mbarrier.arrive.noinc`), and the consumers hand a buffer back by arriving on its
+// "empty" mbarrier. The producer runs up to two key tiles ahead, and into the next item: its Q
+// lands in the other slot while the consumers finish the current one.
+// Each consumer warpgroup runs fwd_sm90.cu's loop (S = Q K^T of tile it and O += P V of tile
+// it - 1 issued together, tile it's softmax under the P V wgmma), and the two warpgroups issue
+// their wgmmas in turn (named barriers 4 and 5): one's softmax runs under the other's wgmmas.
+#include "params.cuh"
+#include "wgmma.cuh"
+
+namespace frt {
+
+template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
+struct FwdWsTraits {
+    static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
+    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
+    static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32, CONSUMERS = 256, PRODUCERS = 128;
+    static constexpr int CONSUMER_REGS = 232, PRODUCER_REGS = 40;  // 2 * 128 * 232 + 128 * 40 <= 64K
+    static_assert(MASK == 0, "fwd_sm90_ws: dense or causal only (element masks: fwd_sm90)");
+    static_assert(D % 64 == 0 && D <= 256, "fwd_sm90_ws: head_dim 64, 128, 192 or 256 (whole swizzle blocks)");
+    static_assert(BM == 128 && NW == 12, "fwd_sm90_ws: 128 query rows, two consumer warpgroups and a producer one");
+    static_assert(BN == 64 || BN == 128, "fwd_sm90_ws: key tiles of 64 or 128");
+    static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+    // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each; then the
+    // work item of each Q slot (int).
+    enum : int { Q_FULL = 0, Q_EMPTY = 2, K_FULL = 4, K_EMPTY = 6, V_FULL = 8, V_EMPTY = 10, N_BARS = 12 };
+    static constexpr int BAR_BYTES = 128;
+    static constexpr int SMEM = 2 * Q_BYTES + 4 * KV_BYTES + BAR_BYTES + sm90::kAtomBytes;  // + alignment slack
+};
+
+FRT_DEVICE void st_shared_s32(u32 at, int v) { asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(v) : "memory"); }
+FRT_DEVICE int ld_shared_s32(u32 at) {
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at) : "memory");
+    return v;
+}
+
+template <class T>
+__device__ void fwd_sm90_ws(const FwdParams& p) {
+    using namespace sm90;
+    constexpr int BM = T::BM, BN = T::BN, D = T::D;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const u32 sQ = align_atom(smem_u32(smem));         // slot s at sQ + s * Q_BYTES
+    const u32 sK = sQ + 2 * T::Q_BYTES;                 // stage s at sK + s * KV_BYTES
+    const u32 sV = sK + 2 * T::KV_BYTES;
+    const u32 bars = sV + 2 * T::KV_BYTES, slots = bars + 8 * T::N_BARS;
+    auto bar = [&](int which, u32 s) { return bars + 8 * (which + s); };
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int n_m = ceil_div(p.Sq, BM), n_items = n_m * p.H * p.B;
+    if (tid == 0) {
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(bar(T::Q_FULL, s), T::PRODUCERS + 1);  // the producers' copies, and thread 0's item
+            mbar_init(bar(T::K_FULL, s), T::PRODUCERS);
+            mbar_init(bar(T::V_FULL, s), T::PRODUCERS);
+            mbar_init(bar(T::Q_EMPTY, s), T::CONSUMERS);
+            mbar_init(bar(T::K_EMPTY, s), T::CONSUMERS);
+            mbar_init(bar(T::V_EMPTY, s), T::CONSUMERS);
+        }
+    }
+    __syncthreads();
+
+    const int wg = block_uniform(tid >> 7);  // (uniform to ptxas: else it serialises the wgmmas below)
+    if (wg == 2) {
+        // ---- producer warpgroup ----
+        setmaxnreg_dec<T::PRODUCER_REGS>();
+        const int ptid = tid - T::CONSUMERS;
+        int item = blockIdx.x;
+        u32 qc = 0, kc = 0;  // Q slots and key tiles filled so far (slot / stage: & 1; phase: >> 1 & 1)
+        for (;; ++qc) {
+            const u32 qs = qc & 1;
+            mbar_wait(bar(T::Q_EMPTY, qs), ((qc >> 1) & 1) ^ 1);
+            if (item >= n_items) {  // no work left: tell the consumers
+                if (ptid == 0) {
+                    st_shared_s32(slots + 4 * qs, -1);
+                    mbar_arrive(bar(T::Q_FULL, qs));
+                }
+                mbar_arrive_cp_async(bar(T::Q_FULL, qs));
+                break;
+            }
+            const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
+            const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, wi.m, wi.h, wi.b, ptid, T::PRODUCERS);
+            load_tile_sw128<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES,
+                                       p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
+                                       tile.rows, ptid);
+            if (ptid == 0) {
+                st_shared_s32(slots + 4 * qs, item);
+                mbar_arrive(bar(T::Q_FULL, qs));
+            }
+            mbar_arrive_cp_async(bar(T::Q_FULL, qs));
+            const u16* gk = p.k + tile.b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
+            const u16* gv = p.v + tile.b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
+            for (int it = 0; it < tile.n_blocks; ++it, ++kc) {
+                const int j = tile.key_tile(it), rows = tile.vis.Ek - j * BN;
+                const u32 s = kc & 1, empty = ((kc >> 1) & 1) ^ 1;
+                mbar_wait(bar(T::K_EMPTY, s), empty);
+                load_tile_sw128<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, ptid);
+                mbar_arrive_cp_async(bar(T::K_FULL, s));
+                mbar_wait(bar(T::V_EMPTY, s), empty);
+                load_tile_sw128<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, ptid);
+                mbar_arrive_cp_async(bar(T::V_FULL, s));
+            }
+            // The next item, for all four warps: thread 0 claims it and writes it into the next slot,
+            // which none of them reads before the producer barrier below.
+            if (ptid == 0) st_shared_s32(slots + 8, atomicAdd(p.sched, 1) + (int)gridDim.x);
+            bar_wait<6, T::PRODUCERS>();
+            item = ld_shared_s32(slots + 8);
+            bar_wait<6, T::PRODUCERS>();  // (read by all before thread 0's next write)
+        }
+        return;
+    }
+
+    // ---- consumer warpgroups ----
+    setmaxnreg_inc<T::CONSUMER_REGS>();
+    const int w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    // The wgmma turn: warpgroup 0 issues first (named barrier 4: its turn, 5: warpgroup 1's).
+    auto my_turn = [&] {
+        if (wg == 0)
+            bar_wait<4, 256>();
+        else
+            bar_wait<5, 256>();
+    };
+    auto their_turn = [&] {
+        if (wg == 0)
+            bar_arrive<5, 256>();
+        else
+            bar_arrive<4, 256>();
+    };
+    if (wg == 1) bar_arrive<4, 256>();
+
+    u32 qc = 0, kc = 0;  // as the producer's
+    for (;; ++qc) {
+        const u32 qs = qc & 1;
+        mbar_wait(bar(T::Q_FULL, qs), (qc >> 1) & 1);
+        const int item = block_uniform(ld_shared_s32(slots + 4 * qs));
+        if (item < 0) break;
+        fence_proxy_async();  // the producer's cp.async writes -> visible to wgmma (async proxy)
+        const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
+        const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, wi.m, wi.h, wi.b, tid, T::CONSUMERS);
+        const int n_blocks = tile.n_blocks;
+        // This warpgroup's 64 query rows of the Q tile; a thread holds rows 16 w + g (hh = 0) and
+        // 16 w + g + 8 (hh = 1) of them, its accumulator element [4 j + 2 hh + e] is column 8 j + 2 t + e.
+        const u32 sQw = sQ + qs * T::Q_BYTES + wg * 64 * kSwizzleBytes;
+        const int row_base = tile.m0 + 64 * wg + 16 * w + g;
+
+        float o[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+        float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
+        float s[BN / 2], alpha[2] = {1.f, 1.f};
+        u32 pa[BN / 16][4];
+        auto retire_pv = [&] {  // as fwd_sm90.cu's
+            wgmma_wait<0>();
+            fence_operand(o);
+#pragma unroll
+            for (int jj = 0; jj < D / 8; ++jj)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) o[4 * jj + c] *= alpha[c >> 1];
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, T::BF16>(s, kk, pa[kk]);
+        };
+
+        for (int it = 0; it < n_blocks; ++it, ++kc) {
+            const int j = tile.key_tile(it), n0 = j * BN;
+            const u32 st = kc & 1, full = (kc >> 1) & 1;
+            retire_pv();  // P V of tile it - 2 (issued last iteration) is done: its V stage goes back
+            if (it > 1) mbar_arrive(bar(T::V_EMPTY, st));
+            mbar_wait(bar(T::K_FULL, st), full);
+            if (it > 0) mbar_wait(bar(T::V_FULL, st ^ 1), ((kc - 1) >> 1) & 1);
+            fence_proxy_async();
+
+            my_turn();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK + st * T::KV_BYTES, kk),
+                                         kk > 0);
+            wgmma_commit();
+            if (it > 0) {
+                wgmma_rs_mn<D, BN, T::BF16>(o, pa, sV + (st ^ 1) * T::KV_BYTES);
+                wgmma_commit();
+                their_turn();
+                wgmma_wait<1>();  // S is complete; P V may still run
+            } else {
+                their_turn();
+                wgmma_wait<0>();
+            }
+            fence_operand(s);
+            mbar_arrive(bar(T::K_EMPTY, st));
+
+            if (tile.needs_mask(it, j)) {
+#pragma unroll
+                for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
+                            s[4 * jj + c] = -FRT_INF;
+            }
+
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float mx = -FRT_INF;
+#pragma unroll
+                for (int jj = 0; jj < BN / 8; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * hh], s[4 * jj + 2 * hh + 1]));
+                const float m_new = fmaxf(row_max[hh], warp_max4(mx) * p.scale_log2);
+                const float base = m_new == -FRT_INF ? 0.f : m_new;  // a row with only masked keys so far
+                alpha[hh] = fast_exp2(row_max[hh] - base);
+                row_max[hh] = m_new;
+                float sum = 0.f;
+#pragma unroll
+                for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[4 * jj + 2 * hh + e];
+                        x = fast_exp2(fmaf(x, p.scale_log2, -base));
+                        sum += x;
+                    }
+                row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
+            }
+        }
+        retire_pv();
+        if (n_blocks > 1) mbar_arrive(bar(T::V_EMPTY, kc & 1));  // tile n_blocks - 2's
+        if (n_blocks > 0) {  // P V of the last key tile
+            const u32 sl = (kc - 1) & 1;
+            mbar_wait(bar(T::V_FULL, sl), ((kc - 1) >> 1) & 1);
+            fence_proxy_async();
+            wgmma_rs_wait<D, BN, T::BF16>(o, pa, sV + sl * T::KV_BYTES);
+            mbar_arrive(bar(T::V_EMPTY, sl));
+        }
+
+        // Epilogue: normalise, LSE, stage O into this warpgroup's own 64 rows of the Q slot (only it
+        // read them, and its wgmmas are complete), 16-byte stores of the rows that exist, then the
+        // slot goes back to the producer.
+        const int rows_wg = tile.rows - 64 * wg;
+        float* glse = p.lse + tile.stat0 + 64 * wg;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const float sum = warp_sum4(row_sum[hh]);
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+            for (int jj = 0; jj < D / 8; ++jj) o[4 * jj + 2 * hh] *= inv, o[4 * jj + 2 * hh + 1] *= inv;
+            const int r = 16 * w + g + 8 * hh;
+            if (t == 0 && r < rows_wg) glse[r] = sum > 0.f ? (row_max[hh] + __log2f(sum)) * kLn2 : -FRT_INF;
+        }
+        acc_to_sw128<BM, D, T::BF16>(sQw, o, 1.f, w, g, t);
+        if (wg == 0)
+            warpgroup_bar<1>();
+        else
+            warpgroup_bar<2>();
+        sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss,
+                                    sQw, rows_wg, tid & 127);
+        mbar_arrive(bar(T::Q_EMPTY, qs));
+    }
+    if (wg == 0) bar_wait<4, 256>();  // warpgroup 1's last "your turn"
+}
+
+}  // namespace frt
+
+#ifdef FRT_KERNEL_NAME
+FRT_ENTRY(FwdWsTraits, fwd_sm90_ws, FwdParams)
+#endif
