@@ -112,10 +112,13 @@ _FALLBACKS = {
 }
 
 
-# wgmma kernels that have no spill-free variant with some mask features: family -> (above this
-# head_dim, these MASK_BITS). The head_dim 256 dQ sits at 255 registers unmasked; window and block /
-# segment ids spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ.
-_SM90_MASK_LIMITS = {"bwd_dq_sm90": (192, MASK_BITS["window"] | MASK_BITS["block_ids"] | MASK_BITS["segments"])}
+# wgmma kernels without a variant for some mask features: family -> (above this head_dim, these MASK_BITS).
+# The head_dim 256 dQ sits at 255 registers unmasked; window and block / segment ids spill 40-64 bytes there
+# (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ. The warp-specialised forward is for dense and
+# causal attention only (its producer and consumers find each work item's key tiles without a block-wide
+# search); masked forwards take fwd_sm90.
+_SM90_MASK_LIMITS = {"bwd_dq_sm90": (192, MASK_BITS["window"] | MASK_BITS["block_ids"] | MASK_BITS["segments"]),
+                     "fwd_sm90_ws": (0, sum(MASK_BITS.values()))}
 
 
 def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
@@ -129,13 +132,13 @@ def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
 
 def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> str:
     """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never);
-    without mask bits (dense, causal) its warp-specialised form where that exists and fits.
+    for dense and causal attention (`mask` 0, MASK_BITS) its warp-specialised form where that exists and fits.
 
     H200, B=2 S=8192 H=16 bf16 (scripts/probe_sm90.py, docs/perf-notes.md): head_dim 128 422 TFLOP/s
-    against 279 for fwd.cu, head_dim 64 333 against ~300.
+    against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised (session 10) 570 at head_dim 128.
     """
     no_sm90 = _env.no_sm90()
-    if not mask and _sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90):
+    if _sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90, mask):
         return "fwd_sm90_ws"
     return "fwd_sm90" if _sm90_fits("fwd_sm90", head_dim, arch, smem_limit, no_sm90) else "fwd"
 

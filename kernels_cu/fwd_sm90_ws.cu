@@ -26,7 +26,7 @@ struct FwdWsTraits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32, CONSUMERS = 256, PRODUCERS = 128;
-    static constexpr int CONSUMER_REGS = 232, PRODUCER_REGS = 40;  // 2 * 128 * 232 + 128 * 40 <= 64K
+    static constexpr int CONSUMER_REGS = 224, PRODUCER_REGS = 56;  // 2 * 128 * 224 + 128 * 56 <= 64K
     static_assert(MASK == 0, "fwd_sm90_ws: dense or causal only (element masks: fwd_sm90)");
     static_assert(D % 64 == 0 && D <= 256, "fwd_sm90_ws: head_dim 64, 128, 192 or 256 (whole swizzle blocks)");
     static_assert(BM == 128 && NW == 12, "fwd_sm90_ws: 128 query rows, two consumer warpgroups and a producer one");

@@ -101,6 +101,8 @@ CASES = (
        (2, 1024, 1024, 8, 1, 256, False, "bf16"),  # the seed's MQA shape
        (2, 1024, 1024, 8, 1, 256, True, "bf16"),
        (3, 200, 200, 8, 2, 96, True, "fp16")]
+    # more work items than SMs: the warp-specialised forward's blocks claim items from its counter
+    + [(4, 1000, 1000, 8, 2, 128, c, "bf16") for c in (False, True)] + [(3, 700, 900, 16, 4, 64, True, "fp16")]
 )
 
 
@@ -335,7 +337,7 @@ def test_input_errors_are_clear(torch):
 
 def test_dynamic_smem_attribute_matches_spec(torch):
     dev = launch.device(torch.cuda.current_device())
-    sm90 = ("fwd_sm90", "bwd_dq_sm90", "bwd_dkdv_sm90") if dev.arch == "sm_90a" else ()
+    sm90 = ("fwd_sm90", "fwd_sm90_ws", "bwd_dq_sm90", "bwd_dkdv_sm90") if dev.arch == "sm_90a" else ()
     for family in ("fwd", "bwd_dq", "bwd_dkdv", *sm90):
         spec = launch.pick(family, 128, "bf16", False, dev)
         attrs = launch.function_attributes(spec, dev)

@@ -121,6 +121,14 @@ def test_wgmma_forward_grid_is_one_dimensional():
     assert launch.grid(f128, B=70000, H=8, Hkv=8, Sq=1, Sk=1) == (560000, 1, 1)
 
 
+def test_warp_specialised_forward_grid_is_persistent():
+    """fwd_sm90_ws: one block per SM (at most one per work item); the blocks claim the other items."""
+    ws = KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, True, "sm_90a")
+    assert ws.smem_bytes == (2 * 128 + 4 * 128) * 128 * 2 + 128 + 1024
+    assert launch.grid(ws, B=16, H=16, Hkv=16, Sq=1000, Sk=1000, sm_count=132) == (132, 1, 1)
+    assert launch.grid(ws, B=1, H=8, Hkv=8, Sq=300, Sk=300, sm_count=132) == (24, 1, 1)
+
+
 def test_item_chunk_fits_half_the_l2():
     dev = launch.Device(0, "H100", "sm_90a", 132, SMEM_OPTIN[90], 50 * 2**20)
     assert launch.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=16) == 50
@@ -207,14 +215,28 @@ def test_driver_older_than_nvrtc_is_refused_with_the_extra_to_install():
 
 
 def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
-    assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
-    assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
+    # dense and causal: warp-specialised at head_dim 64 and 128; any mask bit: fwd_sm90
+    assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
+    assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
+    for bit in MASK_BITS.values():
+        assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90], bit) == "fwd_sm90"
+    assert tiles.forward_family(192, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(256, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90]) == "fwd"      # no wgmma kernel at 96
     assert tiles.forward_family(128, "sm_80", SMEM_OPTIN[80]) == "fwd"      # not Hopper
     assert tiles.forward_family(128, "sm_90a", 64 * 1024) == "fwd"          # does not fit
     monkeypatch.setenv("FLASHRT_NO_SM90", "1")
     assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd"
+
+
+def test_warp_specialised_forward_takes_no_mask_bits():
+    assert KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, True, "sm_90a").layout_problem() is None
+    for bit in MASK_BITS.values():
+        assert not tiles.applies("fwd_sm90_ws", 128, "sm_90a", bit)
+    with pytest.raises(ValueError, match="no mask bits"):
+        KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, False, "sm_90a", MASK_BITS["lengths"])
+    with pytest.raises(ValueError, match="12 warps"):
+        KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 8, False, "sm_90a")
 
 
 def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatch):
