@@ -20,6 +20,9 @@ CASES = [
     (2, 200, 200, 8, 1, 96, True, torch.bfloat16),  # MQA, small grid: split dK/dV with partials
     (1, 200, 150, 8, 1, 256, False, torch.bfloat16),  # the same at 256 (sm_90a: one warpgroup per gradient)
     (1, 100, 150, 4, 2, 192, True, torch.float16),
+    # more work items than SMs: the warp-specialised forward's blocks claim items from a counter
+    (3, 260, 260, 24, 8, 128, True, torch.bfloat16),
+    (2, 600, 500, 16, 4, 64, False, torch.float16),
 ]
 
 
