@@ -414,7 +414,9 @@ FRT_DEVICE void acc_to_sw128(u32 s_rows, const float (&d)[N / 2], float scale, i
 
 // Epilogue, step 2: rows [0, rows_valid) of a warpgroup's 64 rows of a sw128 tile (ROWS rows, COLS
 // columns; s_rows: its first row) to global memory (row stride `stride` elements), 16 bytes per
-// store; wtid is the thread's index in the warpgroup.
+// store; wtid is the thread's index in the warpgroup. The stores are .cs (streaming: first out of
+// L2): a kernel never reads its outputs, and in the forward they evicted the K / V that other blocks
+// were about to read (docs/perf-notes.md, session 10).
 template <int ROWS, int COLS>
 FRT_DEVICE void sw128_rows_to_global(u16* g, i64 stride, u32 s_rows, int rows_valid, int wtid) {
     constexpr int CPR = COLS / 8;
@@ -426,7 +428,8 @@ FRT_DEVICE void sw128_rows_to_global(u16* g, i64 stride, u32 s_rows, int rows_va
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                          : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
                          : "r"(s_rows + sw128_offset<ROWS>(r, c)));
-            *reinterpret_cast<uint4*>(g + (i64)r * stride + c * 8) = val;
+            asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                         :: "l"(g + (i64)r * stride + c * 8), "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w) : "memory");
         }
     }
 }
