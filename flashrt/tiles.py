@@ -35,7 +35,8 @@ _PREFERENCES = {
     # beat 128-key tiles (193 registers, one block): H200, 1.13-1.36x at S 512-8k (docs/perf-notes.md,
     # session 6).
     "fwd_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
-    # warp-specialised (8 consumer warps + a producer warp), persistent: dense and causal
+    # warp-specialised (two consumer warpgroups + a producer warpgroup), persistent: dense and causal only;
+    # head_dim 192 spills at every register split between them, 256 does not fit two Q slots (perf-notes s10)
     "fwd_sm90_ws": [(128, [(128, 128, 12)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
@@ -135,7 +136,7 @@ def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> 
     for dense and causal attention (`mask` 0, MASK_BITS) its warp-specialised form where that exists and fits.
 
     H200, B=2 S=8192 H=16 bf16 (scripts/probe_sm90.py, docs/perf-notes.md): head_dim 128 422 TFLOP/s
-    against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised (session 10) 570 at head_dim 128.
+    against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised (session 10) 564 at head_dim 128.
     """
     no_sm90 = _env.no_sm90()
     if _sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90, mask):

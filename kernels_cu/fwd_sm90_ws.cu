@@ -5,8 +5,9 @@
 // registers from the producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS).
 // One block per SM loops over work items (params.cuh: work_item, 128-row query tiles ordered for L2
 // and causal balance): block k starts with item k, and the producer claims each later item from a
-// counter in global memory (p.sched, zeroed for each launch) once it has issued the current item's last K / V tile, so
-// that blocks take items greedily, heaviest first, as the hardware hands out blocks.
+// counter in global memory (p.sched, zeroed for each launch) once it has issued the current item's
+// last K / V tile, so that blocks take items greedily, heaviest first, as the hardware hands out
+// blocks (a static round-robin was 6% slower at 2k causal: docs/perf-notes.md, session 10).
 //
 // The producer issues every load (cp.async into 128-byte-swizzled tiles, wgmma.cuh) into a ring
 // of two Q slots, two K stages and two V stages; each fill completes an mbarrier (its 128 threads'
@@ -33,7 +34,7 @@ struct FwdWsTraits {
     static_assert(BN == 64 || BN == 128, "fwd_sm90_ws: key tiles of 64 or 128");
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each; then the
-    // work item of each Q slot (int).
+    // work item of each Q slot (int; -1: no work left) and the producer's next claimed item (int).
     enum : int { Q_FULL = 0, Q_EMPTY = 2, K_FULL = 4, K_EMPTY = 6, V_FULL = 8, V_EMPTY = 10, N_BARS = 12 };
     static constexpr int BAR_BYTES = 128;
     static constexpr int SMEM = 2 * Q_BYTES + 4 * KV_BYTES + BAR_BYTES + sm90::kAtomBytes;  // + alignment slack
@@ -92,8 +93,8 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
             const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, wi.m, wi.h, wi.b, ptid, T::PRODUCERS);
             load_tile_sw128<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES,
-                                       p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
-                                       tile.rows, ptid);
+                                                 p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh,
+                                                 p.q_ss, tile.rows, ptid);
             if (ptid == 0) {
                 st_shared_s32(slots + 4 * qs, item);
                 mbar_arrive(bar(T::Q_FULL, qs));
@@ -111,8 +112,8 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                 load_tile_sw128<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, ptid);
                 mbar_arrive_cp_async(bar(T::V_FULL, s));
             }
-            // The next item, for all four warps: thread 0 claims it and writes it into the next slot,
-            // which none of them reads before the producer barrier below.
+            // The next item, for all four warps: thread 0 claims it and writes it to shared memory
+            // (after the Q slots' items), which none of them reads before the barrier below.
             if (ptid == 0) st_shared_s32(slots + 8, atomicAdd(p.sched, 1) + (int)gridDim.x);
             bar_wait<6, T::PRODUCERS>();
             item = ld_shared_s32(slots + 8);
