@@ -10,8 +10,7 @@
 // registers and V as the transposed (MN-major) B operand. A key tile's softmax runs while the
 // previous tile's P V wgmma is in flight, and warpgroup 0 issues its wgmmas before warpgroup 1
 // (docs/perf-notes.md, session 9).
-#include "params.cuh"
-#include "wgmma.cuh"
+#include "fwd_sm90.cuh"
 
 namespace frt {
 
@@ -56,43 +55,22 @@ __device__ void fwd_sm90(const FwdParams& p) {
     if (n_blocks > 0) load(sKV, gk, p.k_ss, tile.key_tile(0));
     cp_async_commit();
 
-    // This warpgroup's 64 query rows: rows 64 wg.. of every column block of the Q tile. A thread
-    // holds rows 16 w + g (hh = 0) and 16 w + g + 8 (hh = 1) of them; its accumulator element
-    // [4 j + 2 hh + e] is column 8 j + 2 t + e (wgmma.cuh: the accumulator layout).
+    // This warpgroup's 64 query rows: rows 64 wg.. of every column block of the Q tile (fwd_sm90.cuh:
+    // which of them a thread holds).
     const u32 sQw = sQ + wg * 64 * kSwizzleBytes;
     const int row_base = tile.m0 + 64 * wg + 16 * w + g;
-
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
-    // Across iterations: s holds the last tile's P (fp32) and alpha its rescale of O, until both are
-    // applied at the top of the next iteration; pa is P packed as the A operand of its P V wgmma.
-    float s[BN / 2], alpha[2] = {1.f, 1.f};
-    u32 pa[BN / 16][4];
-    // O += P V of the previous tile and its O rescale, once its P V wgmma (issued last iteration) is done.
-    auto retire_pv = [&] {
-        wgmma_wait<0>();
-        fence_operand(o);
-#pragma unroll
-        for (int jj = 0; jj < D / 8; ++jj)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) o[4 * jj + c] *= alpha[c >> 1];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, T::BF16>(s, kk, pa[kk]);
-    };
+    FwdRows<D, BN, T::BF16> r;
 
     // Key tiles last to first (as fwd.cu): the ones needing the element mask come first.
     // Iteration it issues S = Q K^T of tile it and O += P V of tile it - 1, and runs tile it's softmax
     // while that P V wgmma is in flight (FlashAttention-3's intra-warpgroup overlap); the wait for it
-    // and O's rescale open the next iteration. (Written at the end of an iteration, the wait was
-    // hoisted by ptxas above the softmax, whatever kept P's registers live: SASS, session 9.)
+    // and O's rescale open the next iteration (FwdRows::retire_pv).
     // Warpgroup 1 issues its wgmmas once warpgroup 0 has issued its own, so that warpgroup 0's S
     // completes first and its softmax runs under the other wgmmas: without that order, or with the
     // order alone, the overlap measured slower than no overlap (docs/perf-notes.md, session 9).
     for (int it = 0; it < n_blocks; ++it) {
-        const int j = tile.key_tile(it), stage = it & 1, n0 = j * BN;
-        retire_pv();  // (nothing in flight at it = 0: alpha = 1, pa unused)
+        const int j = tile.key_tile(it), stage = it & 1;
+        r.retire_pv();  // (nothing in flight at it = 0: alpha = 1, pa unused)
         cp_async_wait<0>();   // K of tile it, V of tile it - 1
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
         __syncthreads();      // every thread's writes landed; iteration it - 1's wgmmas are complete
@@ -104,11 +82,11 @@ __device__ void fwd_sm90(const FwdParams& p) {
         wgmma_fence();  // orders the o rescale and pa packing before the wgmmas below
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
-            wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk),
+            wgmma_ss<BN, 0, T::BF16>(r.s, desc_k_major<BM>(sQw, kk),
                                      desc_k_major<BN>(sKV + stage * T::STAGE_BYTES, kk), kk > 0);
         wgmma_commit();
         if (it > 0) {
-            wgmma_rs_mn<D, BN, T::BF16>(o, pa, sKV + (stage ^ 1) * T::STAGE_BYTES + T::KV_BYTES);
+            wgmma_rs_mn<D, BN, T::BF16>(r.o, r.pa, sKV + (stage ^ 1) * T::STAGE_BYTES + T::KV_BYTES);
             wgmma_commit();
             if (wg == 0) bar_arrive<3, 256>();
             wgmma_wait<1>();  // S is complete; P V may still run
@@ -116,67 +94,18 @@ __device__ void fwd_sm90(const FwdParams& p) {
             if (wg == 0) bar_arrive<3, 256>();
             wgmma_wait<0>();
         }
-        fence_operand(s);
-
-        if (tile.needs_mask(it, j)) {
-#pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
-                        s[4 * jj + c] = -FRT_INF;
-        }
-
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            float mx = -FRT_INF;
-#pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * hh], s[4 * jj + 2 * hh + 1]));
-            const float m_new = fmaxf(row_max[hh], warp_max4(mx) * p.scale_log2);
-            // A row that has seen only masked keys keeps m = -inf; subtract 0 then.
-            const float base = m_new == -FRT_INF ? 0.f : m_new;
-            alpha[hh] = fast_exp2(row_max[hh] - base);
-            row_max[hh] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float& x = s[4 * jj + 2 * hh + e];
-                    x = fast_exp2(fmaf(x, p.scale_log2, -base));
-                    sum += x;
-                }
-            row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
-        }
+        fence_operand(r.s);
+        r.softmax(tile, it, j, row_base, t, p.scale_log2);
     }
-    retire_pv();
+    r.retire_pv();
     cp_async_wait<0>();   // V of the last key tile
     fence_proxy_async();
     // Every thread's copies have landed (the last V; with no key tile to visit, Q, before a warpgroup
     // overwrites its rows with O: compute-sanitizer's racecheck saw that one).
     __syncthreads();
-    if (n_blocks > 0) wgmma_rs_wait<D, BN, T::BF16>(o, pa, sKV + ((n_blocks - 1) & 1) * T::STAGE_BYTES + T::KV_BYTES);
+    if (n_blocks > 0) wgmma_rs_wait<D, BN, T::BF16>(r.o, r.pa, sKV + ((n_blocks - 1) & 1) * T::STAGE_BYTES + T::KV_BYTES);
 
-    // Epilogue: normalise, LSE, stage O into this warpgroup's own 64 rows of the Q tile (only it
-    // read them, and its wgmmas are complete), then 16-byte stores of the rows that exist.
-    const int rows_wg = tile.rows - 64 * wg;
-    float* glse = p.lse + tile.stat0 + 64 * wg;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const float sum = warp_sum4(row_sum[hh]);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-        for (int jj = 0; jj < D / 8; ++jj) o[4 * jj + 2 * hh] *= inv, o[4 * jj + 2 * hh + 1] *= inv;
-        const int r = 16 * w + g + 8 * hh;
-        if (t == 0 && r < rows_wg) glse[r] = sum > 0.f ? (row_max[hh] + __log2f(sum)) * kLn2 : -FRT_INF;
-    }
-    acc_to_sw128<BM, D, T::BF16>(sQw, o, 1.f, w, g, t);
-    if (wg == 0)
-        warpgroup_bar<1>();
-    else
-        warpgroup_bar<2>();
-    sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss, sQw,
-                                rows_wg, tid & 127);
+    r.template store<BM>(p, tile, sQw, wg, w, g, t);
 }
 
 }  // namespace frt

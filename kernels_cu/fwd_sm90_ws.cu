@@ -17,8 +17,7 @@
 // Each consumer warpgroup runs fwd_sm90.cu's loop (S = Q K^T of tile it and O += P V of tile
 // it - 1 issued together, tile it's softmax under the P V wgmma), and the two warpgroups issue
 // their wgmmas in turn (named barriers 4 and 5): one's softmax runs under the other's wgmmas.
-#include "params.cuh"
-#include "wgmma.cuh"
+#include "fwd_sm90.cuh"
 
 namespace frt {
 
@@ -150,32 +149,15 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
         const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, wi.m, wi.h, wi.b, tid, T::CONSUMERS);
         const int n_blocks = tile.n_blocks;
-        // This warpgroup's 64 query rows of the Q tile; a thread holds rows 16 w + g (hh = 0) and
-        // 16 w + g + 8 (hh = 1) of them, its accumulator element [4 j + 2 hh + e] is column 8 j + 2 t + e.
+        // This warpgroup's 64 query rows of the Q tile (fwd_sm90.cuh: which of them a thread holds).
         const u32 sQw = sQ + qs * T::Q_BYTES + wg * 64 * kSwizzleBytes;
         const int row_base = tile.m0 + 64 * wg + 16 * w + g;
-
-        float o[D / 2];
-#pragma unroll
-        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-        float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
-        float s[BN / 2], alpha[2] = {1.f, 1.f};
-        u32 pa[BN / 16][4];
-        auto retire_pv = [&] {  // as fwd_sm90.cu's
-            wgmma_wait<0>();
-            fence_operand(o);
-#pragma unroll
-            for (int jj = 0; jj < D / 8; ++jj)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) o[4 * jj + c] *= alpha[c >> 1];
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, T::BF16>(s, kk, pa[kk]);
-        };
+        FwdRows<D, BN, T::BF16> r;
 
         for (int it = 0; it < n_blocks; ++it, ++kc) {
-            const int j = tile.key_tile(it), n0 = j * BN;
+            const int j = tile.key_tile(it);
             const u32 st = kc & 1, full = (kc >> 1) & 1;
-            retire_pv();  // P V of tile it - 2 (issued last iteration) is done: its V stage goes back
+            r.retire_pv();  // P V of tile it - 2 (issued last iteration) is done: its V stage goes back
             if (it > 1) mbar_arrive(bar(T::V_EMPTY, st));
             mbar_wait(bar(T::K_FULL, st), full);
             if (it > 0) mbar_wait(bar(T::V_FULL, st ^ 1), ((kc - 1) >> 1) & 1);
@@ -185,11 +167,11 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK + st * T::KV_BYTES, kk),
+                wgmma_ss<BN, 0, T::BF16>(r.s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK + st * T::KV_BYTES, kk),
                                          kk > 0);
             wgmma_commit();
             if (it > 0) {
-                wgmma_rs_mn<D, BN, T::BF16>(o, pa, sV + (st ^ 1) * T::KV_BYTES);
+                wgmma_rs_mn<D, BN, T::BF16>(r.o, r.pa, sV + (st ^ 1) * T::KV_BYTES);
                 wgmma_commit();
                 their_turn();
                 wgmma_wait<1>();  // S is complete; P V may still run
@@ -197,70 +179,21 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                 their_turn();
                 wgmma_wait<0>();
             }
-            fence_operand(s);
+            fence_operand(r.s);
             mbar_arrive(bar(T::K_EMPTY, st));
-
-            if (tile.needs_mask(it, j)) {
-#pragma unroll
-                for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c)
-                        if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
-                            s[4 * jj + c] = -FRT_INF;
-            }
-
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                float mx = -FRT_INF;
-#pragma unroll
-                for (int jj = 0; jj < BN / 8; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * hh], s[4 * jj + 2 * hh + 1]));
-                const float m_new = fmaxf(row_max[hh], warp_max4(mx) * p.scale_log2);
-                const float base = m_new == -FRT_INF ? 0.f : m_new;  // a row with only masked keys so far
-                alpha[hh] = fast_exp2(row_max[hh] - base);
-                row_max[hh] = m_new;
-                float sum = 0.f;
-#pragma unroll
-                for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = s[4 * jj + 2 * hh + e];
-                        x = fast_exp2(fmaf(x, p.scale_log2, -base));
-                        sum += x;
-                    }
-                row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
-            }
+            r.softmax(tile, it, j, row_base, t, p.scale_log2);
         }
-        retire_pv();
+        r.retire_pv();
         if (n_blocks > 1) mbar_arrive(bar(T::V_EMPTY, kc & 1));  // tile n_blocks - 2's
         if (n_blocks > 0) {  // P V of the last key tile
             const u32 sl = (kc - 1) & 1;
             mbar_wait(bar(T::V_FULL, sl), ((kc - 1) >> 1) & 1);
             fence_proxy_async();
-            wgmma_rs_wait<D, BN, T::BF16>(o, pa, sV + sl * T::KV_BYTES);
+            wgmma_rs_wait<D, BN, T::BF16>(r.o, r.pa, sV + sl * T::KV_BYTES);
             mbar_arrive(bar(T::V_EMPTY, sl));
         }
 
-        // Epilogue: normalise, LSE, stage O into this warpgroup's own 64 rows of the Q slot (only it
-        // read them, and its wgmmas are complete), 16-byte stores of the rows that exist, then the
-        // slot goes back to the producer.
-        const int rows_wg = tile.rows - 64 * wg;
-        float* glse = p.lse + tile.stat0 + 64 * wg;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const float sum = warp_sum4(row_sum[hh]);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-            for (int jj = 0; jj < D / 8; ++jj) o[4 * jj + 2 * hh] *= inv, o[4 * jj + 2 * hh + 1] *= inv;
-            const int r = 16 * w + g + 8 * hh;
-            if (t == 0 && r < rows_wg) glse[r] = sum > 0.f ? (row_max[hh] + __log2f(sum)) * kLn2 : -FRT_INF;
-        }
-        acc_to_sw128<BM, D, T::BF16>(sQw, o, 1.f, w, g, t);
-        if (wg == 0)
-            warpgroup_bar<1>();
-        else
-            warpgroup_bar<2>();
-        sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss,
-                                    sQw, rows_wg, tid & 127);
+        r.template store<BM>(p, tile, sQw, wg, w, g, t);  // O staged in this slot, then stored
         mbar_arrive(bar(T::Q_EMPTY, qs));
     }
     if (wg == 0) bar_wait<4, 256>();  // warpgroup 1's last "your turn"

@@ -1,0 +1,107 @@
+// What the two wgmma forwards (fwd_sm90.cu, fwd_sm90_ws.cu) do per warpgroup: 64 query rows' O
+// accumulator and online softmax (base 2, scale folded in) over the key tiles they visit, and the
+// epilogue. The kernels differ in how tiles reach shared memory and when wgmmas are issued.
+//
+// A thread holds rows 16 w + g (hh = 0) and 16 w + g + 8 (hh = 1) of its warpgroup's rows; its
+// accumulator element [4 j + 2 hh + e] is column 8 j + 2 t + e (wgmma.cuh: the accumulator layout).
+#pragma once
+#include "params.cuh"
+#include "wgmma.cuh"
+
+namespace frt {
+namespace sm90 {
+
+template <int D, int BN, bool BF16>
+struct FwdRows {
+    float o[D / 2];
+    float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
+    // Across iterations: s holds the last tile's P (fp32) and alpha its rescale of O, until both are
+    // applied at the top of the next iteration (retire_pv); pa is P packed as the A operand of its
+    // P V wgmma.
+    float s[BN / 2], alpha[2] = {1.f, 1.f};
+    u32 pa[BN / 16][4];
+
+    FRT_DEVICE FwdRows() {
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    }
+
+    // O's rescale and P's packing, once the P V wgmma issued last iteration is done. (At the top of
+    // an iteration: written at its end, the wait was hoisted by ptxas above the softmax, whatever
+    // kept P's registers live: docs/perf-notes.md, session 9.)
+    FRT_DEVICE void retire_pv() {
+        wgmma_wait<0>();
+        fence_operand(o);
+#pragma unroll
+        for (int jj = 0; jj < D / 8; ++jj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) o[4 * jj + c] *= alpha[c >> 1];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, BF16>(s, kk, pa[kk]);
+    }
+
+    // Key tile it (j) of `tile`, scores in s: the element mask where the tile needs it, then the online
+    // softmax (s becomes P, unnormalised; alpha the rescale of O). row_base: the thread's first row.
+    template <class Tile>
+    FRT_DEVICE void softmax(const Tile& tile, int it, int j, int row_base, int t, float scale_log2) {
+        if (tile.needs_mask(it, j)) {
+            const int n0 = j * BN;
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
+                        s[4 * jj + c] = -FRT_INF;
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float mx = -FRT_INF;
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * hh], s[4 * jj + 2 * hh + 1]));
+            const float m_new = fmaxf(row_max[hh], warp_max4(mx) * scale_log2);
+            // A row that has seen only masked keys keeps m = -inf; subtract 0 then.
+            const float base = m_new == -FRT_INF ? 0.f : m_new;
+            alpha[hh] = fast_exp2(row_max[hh] - base);
+            row_max[hh] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[4 * jj + 2 * hh + e];
+                    x = fast_exp2(fmaf(x, scale_log2, -base));
+                    sum += x;
+                }
+            row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
+        }
+    }
+
+    // Epilogue (every wgmma complete): normalise, the LSE of the rows that exist, O staged into this
+    // warpgroup's own 64 rows of the BM-row sw128 tile at sQw (only it read them), then 16-byte stores
+    // of the rows that exist. wg, w, g, t: the thread's warpgroup, warp in it, and lane's row / column
+    // (the stores index by threadIdx.x & 127 instead of 32 w + 4 g + t: 3 registers fewer at head_dim 128).
+    template <int BM, class Tile>
+    FRT_DEVICE void store(const FwdParams& p, const Tile& tile, u32 sQw, int wg, int w, int g, int t) {
+        const int rows_wg = tile.rows - 64 * wg;
+        float* glse = p.lse + tile.stat0 + 64 * wg;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const float sum = warp_sum4(row_sum[hh]);
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+            for (int jj = 0; jj < D / 8; ++jj) o[4 * jj + 2 * hh] *= inv, o[4 * jj + 2 * hh + 1] *= inv;
+            const int r = 16 * w + g + 8 * hh;
+            if (t == 0 && r < rows_wg) glse[r] = sum > 0.f ? (row_max[hh] + __log2f(sum)) * kLn2 : -FRT_INF;
+        }
+        acc_to_sw128<BM, D, BF16>(sQw, o, 1.f, w, g, t);
+        if (wg == 0)
+            warpgroup_bar<1>();
+        else
+            warpgroup_bar<2>();
+        sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss,
+                                    sQw, rows_wg, threadIdx.x & 127);
+    }
+};
+
+}  // namespace sm90
+}  // namespace frt
