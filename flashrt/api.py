@@ -310,6 +310,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         if deterministic:
             allocs.append(_Alloc(("dq_sem",), (m.B, H, -(-m.Sq // main.block_m)), "i32", 0))
         families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
+    elif dq_family == "bwd_dq_sm90":  # it computes delta and lse2 (bwd_preprocess's work) for the dK/dV pass
+        families = [dq_family, dkdv_family]
     else:
         families = ["bwd_preprocess", dq_family, dkdv_family]
     allocs.append(_Alloc.parts(scratch, "f32"))

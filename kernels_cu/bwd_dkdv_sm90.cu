@@ -299,6 +299,10 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
         } else {
             const auto pr = tile.pair(p, it);
             const u32 hidden = pr.partial ? hidden_bits<BM>(tile, pr.h, pr.m, key_base, t) : 0u;
+            // A pair that hides every one of this warpgroup's keys (causal: the diagonal's first query
+            // tile, for the upper 64 keys) adds nothing to them: the other warpgroup has the tensor
+            // cores to itself. (No block barrier follows in this iteration.)
+            if (pr.partial && (wg == 0 ? warpgroup_all<1>(hidden == ~0u) : warpgroup_all<2>(hidden == ~0u))) continue;
             float s[BM / 2], dp[BM / 2];
             wgmma_fence();  // orders the dK / dV accumulator writes (zeroing, last pair) before the wgmmas
 #pragma unroll

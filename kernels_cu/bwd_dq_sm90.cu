@@ -25,11 +25,50 @@ struct DqSm90Traits {
     static_assert(BM == 128 && NW == 8, "bwd_dq_sm90: 128 query rows, two warpgroups");
     static_assert(BN == 64 || (BN == 128 && D <= 128), "bwd_dq_sm90: key tiles of 64, or 128 up to head_dim 128");
     static constexpr bool ONE_V = D > 192;  // one V buffer (see the top of the file)
+    // Warpgroups skip key tiles their rows do not see; not with ONE_V (a block barrier follows the
+    // dP wgmmas), nor at head_dim 64 (two blocks per SM: 12% slower dense, docs/perf-notes.md s11).
+    static constexpr bool SKIP = !ONE_V && D > 64;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;  // Q or dO; one K or one V tile
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;                     // K, then V
     static constexpr int SMEM =  // + alignment slack
         2 * Q_BYTES + (ONE_V ? 3 * KV_BYTES : 2 * STAGE_BYTES) + sm90::kAtomBytes;
 };
+
+// What bwd_preprocess.cu computes for a query row, here for the two rows of a thread (r0 and r0 + 8
+// of the tile; the four threads t of a quad share them): delta = rowsum(dO o O), lse2 = lse * log2(e)
+// (+inf where lse = -inf: the row saw no key), in registers and written out for the dK/dV pass that
+// runs next. The loads' latency hides behind the tile's cp.async copies, where the separate pass
+// read O and dO once more (~6% of the backward at S = 1k: docs/perf-notes.md, session 11).
+template <int D, bool BF16, class Tile>
+FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, float (&lse2)[2], float (&delta)[2]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = r0 + 8 * hh;
+        float acc = 0.f;
+        if (r < tile.rows) {
+            const i64 row = tile.row0 + r;
+            const u16* o = p.o + tile.b * p.o_sb + row * p.o_ss + tile.h * p.o_sh;
+            const u16* d = p.dout + tile.b * p.do_sb + row * p.do_ss + tile.h * p.do_sh;
+#pragma unroll
+            for (int c = 8 * t; c < D; c += 32) {
+                const uint4 ov = *reinterpret_cast<const uint4*>(o + c), dv = *reinterpret_cast<const uint4*>(d + c);
+                const u16* o8 = reinterpret_cast<const u16*>(&ov);
+                const u16* d8 = reinterpret_cast<const u16*>(&dv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc = fmaf(Elem<BF16>::to_float(o8[e]), Elem<BF16>::to_float(d8[e]), acc);
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        delta[hh] = acc;
+        lse2[hh] = FRT_INF;
+        if (r < tile.rows) {
+            const float l = p.lse[tile.stat0 + r];
+            lse2[hh] = l == -FRT_INF ? FRT_INF : l * kLog2e;
+            if (t == 0) p.delta[tile.stat0 + r] = delta[hh], p.lse2[tile.stat0 + r] = lse2[hh];
+        }
+    }
+}
 
 template <class T>
 __device__ void bwd_dq_sm90(const BwdParams& p) {
@@ -72,12 +111,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     const u32 sQw = sQ + wg * 64 * kSwizzleBytes, sdOw = sdO + wg * 64 * kSwizzleBytes;
     const int row_wg = 16 * w + g, row_base = tile.m0 + 64 * wg + row_wg;
     float lse2[2], delta[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int r = 64 * wg + row_wg + 8 * hh;
-        lse2[hh] = r < tile.rows ? p.lse2[tile.stat0 + r] : FRT_INF;
-        delta[hh] = r < tile.rows ? p.delta[tile.stat0 + r] : 0.f;
-    }
+    row_stats<D, T::BF16>(p, tile, 64 * wg + row_wg, t, lse2, delta);
 
     float dq[D / 2];
 #pragma unroll
@@ -95,6 +129,14 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
         }
         cp_async_commit();
         const u32 sK = sKV + stage * K_STRIDE, sV = T::ONE_V ? sV1 : sK + T::KV_BYTES;
+        // A key tile that none of this warpgroup's rows sees (causal: the last one, for the upper
+        // 64 rows) adds nothing to them: the other warpgroup has the tensor cores to itself (SKIP).
+        if constexpr (T::SKIP) {
+            if (tile.needs_mask(it, j)) {
+                const bool none = tile.sees_no_key(row_base, j) & tile.sees_no_key(row_base + 8, j);
+                if (wg == 0 ? warpgroup_all<1>(none) : warpgroup_all<2>(none)) continue;
+            }
+        }
 
         float s[BN / 2], dp[BN / 2];
         auto issue_s = [&] {

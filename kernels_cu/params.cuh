@@ -217,6 +217,19 @@ struct QueryTile {
             return !vis.all_visible(m0, BM, j * BN, BN);
     }
 
+    // Query i of the tile sees no key of key tile j by the built-in rules (mask_mod's verdict is not
+    // asked: false with one), so that a warpgroup whose rows all say so skips the tile.
+    FRT_DEVICE bool sees_no_key(int i, int j) const {
+        if constexpr (MOD) return false;
+        const int lo = j * BN, hi = min(lo + BN, vis.Lk);
+        int2 k;
+        if constexpr (IDS)
+            k = keys->row[i - m0];
+        else
+            k = vis.keys_of(i, lo, hi);
+        return max(k.x, lo) >= min(k.y, hi);
+    }
+
     // Whether row i of the tile (of query head h) sees key j: the element mask of the tiles that
     // need it. With id arrays, an interval test (their element test was a branch and two global
     // loads per pair, and cost a masked tile ~5x an unmasked one: docs/perf-notes.md, session 7).

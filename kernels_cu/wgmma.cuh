@@ -200,6 +200,19 @@ template <int ID, int THREADS>
 FRT_DEVICE void bar_arrive() { asm volatile("bar.arrive %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
 template <int ID, int THREADS>
 FRT_DEVICE void bar_wait() { asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
+// warpgroup_bar<ID> that also tells whether `pred` holds on all 128 threads (bar.red.and).
+template <int ID>
+FRT_DEVICE bool warpgroup_all(bool pred) {
+    u32 all;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.u32 p, %1, 0;\n"
+        "bar.red.and.pred p, %2, 128, p;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n" : "=r"(all) : "r"((u32)pred), "n"(ID) : "memory");
+    return all != 0;
+}
 
 // Hand registers between warpgroups of a warp-specialised kernel (PTX ISA: setmaxnreg): every warp of
 // a warpgroup runs the same one; the kernel's launch bound sets the count they start from.
