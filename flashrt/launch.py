@@ -107,11 +107,16 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
 
 
 def item_chunk(dev: Device, B: int, Sk: int, head_dim: int, H: int, Hkv: int) -> int:
-    """(batch entry, head) pairs per chunk of fwd_sm90's work items (kernels_cu/params.cuh: work_item): as many
-    as have their K and V (bf16 / fp16) in half of the L2 cache, whole KV-head groups, at most all B * H (so a
-    chunk's items fit the kernel's int arithmetic as the grid does)."""
+    """(batch entry, head) pairs per chunk of fwd_sm90's work items (kernels_cu/params.cuh: work_item): at most as
+    many as have their K and V (bf16 / fp16) in half of the L2 cache, whole KV-head groups, at most all B * H (so a
+    chunk's items fit the kernel's int arithmetic as the grid does); the chunks that takes, equal in size, so that
+    the last is not a small remainder whose heaviest items start last (causal at S=1k: 2.6% faster,
+    docs/perf-notes.md, session 11)."""
+    group, pairs = H // Hkv, B * H
     kv_heads = max(1, dev.l2_bytes // 2 // (4 * max(Sk, 1) * head_dim))
-    return min(kv_heads * (H // Hkv), B * H)
+    most = min(kv_heads * group, pairs)
+    even = _cdiv(pairs, _cdiv(pairs, most))
+    return min(_cdiv(even, group) * group, pairs)
 
 
 # fp32 dK/dV partials of a split dK/dV pass are bounded by this many bytes.

@@ -46,12 +46,24 @@ struct FwdRows {
     FRT_DEVICE void softmax(const Tile& tile, int it, int j, int row_base, int t, float scale_log2) {
         if (tile.needs_mask(it, j)) {
             const int n0 = j * BN;
+            if constexpr (Tile::ROW_LIMIT) {  // one key limit per row (the causal diagonal tile)
 #pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj)
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int lim = tile.key_limit(row_base + 8 * hh) - n0 - 2 * t;  // columns 8 jj + e below it
 #pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
-                        s[4 * jj + c] = -FRT_INF;
+                    for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (8 * jj + e >= lim) s[4 * jj + 2 * hh + e] = -FRT_INF;
+                }
+            } else {
+#pragma unroll
+                for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
+                            s[4 * jj + c] = -FRT_INF;
+            }
         }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {

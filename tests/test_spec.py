@@ -129,10 +129,16 @@ def test_warp_specialised_forward_grid_is_persistent():
     assert launch.grid(ws, B=1, H=8, Hkv=8, Sq=300, Sk=300, sm_count=132) == (24, 1, 1)
 
 
-def test_item_chunk_fits_half_the_l2():
+def test_item_chunk_fits_half_the_l2_in_equal_chunks():
     dev = launch.Device(0, "H100", "sm_90a", 132, SMEM_OPTIN[90], 50 * 2**20)
-    assert launch.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=16) == 50
-    assert launch.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=4) == 200  # 4 query heads per KV head
+    # 50 (b, h) pairs' K and V fit half of L2: 256 pairs take 6 chunks, 43 each (the last 41), not 5 x 50 + 6
+    assert launch.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=16) == 43
+    # 4 query heads per KV head: at most 200 pairs (50 KV heads), 2 chunks of 128 (whole groups)
+    assert launch.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=4) == 128
+    # Sk=10240: 5 KV heads fit. 84 pairs in groups of 7: at most 35 a chunk, so 3 chunks of 28
+    assert launch.item_chunk(dev, B=3, Sk=10240, head_dim=128, H=28, Hkv=4) == 28
+    # 63 pairs in groups of 7: 2 chunks; 32 rounds up to whole groups, 35 (and 28)
+    assert launch.item_chunk(dev, B=1, Sk=10240, head_dim=128, H=63, Hkv=9) == 35
     assert launch.item_chunk(dev, B=1, Sk=2**20, head_dim=256, H=8, Hkv=8) == 1
     assert launch.item_chunk(dev, B=2, Sk=8, head_dim=8, H=4, Hkv=4) == 8  # never more than B * H
 
