@@ -10,7 +10,8 @@
 // operand, K being the MN-major B operand. head_dim 64, 128, 192 or 256; at 256 (64-key tiles) two
 // stages of V do not fit next to Q, dO and two of K: V has one buffer, refilled as soon as both
 // warpgroups' dP wgmmas are done (dP is issued before S for that), while S, P, dS and dQ += dS K of
-// the same tile run.
+// the same tile run. Each block also computes its rows' delta and lse2 (bwd_preprocess.cu's work:
+// row_stats) and writes them for the dK/dV pass, launched after it.
 #include "params.cuh"
 #include "wgmma.cuh"
 
@@ -37,8 +38,9 @@ struct DqSm90Traits {
 // What bwd_preprocess.cu computes for a query row, here for the two rows of a thread (r0 and r0 + 8
 // of the tile; the four threads t of a quad share them): delta = rowsum(dO o O), lse2 = lse * log2(e)
 // (+inf where lse = -inf: the row saw no key), in registers and written out for the dK/dV pass that
-// runs next. The loads' latency hides behind the tile's cp.async copies, where the separate pass
-// read O and dO once more (~6% of the backward at S = 1k: docs/perf-notes.md, session 11).
+// runs next. The loads run beside the tile's cp.async copies; the separate pass, which read O and dO
+// once more, took ~6% of the backward at S = 1k, and the O read now adds less than that to this
+// kernel's prologue (docs/perf-notes.md, session 11).
 template <int D, bool BF16, class Tile>
 FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, float (&lse2)[2], float (&delta)[2]) {
 #pragma unroll

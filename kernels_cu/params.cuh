@@ -59,8 +59,8 @@ struct BwdParams {
     const u16* o;
     const u16* dout;
     const float* lse;  // natural-log LSE from the forward pass
-    float* lse2;       // scratch: lse * log2(e); +inf for rows that saw no key
-    float* delta;      // scratch: rowsum(dout * o)
+    float* lse2;       // scratch: lse * log2(e); +inf for rows that saw no key (bwd_preprocess or bwd_dq_sm90)
+    float* delta;      // scratch: rowsum(dout * o) (the same)
     u16* dq;
     u16* dk;
     u16* dv;
