@@ -38,9 +38,9 @@ struct DqSm90Traits {
 // What bwd_preprocess.cu computes for a query row, here for the two rows of a thread (r0 and r0 + 8
 // of the tile; the four threads t of a quad share them): delta = rowsum(dO o O), lse2 = lse * log2(e)
 // (+inf where lse = -inf: the row saw no key), in registers and written out for the dK/dV pass that
-// runs next. The loads run beside the tile's cp.async copies; the separate pass, which read O and dO
-// once more, took ~6% of the backward at S = 1k, and the O read now adds less than that to this
-// kernel's prologue (docs/perf-notes.md, session 11).
+// runs next. The loads run beside the tile's cp.async copies. The separate pass, which read O and dO
+// once more, took ~6% of the backward at S = 1k; the O read costs this kernel's prologue less than
+// that, except dense at head_dim 256 (+1% of the backward; docs/perf-notes.md, session 11).
 template <int D, bool BF16, class Tile>
 FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, float (&lse2)[2], float (&delta)[2]) {
 #pragma unroll
