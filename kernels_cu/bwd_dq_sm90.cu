@@ -53,11 +53,7 @@ FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, f
             const u16* d = p.dout + tile.b * p.do_sb + row * p.do_ss + tile.h * p.do_sh;
 #pragma unroll
             for (int c = 8 * t; c < D; c += 32) {
-                const uint4 ov = *reinterpret_cast<const uint4*>(o + c), dv = *reinterpret_cast<const uint4*>(d + c);
-                const u16* o8 = reinterpret_cast<const u16*>(&ov);
-                const u16* d8 = reinterpret_cast<const u16*>(&dv);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc = fmaf(Elem<BF16>::to_float(o8[e]), Elem<BF16>::to_float(d8[e]), acc);
+                acc = dot8<BF16>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d + c), acc);
             }
         }
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
@@ -65,8 +61,7 @@ FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, f
         delta[hh] = acc;
         lse2[hh] = FRT_INF;
         if (r < tile.rows) {
-            const float l = p.lse[tile.stat0 + r];
-            lse2[hh] = l == -FRT_INF ? FRT_INF : l * kLog2e;
+            lse2[hh] = lse2_of(p.lse[tile.stat0 + r]);
             if (t == 0) p.delta[tile.stat0 + r] = delta[hh], p.lse2[tile.stat0 + r] = lse2[hh];
         }
     }

@@ -21,10 +21,7 @@ __device__ void bwd_preprocess(const BwdParams& p) {
             const uint4 ov = *reinterpret_cast<const uint4*>(p.o + b * p.o_sb + (i64)i * p.o_ss + h * p.o_sh + c);
             const uint4 dv =
                 *reinterpret_cast<const uint4*>(p.dout + b * p.do_sb + (i64)i * p.do_ss + h * p.do_sh + c);
-            const u16* o8 = reinterpret_cast<const u16*>(&ov);
-            const u16* d8 = reinterpret_cast<const u16*>(&dv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc = fmaf(Elem<T::BF16>::to_float(o8[e]), Elem<T::BF16>::to_float(d8[e]), acc);
+            acc = dot8<T::BF16>(ov, dv, acc);
         }
         if (p.dq_accum)
             for (int c = lane * 4; c < T::D; c += 32 * 4)
@@ -32,9 +29,8 @@ __device__ void bwd_preprocess(const BwdParams& p) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
         if (lane == 0) {
-            const float l = p.lse[r];
             p.delta[r] = acc;
-            p.lse2[r] = l == -FRT_INF ? FRT_INF : l * kLog2e;
+            p.lse2[r] = lse2_of(p.lse[r]);
         }
     }
 }

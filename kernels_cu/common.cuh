@@ -86,6 +86,19 @@ struct Elem<false> {
     }
 };
 
+// The backward's row statistics (bwd_preprocess.cu; bwd_dq_sm90.cu computes its own rows' too):
+// acc + the sum of the products of two 16-byte vectors of eight 16-bit values (delta = rowsum(dO o O)),
+// and lse2 = lse * log2(e), +inf where lse = -inf (the row saw no key: P = 0).
+template <bool BF16>
+FRT_DEVICE float dot8(uint4 a, uint4 b, float acc) {
+    const u16* a8 = reinterpret_cast<const u16*>(&a);
+    const u16* b8 = reinterpret_cast<const u16*>(&b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(Elem<BF16>::to_float(a8[e]), Elem<BF16>::to_float(b8[e]), acc);
+    return acc;
+}
+FRT_DEVICE float lse2_of(float lse) { return lse == -FRT_INF ? FRT_INF : lse * kLog2e; }
+
 FRT_DEVICE float fast_exp2(float x) {
     float r;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
