@@ -46,6 +46,14 @@ FRT_DEVICE int ld_shared_s32(u32 at) {
     return v;
 }
 
+// The it-th key tile an item visits: causal first to last, so that the diagonal tile comes last and its
+// mask and softmax run under the other warpgroup's wgmmas (S=8k causal 6% faster than last to first,
+// S=1k the same: docs/perf-notes.md, session 12); dense last to first, as the other kernels.
+template <class Tile>
+FRT_DEVICE int key_tile(const Tile& tile, int it) {
+    return Tile::ROW_LIMIT ? tile.n_first + it : tile.key_tile(it);
+}
+
 template <class T>
 __device__ void fwd_sm90_ws(const FwdParams& p) {
     using namespace sm90;
@@ -102,7 +110,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             const u16* gk = p.k + tile.b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
             const u16* gv = p.v + tile.b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
             for (int it = 0; it < tile.n_blocks; ++it, ++kc) {
-                const int j = tile.key_tile(it), rows = tile.vis.Ek - j * BN;
+                const int j = key_tile(tile, it), rows = tile.vis.Ek - j * BN;
                 const u32 s = kc & 1, empty = ((kc >> 1) & 1) ^ 1;
                 mbar_wait(bar(T::K_EMPTY, s), empty);
                 load_tile_sw128<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, ptid);
@@ -155,7 +163,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         FwdRows<D, BN, T::BF16> r;
 
         for (int it = 0; it < n_blocks; ++it, ++kc) {
-            const int j = tile.key_tile(it);
+            const int j = key_tile(tile, it);
             const u32 st = kc & 1, full = (kc >> 1) & 1;
             r.retire_pv();  // P V of tile it - 2 (issued last iteration) is done: its V stage goes back
             if (it > 1) mbar_arrive(bar(T::V_EMPTY, st));
