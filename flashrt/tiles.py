@@ -113,13 +113,18 @@ _FALLBACKS = {
 }
 
 
-# wgmma kernels without a variant for some mask features: family -> (above this head_dim, these MASK_BITS).
-# The head_dim 256 dQ sits at 255 registers unmasked; window and block / segment ids spill 40-64 bytes there
-# (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ. The warp-specialised forward is for dense and
-# causal attention only (its producer and consumers find each work item's key tiles without a block-wide
-# search); masked forwards take fwd_sm90.
-_SM90_MASK_LIMITS = {"bwd_dq_sm90": (192, MASK_BITS["window"] | MASK_BITS["block_ids"] | MASK_BITS["segments"]),
-                     "fwd_sm90_ws": (0, sum(MASK_BITS.values()))}
+# wgmma kernels without a variant for some mask features: family -> rules (lo, hi, MASK_BITS): no kernel for
+# those bits at lo < head_dim <= hi. The head_dim 256 dQ sits at 255 registers unmasked; window and block /
+# segment ids spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ. The
+# warp-specialised forward takes lengths (padding, varlen) and windows, whose key tiles each of its
+# warpgroups finds by itself; block / segment ids (a block-wide search) and mask_mod (tile lists) take
+# fwd_sm90, and so do windows at head_dim 64, where fwd_sm90's 64-key tiles waste less on a window's
+# partial tiles (W=128 at S=1k: 6% faster; docs/perf-notes.md, session 12).
+_SM90_MASK_LIMITS = {
+    "bwd_dq_sm90": ((192, 256, MASK_BITS["window"] | MASK_BITS["block_ids"] | MASK_BITS["segments"]),),
+    "fwd_sm90_ws": ((0, 256, MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"]),
+                    (0, 64, MASK_BITS["window"])),
+}
 
 
 def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
@@ -127,8 +132,9 @@ def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
     spec.SM90_HEAD_DIMS, _SM90_MASK_LIMITS."""
     if family not in SM90_HEAD_DIMS:
         return True
-    above, bits = _SM90_MASK_LIMITS.get(family, (256, 0))
-    return arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family] and not (head_dim > above and mask & bits)
+    rules = _SM90_MASK_LIMITS.get(family, ())
+    return (arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family]
+            and not any(lo < head_dim <= hi and mask & bits for lo, hi, bits in rules))
 
 
 def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> str:

@@ -308,6 +308,30 @@ FRT_DEVICE typename VisibilityOf<CAUSAL, MASK>::type block_visibility(const P& p
     }
 }
 
+// The visibility a QueryTile holds: the block's shared copy (block_visibility), or with OWN a copy of
+// each thread's own, for a kernel whose warpgroups reach a tile at different times (fwd_sm90_ws): built-in
+// lengths and windows only, which need no block-wide search.
+template <bool CAUSAL, int MASK, bool OWN>
+struct TileVisibility {
+    using type = typename VisibilityOf<CAUSAL, MASK>::type;
+};
+template <bool CAUSAL, int MASK>
+struct TileVisibility<CAUSAL, MASK, true> {
+    using type = Visibility<CAUSAL, MASK>;
+};
+
+template <bool CAUSAL, int MASK, bool OWN, class P>
+FRT_DEVICE typename TileVisibility<CAUSAL, MASK, OWN>::type tile_visibility(const P& p, int b) {
+    if constexpr (OWN) {
+        static_assert(!(MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS | MASK_MOD)), "own visibility: lengths and windows");
+        Visibility<CAUSAL, MASK> vis;
+        vis.init(p, b);
+        return vis;
+    } else {
+        return block_visibility<CAUSAL, MASK>(p, b);
+    }
+}
+
 // mask_mod's tile lists (mask_classify.cu), one per tile of the outer axis: the tiles of the
 // inner axis that hold a visible pair, last to first; entry j when every pair of the two
 // tiles is visible, ~j when the element mask must run. Lists exist per batch entry and per

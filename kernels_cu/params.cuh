@@ -142,11 +142,13 @@ struct RowTraits {
 
 // The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid
 // (ceil(Sq/BM), H, B); fwd_sm90: work_item) owns, and the n_blocks key tiles it visits: those of [n_first,
-// n_end), or with mask_mod the tiles of its ModLists row. key_tile(0) is the last.
-template <int BM, int BN, bool CAUSAL, int MASK>
+// n_end), or with mask_mod the tiles of its ModLists row. key_tile(0) is the last. OWN_VIS: each thread
+// holds its own visibility (tile_visibility; fwd_sm90_ws), and the constructor is not a whole-block call.
+template <int BM, int BN, bool CAUSAL, int MASK, bool OWN_VIS = false>
 struct QueryTile {
     static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
-    typename VisibilityOf<CAUSAL, MASK>::type vis;  // in shared memory when MASK != 0 (block_visibility)
+    // in shared memory when MASK != 0 (block_visibility), unless OWN_VIS
+    typename TileVisibility<CAUSAL, MASK, OWN_VIS>::type vis;
     int h, b, hk, m0, rows, n_first, n_end, n_blocks;
     i64 row0;   // the tile's first row on the seq axis of q / out / dout / dq
     i64 stat0;  // lse / lse2 / delta index of the tile's first row
@@ -162,7 +164,7 @@ struct QueryTile {
     // Query tile m_block of head h_ of batch entry b_ (fwd_sm90: work_item). Whole-block call.
     template <class P>
     FRT_DEVICE QueryTile(const P& p, int m_block, int h_, int b_, int tid, int nthreads)
-        : vis(block_visibility<CAUSAL, MASK>(p, b_)) {
+        : vis(tile_visibility<CAUSAL, MASK, OWN_VIS>(p, b_)) {
         h = h_;
         b = b_;
         hk = h / (p.H / p.Hkv);
