@@ -170,8 +170,8 @@ class KernelSpec:
             if self.family == "bwd_dq_sm90" and self.head_dim > 128 and bn != 64:
                 return "block_n 64 above head_dim 128"
             if self.family == "fwd_sm90_ws":  # two consumer warpgroups and a producer one
-                if self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"]):
-                    return "no block / segment ids (fwd_sm90 has them)"
+                if self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"]):
+                    return "lengths and windows only (id masks and mask_mod: fwd_sm90)"
                 return None if (bm, nw) == (128, 12) and bn in (64, 128) else "block_m 128, 12 warps, block_n 64 or 128"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):

@@ -1,6 +1,6 @@
 // Attention forward on Hopper (sm_90a), warp-specialised and persistent: O = softmax(scale * Q K^T) V
-// and LSE with wgmma, for dense and causal attention, padding and packed varlen lengths, windows and
-// mask_mod (whose key tiles each thread finds by itself; block / segment ids take fwd_sm90.cu).
+// and LSE with wgmma, for dense and causal attention, padding and packed varlen lengths and windows (the
+// masks each thread can find a tile's keys for by itself; id masks and mask_mod take fwd_sm90.cu).
 //
 // 384 threads: warpgroups 0 and 1 consume (64 query rows each), warpgroup 2 produces. setmaxnreg moves
 // registers from the producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS).
@@ -28,7 +28,8 @@ struct FwdWsTraits {
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32, CONSUMERS = 256, PRODUCERS = 128;
     static constexpr int CONSUMER_REGS = 224, PRODUCER_REGS = 56;  // 2 * 128 * 224 + 128 * 56 <= 64K
-    static_assert(!(MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS)), "fwd_sm90_ws: no id arrays (block / segment ids: fwd_sm90)");
+    static_assert(!(MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS | MASK_MOD)),
+                  "fwd_sm90_ws: lengths (padding, varlen) and windows only (id masks, mask_mod: fwd_sm90)");
     static_assert(D % 64 == 0 && D <= 256, "fwd_sm90_ws: head_dim 64, 128, 192 or 256 (whole swizzle blocks)");
     static_assert(BM == 128 && NW == 12, "fwd_sm90_ws: 128 query rows, two consumer warpgroups and a producer one");
     static_assert(BN == 64 || BN == 128, "fwd_sm90_ws: key tiles of 64 or 128");
