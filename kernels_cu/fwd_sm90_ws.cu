@@ -48,9 +48,10 @@ FRT_DEVICE int ld_shared_s32(u32 at) {
     return v;
 }
 
-// The it-th key tile an item visits: causal first to last, so that the diagonal tile comes last and its
-// mask and softmax run under the other warpgroup's wgmmas (S=8k causal 6% faster than last to first,
-// S=1k the same: docs/perf-notes.md, session 12); dense last to first, as the other kernels.
+// The it-th key tile an item visits: causal without mask bits first to last, so that the diagonal tile
+// comes last and its mask and softmax run under the other warpgroup's wgmmas (S=8k causal 6% faster than
+// last to first, S=1k the same: docs/perf-notes.md, session 12); otherwise last to first, as the other
+// kernels.
 template <class Tile>
 FRT_DEVICE int key_tile(const Tile& tile, int it) {
     return Tile::ROW_LIMIT ? tile.n_first + it : tile.key_tile(it);

@@ -161,7 +161,7 @@ struct QueryTile {
     FRT_DEVICE QueryTile(const P& p, int tid, int nthreads)
         : QueryTile(p, CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, tid, nthreads) {}
 
-    // Query tile m_block of head h_ of batch entry b_ (fwd_sm90: work_item). Whole-block call.
+    // Query tile m_block of head h_ of batch entry b_ (fwd_sm90: work_item). Whole-block call unless OWN_VIS.
     template <class P>
     FRT_DEVICE QueryTile(const P& p, int m_block, int h_, int b_, int tid, int nthreads)
         : vis(tile_visibility<CAUSAL, MASK, OWN_VIS>(p, b_)) {
