@@ -20,7 +20,7 @@ FAMILIES = {
     # family: (source file, params struct, extra defines)
     "fwd": ("fwd.cu", params.FWD, {}),
     "fwd_sm90": ("fwd_sm90.cu", params.FWD, {}),  # the forward with wgmma (sm_90a, head_dim a multiple of 64)
-    "fwd_sm90_ws": ("fwd_sm90_ws.cu", params.FWD, {}),  # ... warp-specialised and persistent: dense and causal
+    "fwd_sm90_ws": ("fwd_sm90_ws.cu", params.FWD, {}),  # ... warp-specialised and persistent (FWD_WS_NO_MASKS)
     "bwd_preprocess": ("bwd_preprocess.cu", params.BWD, {}),
     "bwd_dq": ("bwd_dq.cu", params.BWD, {}),
     "bwd_dkdv": ("bwd_dkdv.cu", params.BWD, {}),
@@ -54,6 +54,9 @@ DTYPES = ("bf16", "fp16")
 # Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
 MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16}
 _MASK_TAGS = {1: "len", 2: "win", 4: "blk", 8: "seg", 16: "mod"}
+# Mask features fwd_sm90_ws has no variant for: block / segment ids need a block-wide search for a tile's keys,
+# and mask_mod expressions spill its 224-register consumers (tiles.py: _SM90_MASK_LIMITS); fwd_sm90 has them.
+FWD_WS_NO_MASKS = MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"]
 # What a mask_mod expression sees besides its tensors (kernels_cu/mask.cuh: flashrt_mask_mod).
 MOD_VARIABLES = ("b", "h", "q", "k", "Lq", "Lk")
 MAX_MOD_TENSORS = 4
@@ -170,7 +173,7 @@ class KernelSpec:
             if self.family == "bwd_dq_sm90" and self.head_dim > 128 and bn != 64:
                 return "block_n 64 above head_dim 128"
             if self.family == "fwd_sm90_ws":  # two consumer warpgroups and a producer one
-                if self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"]):
+                if self.mask & FWD_WS_NO_MASKS:
                     return "lengths and windows only (id masks and mask_mod: fwd_sm90)"
                 return None if (bm, nw) == (128, 12) and bn in (64, 128) else "block_m 128, 12 warps, block_n 64 or 128"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"

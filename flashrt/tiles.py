@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from . import _env
-from .spec import ELEMENTWISE, MASK_BITS, SM90_HEAD_DIMS, KernelSpec
+from .spec import ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SM90_HEAD_DIMS, KernelSpec
 
 # family -> [(max head_dim, [(block_m, block_n, warps[, min_blocks]), ...] in order of preference)];
 # min_blocks (default 1): blocks per SM the kernel's registers must allow (spec.KernelSpec.min_blocks)
@@ -35,7 +35,7 @@ _PREFERENCES = {
     # beat 128-key tiles (193 registers, one block): H200, 1.13-1.36x at S 512-8k (docs/perf-notes.md,
     # session 6).
     "fwd_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
-    # warp-specialised (two consumer warpgroups + a producer warpgroup), persistent: dense and causal only;
+    # warp-specialised (two consumer warpgroups + a producer warpgroup), persistent (its masks: _SM90_MASK_LIMITS);
     # head_dim 192 spills at every register split between them, 256 does not fit two Q slots (perf-notes s10)
     "fwd_sm90_ws": [(128, [(128, 128, 12)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
@@ -117,14 +117,13 @@ _FALLBACKS = {
 # those bits at lo < head_dim <= hi. The head_dim 256 dQ sits at 255 registers unmasked; window and block /
 # segment ids spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ. The
 # warp-specialised forward takes lengths (padding, varlen) and windows, whose key tiles each of its
-# warpgroups finds by itself; block / segment ids (a block-wide search) and mask_mod (tile lists) take
+# warpgroups finds by itself; block / segment ids (a block-wide search) and mask_mod (spills, below) take
 # fwd_sm90, and so do windows at head_dim 64, where fwd_sm90's 64-key tiles waste less on a window's
 # partial tiles (W=128 at S=1k: 6% faster; docs/perf-notes.md, session 12). mask_mod compiled into it spilled
 # 8-112 bytes (224 registers per consumer thread; fwd_sm90 has 255), varying with the expression.
 _SM90_MASK_LIMITS = {
     "bwd_dq_sm90": ((192, 256, MASK_BITS["window"] | MASK_BITS["block_ids"] | MASK_BITS["segments"]),),
-    "fwd_sm90_ws": ((0, 256, MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"]),
-                    (0, 64, MASK_BITS["window"])),
+    "fwd_sm90_ws": ((0, 256, FWD_WS_NO_MASKS), (0, 64, MASK_BITS["window"])),
 }
 
 
@@ -140,7 +139,7 @@ def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
 
 def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> str:
     """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never);
-    for dense and causal attention (`mask` 0, MASK_BITS) its warp-specialised form where that exists and fits.
+    its warp-specialised form where that has a variant for `mask` (MASK_BITS; _SM90_MASK_LIMITS) and fits.
 
     H200, B=2 S=8192 H=16 bf16 (scripts/probe_sm90.py, docs/perf-notes.md): head_dim 128 422 TFLOP/s
     against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised (session 10) 564 at head_dim 128.
