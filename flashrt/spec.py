@@ -54,9 +54,9 @@ DTYPES = ("bf16", "fp16")
 # Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
 MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16}
 _MASK_TAGS = {1: "len", 2: "win", 4: "blk", 8: "seg", 16: "mod"}
-# Mask features fwd_sm90_ws has no variant for: block / segment ids need a block-wide search for a tile's keys,
-# and mask_mod expressions spill its 224-register consumers (tiles.py: _SM90_MASK_LIMITS); fwd_sm90 has them.
-FWD_WS_NO_MASKS = MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"]
+# Mask features fwd_sm90_ws has no variant for: block / segment ids need a block-wide search for a tile's keys
+# (tiles.py: _SM90_MASK_LIMITS); fwd_sm90 has them.
+FWD_WS_NO_MASKS = MASK_BITS["block_ids"] | MASK_BITS["segments"]
 # What a mask_mod expression sees besides its tensors (kernels_cu/mask.cuh: flashrt_mask_mod).
 MOD_VARIABLES = ("b", "h", "q", "k", "Lq", "Lk")
 MAX_MOD_TENSORS = 4
@@ -174,7 +174,7 @@ class KernelSpec:
                 return "block_n 64 above head_dim 128"
             if self.family == "fwd_sm90_ws":  # two consumer warpgroups and a producer one
                 if self.mask & FWD_WS_NO_MASKS:
-                    return "lengths and windows only (id masks and mask_mod: fwd_sm90)"
+                    return "no block / segment ids (fwd_sm90 has them)"
                 return None if (bm, nw) == (128, 12) and bn in (64, 128) else "block_m 128, 12 warps, block_n 64 or 128"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):

@@ -116,14 +116,13 @@ _FALLBACKS = {
 # wgmma kernels without a variant for some mask features: family -> rules (lo, hi, MASK_BITS): no kernel for
 # those bits at lo < head_dim <= hi. The head_dim 256 dQ sits at 255 registers unmasked; window and block /
 # segment ids spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ. The
-# warp-specialised forward takes lengths (padding, varlen) and windows, whose key tiles each of its
-# warpgroups finds by itself; block / segment ids (a block-wide search) and mask_mod (spills, below) take
-# fwd_sm90, and so do windows at head_dim 64, where fwd_sm90's 64-key tiles waste less on a window's
-# partial tiles (W=128 at S=1k: 6% faster; docs/perf-notes.md, session 12). mask_mod compiled into it spilled
-# 8-112 bytes (224 registers per consumer thread; fwd_sm90 has 255), varying with the expression.
+# warp-specialised forward takes lengths (padding, varlen), windows and mask_mod, whose key tiles each of
+# its warpgroups finds by itself (mask_mod: its tile lists); block / segment ids (a block-wide search) take
+# fwd_sm90, and so do windows and mask_mod at head_dim 64, where fwd_sm90's 64-key tiles waste less on
+# partial tiles (a window of 128 at S=1k: 6% faster; docs/perf-notes.md, session 12).
 _SM90_MASK_LIMITS = {
     "bwd_dq_sm90": ((192, 256, MASK_BITS["window"] | MASK_BITS["block_ids"] | MASK_BITS["segments"]),),
-    "fwd_sm90_ws": ((0, 256, FWD_WS_NO_MASKS), (0, 64, MASK_BITS["window"])),
+    "fwd_sm90_ws": ((0, 256, FWD_WS_NO_MASKS), (0, 64, MASK_BITS["window"] | MASK_BITS["mod"])),
 }
 
 

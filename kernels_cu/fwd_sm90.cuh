@@ -11,7 +11,9 @@
 namespace frt {
 namespace sm90 {
 
-template <int D, int BN, bool BF16>
+// MOD_BITS: mask_mod's element mask is evaluated in a rolled loop into bits, then applied (mod_mask_bits),
+// for a kernel whose registers cannot hold the unrolled loop's verdicts (fwd_sm90_ws).
+template <int D, int BN, bool BF16, bool MOD_BITS = false>
 struct FwdRows {
     float o[D / 2];
     float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
@@ -40,6 +42,31 @@ struct FwdRows {
         for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, BF16>(s, kk, pa[kk]);
     }
 
+    // mask_mod's element mask of key tile n0.. for the thread's elements: bit 4 (jj % 8) + c of bits[jj / 8]
+    // for s[4 jj + c]. A rolled loop over 16 elements at a time, so that at most 16 verdicts of the user's
+    // expression are live (unrolled, the 64 of them spilled fwd_sm90_ws's 224-register consumers).
+    template <class Tile>
+    FRT_DEVICE static void mod_mask_bits(const Tile& tile, u32 (&bits)[BN / 64], int n0, int row_base, int t) {
+        constexpr int U = 4;  // 16 elements per iteration (8 spilled; 1 and 2 made loads' latency show)
+#pragma unroll
+        for (int w = 0; w < BN / 64; ++w) {
+            u32 acc = 0;
+#pragma unroll 1
+            for (int jb = 0; jb < 8; jb += U) {
+                u32 nib = 0;
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int col = n0 + 8 * (8 * w + jb + u) + 2 * t;
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        nib |= (u32)tile.visible(row_base + 8 * (c >> 1), col + (c & 1), tile.h) << (4 * u + c);
+                }
+                acc |= nib << (4 * jb);
+            }
+            bits[w] = acc;
+        }
+    }
+
     // Key tile it (j) of `tile`, scores in s: the element mask where the tile needs it, then the online
     // softmax (s becomes P, unnormalised; alpha the rescale of O). row_base: the thread's first row.
     template <class Tile>
@@ -56,6 +83,14 @@ struct FwdRows {
                         for (int e = 0; e < 2; ++e)
                             if (8 * jj + e >= lim) s[4 * jj + 2 * hh + e] = -FRT_INF;
                 }
+            } else if constexpr (MOD_BITS && Tile::MOD) {
+                u32 bits[BN / 64];
+                mod_mask_bits(tile, bits, n0, row_base, t);
+#pragma unroll
+                for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        if (!((bits[jj / 8] >> (4 * (jj % 8) + c)) & 1u)) s[4 * jj + c] = -FRT_INF;
             } else {
 #pragma unroll
                 for (int jj = 0; jj < BN / 8; ++jj)

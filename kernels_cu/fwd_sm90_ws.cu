@@ -1,6 +1,7 @@
 // Attention forward on Hopper (sm_90a), warp-specialised and persistent: O = softmax(scale * Q K^T) V
-// and LSE with wgmma, for dense and causal attention, padding and packed varlen lengths and windows (the
-// masks each thread can find a tile's keys for by itself; id masks and mask_mod take fwd_sm90.cu).
+// and LSE with wgmma, for dense and causal attention, padding and packed varlen lengths, windows and
+// mask_mod (the masks each thread can find a tile's keys for by itself: mask_mod from its tile lists;
+// block / segment ids take fwd_sm90.cu).
 //
 // 384 threads: warpgroups 0 and 1 consume (64 query rows each), warpgroup 2 produces. setmaxnreg moves
 // registers from the producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS).
@@ -28,8 +29,7 @@ struct FwdWsTraits {
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32, CONSUMERS = 256, PRODUCERS = 128;
     static constexpr int CONSUMER_REGS = 224, PRODUCER_REGS = 56;  // 2 * 128 * 224 + 128 * 56 <= 64K
-    static_assert(!(MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS | MASK_MOD)),
-                  "fwd_sm90_ws: lengths (padding, varlen) and windows only (id masks, mask_mod: fwd_sm90)");
+    static_assert(!(MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS)), "fwd_sm90_ws: no id arrays (block / segment ids: fwd_sm90)");
     static_assert(D % 64 == 0 && D <= 256, "fwd_sm90_ws: head_dim 64, 128, 192 or 256 (whole swizzle blocks)");
     static_assert(BM == 128 && NW == 12, "fwd_sm90_ws: 128 query rows, two consumer warpgroups and a producer one");
     static_assert(BN == 64 || BN == 128, "fwd_sm90_ws: key tiles of 64 or 128");
@@ -163,7 +163,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         // This warpgroup's 64 query rows of the Q tile (fwd_sm90.cuh: which of them a thread holds).
         const u32 sQw = sQ + qs * T::Q_BYTES + wg * 64 * kSwizzleBytes;
         const int row_base = tile.m0 + 64 * wg + 16 * w + g;
-        FwdRows<D, BN, T::BF16> r;
+        FwdRows<D, BN, T::BF16, true> r;
 
         for (int it = 0; it < n_blocks; ++it, ++kc) {
             const int j = key_tile(tile, it);

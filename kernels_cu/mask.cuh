@@ -309,8 +309,8 @@ FRT_DEVICE typename VisibilityOf<CAUSAL, MASK>::type block_visibility(const P& p
 }
 
 // The visibility a QueryTile holds: the block's shared copy (block_visibility), or with OWN a copy of
-// each thread's own, for a kernel whose warpgroups reach a tile at different times (fwd_sm90_ws): built-in
-// lengths and windows only, which need no block-wide search.
+// each thread's own, for a kernel whose warpgroups reach a tile at different times (fwd_sm90_ws): no id
+// arrays, whose tiles need a block-wide search (lengths, windows and mask_mod's lists need none).
 template <bool CAUSAL, int MASK, bool OWN>
 struct TileVisibility {
     using type = typename VisibilityOf<CAUSAL, MASK>::type;
@@ -323,7 +323,7 @@ struct TileVisibility<CAUSAL, MASK, true> {
 template <bool CAUSAL, int MASK, bool OWN, class P>
 FRT_DEVICE typename TileVisibility<CAUSAL, MASK, OWN>::type tile_visibility(const P& p, int b) {
     if constexpr (OWN) {
-        static_assert(!(MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS | MASK_MOD)), "own visibility: lengths and windows");
+        static_assert(!(MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS)), "own visibility: no id arrays");
         Visibility<CAUSAL, MASK> vis;
         vis.init(p, b);
         return vis;

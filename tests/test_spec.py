@@ -221,16 +221,17 @@ def test_driver_older_than_nvrtc_is_refused_with_the_extra_to_install():
 
 
 def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
-    # dense, causal, lengths and windows: warp-specialised at head_dim 64 and 128; id masks, mask_mod: fwd_sm90
+    # warp-specialised at head_dim 64 and 128: dense, causal, lengths, and at 128 windows and mask_mod;
+    # block / segment ids: fwd_sm90
     assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
     assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
     for name, bit in MASK_BITS.items():
-        ws = name in ("lengths", "window")
+        ws = name in ("lengths", "window", "mod")
         assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90], bit) == ("fwd_sm90_ws" if ws else "fwd_sm90")
-    both = MASK_BITS["lengths"] | MASK_BITS["window"]
+        assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90], bit) == (
+            "fwd_sm90_ws" if name == "lengths" else "fwd_sm90")  # windows and mask_mod at 64: 64-key tiles
+    both = MASK_BITS["lengths"] | MASK_BITS["window"] | MASK_BITS["mod"]
     assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90], both) == "fwd_sm90_ws"
-    assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90], MASK_BITS["lengths"]) == "fwd_sm90_ws"
-    assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90], both) == "fwd_sm90"  # windows at 64: 64-key tiles
     assert tiles.forward_family(192, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(256, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90]) == "fwd"      # no wgmma kernel at 96
@@ -240,13 +241,13 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
     assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd"
 
 
-def test_warp_specialised_forward_takes_lengths_and_windows_only():
+def test_warp_specialised_forward_takes_no_id_arrays():
     assert KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, True, "sm_90a").layout_problem() is None
     for name, bit in MASK_BITS.items():
-        assert tiles.applies("fwd_sm90_ws", 128, "sm_90a", bit) == (name in ("lengths", "window")), name
+        assert tiles.applies("fwd_sm90_ws", 128, "sm_90a", bit) == (name not in ("block_ids", "segments")), name
     KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, True, "sm_90a", MASK_BITS["lengths"] | MASK_BITS["window"])
     for name in ("block_ids", "segments"):
-        with pytest.raises(ValueError, match="lengths and windows only"):
+        with pytest.raises(ValueError, match="no block / segment ids"):
             KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, False, "sm_90a", MASK_BITS[name])
     with pytest.raises(ValueError, match="12 warps"):
         KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 8, False, "sm_90a")
