@@ -117,12 +117,11 @@ _FALLBACKS = {
 # those bits at lo < head_dim <= hi. The head_dim 256 dQ sits at 255 registers unmasked; window and block /
 # segment ids spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ. The
 # warp-specialised forward takes lengths (padding, varlen), windows and mask_mod, whose key tiles each of
-# its warpgroups finds by itself (mask_mod: its tile lists); block / segment ids (a block-wide search) take
-# fwd_sm90, and so do windows and mask_mod at head_dim 64, where fwd_sm90's 64-key tiles waste less on
-# partial tiles (a window of 128 at S=1k: 6% faster; docs/perf-notes.md, session 12).
+# its warpgroups finds by itself (mask_mod: from its tile lists); block / segment ids (a block-wide search)
+# take fwd_sm90.
 _SM90_MASK_LIMITS = {
     "bwd_dq_sm90": ((192, 256, MASK_BITS["window"] | MASK_BITS["block_ids"] | MASK_BITS["segments"]),),
-    "fwd_sm90_ws": ((0, 256, FWD_WS_NO_MASKS), (0, 64, MASK_BITS["window"] | MASK_BITS["mod"])),
+    "fwd_sm90_ws": ((0, 256, FWD_WS_NO_MASKS),),
 }
 
 

@@ -218,6 +218,16 @@ struct QueryTile {
         return i < vis.Lq ? min(i + vis.shift + 1, vis.Lk) : 0;
     }
 
+    // Lengths and windows without ids or mask_mod: query i sees an interval of each key tile's keys
+    // (key_interval), so a masked tile needs two compares per element instead of Visibility::visible;
+    // one without a window, whose intervals start at the tile's first key (KEY_LO: they may start later).
+    // (A row past the sequence gets [0, 0), empty either way.)
+    static constexpr bool ROW_INTERVAL = MASK != 0 && !IDS && !MOD, KEY_LO = MASK & MASK_WINDOW;
+    FRT_DEVICE int2 key_interval(int i, int n0, int bn) const {
+        static_assert(ROW_INTERVAL, "key_interval: lengths and windows only");
+        return vis.keys_of(i, n0, min(n0 + bn, vis.Lk));
+    }
+
     // The it-th key tile (j) holds some (query, key) pair of this tile that is not visible.
     FRT_DEVICE bool needs_mask(int it, int j) const {
         if constexpr (MOD)

@@ -221,17 +221,16 @@ def test_driver_older_than_nvrtc_is_refused_with_the_extra_to_install():
 
 
 def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
-    # warp-specialised at head_dim 64 and 128: dense, causal, lengths, and at 128 windows and mask_mod;
-    # block / segment ids: fwd_sm90
-    assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
-    assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
-    for name, bit in MASK_BITS.items():
-        ws = name in ("lengths", "window", "mod")
-        assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90], bit) == ("fwd_sm90_ws" if ws else "fwd_sm90")
-        assert tiles.forward_family(64, "sm_90a", SMEM_OPTIN[90], bit) == (
-            "fwd_sm90_ws" if name == "lengths" else "fwd_sm90")  # windows and mask_mod at 64: 64-key tiles
-    both = MASK_BITS["lengths"] | MASK_BITS["window"] | MASK_BITS["mod"]
-    assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90], both) == "fwd_sm90_ws"
+    # warp-specialised at head_dim 64 and 128: dense, causal, lengths, windows and mask_mod; block / segment
+    # ids: fwd_sm90
+    for d in (64, 128):
+        assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
+        for name, bit in MASK_BITS.items():
+            ws = name in ("lengths", "window", "mod")
+            assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], bit) == ("fwd_sm90_ws" if ws else "fwd_sm90")
+        all_ws = MASK_BITS["lengths"] | MASK_BITS["window"] | MASK_BITS["mod"]
+        assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], all_ws) == "fwd_sm90_ws"
+        assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], all_ws | MASK_BITS["segments"]) == "fwd_sm90"
     assert tiles.forward_family(192, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(256, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90]) == "fwd"      # no wgmma kernel at 96
