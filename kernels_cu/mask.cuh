@@ -132,13 +132,7 @@ struct Visibility {
     // branches against 27 with the same mask as a mask_mod, and 1.6x its time). With them, early
     // returns guard the reads. mask_mod is evaluated last (mod_visible).
     FRT_DEVICE bool visible(int i, int j, int h) const {
-        if constexpr (!(BLOCK_IDS || SEGMENTS)) {
-            const int d = j - i - shift;  // the key's offset from the query's diagonal
-            bool ok = (i < Lq) & (j < Lk);
-            if (CAUSAL) ok &= d <= 0;
-            if (WINDOW) ok &= ((wl < 0) | (d >= -wl)) & ((wr < 0) | (d <= wr));
-            return ok & mod_visible(i, j, h);
-        }
+        if constexpr (!(BLOCK_IDS || SEGMENTS)) return (i < Lq) & (j < Lk) & visible_inside(i, j, h, true);
         if (i >= Lq || j >= Lk) return false;
         const int d = j - i - shift;
         if (CAUSAL && d > 0) return false;
@@ -146,6 +140,17 @@ struct Visibility {
         if (BLOCK_IDS && bk[j] > bq[i]) return false;
         if (SEGMENTS && sk[j] != sq[i]) return false;
         return mod_visible(i, j, h);
+    }
+
+    // visible(), without id arrays, for a pair inside the sequence (i < Lq, j < Lk: unchecked); CLAMP:
+    // mask_mod's positions clamped all the same (for visible(), which runs on pairs outside).
+    FRT_DEVICE bool visible_inside(int i, int j, int h, bool clamp = false) const {
+        static_assert(!(BLOCK_IDS || SEGMENTS), "visible_inside: no id arrays");
+        const int d = j - i - shift;  // the key's offset from the query's diagonal
+        bool ok = true;
+        if (CAUSAL) ok &= d <= 0;
+        if (WINDOW) ok &= ((wl < 0) | (d >= -wl)) & ((wr < 0) | (d <= wr));
+        return ok & mod_visible(i, j, h, clamp);
     }
 
     // Every built-in rule hides all but an interval of keys from a query and all but an interval
@@ -186,11 +191,13 @@ struct Visibility {
     // sequence (Lq, Lk >= 1 wherever a tile holds a visible pair), so that no branch guards its
     // reads. Guarded (&&), each masked element's reads waited for the previous element's: a
     // documents mask read through a tensor cost ~9 us per masked 128 x 128 tile (session 7).
-    FRT_DEVICE bool mod_visible(int i, int j, int h) const {
+    // (clamp = false: the caller knows the pair is inside.)
+    FRT_DEVICE bool mod_visible(int i, int j, int h, bool clamp = true) const {
 #if FRT_MASK & 16
-        if constexpr (MOD)
-            return flashrt_mask_mod(mod.b, h, max(0, min(i, Lq - 1)), max(0, min(j, Lk - 1)), Lq, Lk, mod.t[0],
-                                    mod.t[1], mod.t[2], mod.t[3]);
+        if constexpr (MOD) {
+            if (clamp) i = max(0, min(i, Lq - 1)), j = max(0, min(j, Lk - 1));
+            return flashrt_mask_mod(mod.b, h, i, j, Lq, Lk, mod.t[0], mod.t[1], mod.t[2], mod.t[3]);
+        }
 #endif
         return true;
     }
