@@ -114,13 +114,14 @@ _FALLBACKS = {
 
 
 # wgmma kernels without a variant for some mask features: family -> rules (lo, hi, MASK_BITS): no kernel for
-# those bits at lo < head_dim <= hi. The head_dim 256 dQ sits at 255 registers unmasked; window and block /
-# segment ids spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ. The
+# those bits at lo < head_dim <= hi. The head_dim 256 dQ sits at 255 registers unmasked; block / segment ids
+# spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ (windows did too, until
+# their element test became a key interval per row: docs/perf-notes.md, session 13). The
 # warp-specialised forward takes lengths (padding, varlen), windows and mask_mod, whose key tiles each of
 # its warpgroups finds by itself (mask_mod: from its tile lists); block / segment ids (a block-wide search)
 # take fwd_sm90.
 _SM90_MASK_LIMITS = {
-    "bwd_dq_sm90": ((192, 256, MASK_BITS["window"] | MASK_BITS["block_ids"] | MASK_BITS["segments"]),),
+    "bwd_dq_sm90": ((192, 256, MASK_BITS["block_ids"] | MASK_BITS["segments"]),),
     "fwd_sm90_ws": ((0, 256, FWD_WS_NO_MASKS),),
 }
 

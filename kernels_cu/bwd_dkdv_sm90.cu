@@ -39,6 +39,9 @@ struct DkdvSm90Traits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32;
+    // Partial pairs test each key's query interval (KeyTile::INTERVALS, hidden_bits) with masks, and causal
+    // alone at head_dim 64; causal alone at 128 ran 3-5% slower so (H200, docs/perf-notes.md, session 13).
+    static constexpr bool INTERVALS = MASK != 0 || D <= 64;
     static constexpr bool ROLES = D > 128;  // one warpgroup per gradient (see the top of the file)
     static constexpr bool PIPELINED = D == 64;  // dV / dK of a pair under the next's exponentials (top)
     static constexpr int STAGES = PIPELINED ? 3 : 2;  // query stages (Q, dO, lse2, delta)
@@ -81,14 +84,30 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
 // (inside the exponential loop, the predicate made the head_dim 128 variants with block / segment
 // ids spill 16-56 bytes, NVRTC 12.9). Unrolled, so that a mask_mod's reads are in flight together:
 // one at a time, a documents mask read through a tensor took 1.22x its built-in twin (session 7).
-template <int BM, class Tile>
+// INTERVALS (with KeyTile::INTERVALS): from each key's query interval, two compares per pair.
+template <int BM, bool INTERVALS, class Tile>
 FRT_DEVICE u32 hidden_bits(const Tile& tile, int h, int m, int key_base, int t) {
     static_assert(BM / 2 == 32, "one bit per S^T element of a thread");
     u32 hidden = 0;
     const int q0 = m * BM + 2 * t;
+    if constexpr (Tile::INTERVALS && INTERVALS) {  // each key's queries [lo, hi) of the tile, two compares per pair
+        int2 rel[2];
 #pragma unroll
-    for (int i = 0; i < BM / 2; ++i)
-        if (!tile.visible(q0 + 8 * (i >> 2) + (i & 1), key_base + 8 * ((i >> 1) & 1), h)) hidden |= 1u << i;
+        for (int hh = 0; hh < 2; ++hh) {
+            const int2 qs = tile.query_interval(key_base + 8 * hh, m * BM, BM);
+            rel[hh] = make_int2(qs.x - q0, qs.y - q0);
+        }
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) {
+            const int x = 8 * (i >> 2) + (i & 1);
+            const int2 r = rel[(i >> 1) & 1];
+            if ((x < r.x) | (x >= r.y)) hidden |= 1u << i;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i)
+            if (!tile.visible(q0 + 8 * (i >> 2) + (i & 1), key_base + 8 * ((i >> 1) & 1), h)) hidden |= 1u << i;
+    }
     return hidden;
 }
 
@@ -225,7 +244,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             u32 hidden = 0;
             if (wg == 0) {
                 const auto pr = tile.pair(p, it);
-                if (pr.partial) hidden = hidden_bits<BM>(tile, pr.h, pr.m, key_base, t);
+                if (pr.partial) hidden = hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t);
             }
             wgmma_fence();  // orders the accumulator writes (zeroing, last pair) before the wgmmas
             const u32 sA = wg == 0 ? sK : sV, sB = wg == 0 ? sQ : sdO;
@@ -281,7 +300,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 wgmma_rs<BM, 0, T::BF16>(dp, va[kk], desc_k_major<BM>(sdO, kk), kk > 0);
             wgmma_commit();
             const auto pr = tile.pair(p, it);
-            const u32 hidden = pr.partial ? hidden_bits<BM>(tile, pr.h, pr.m, key_base, t) : 0u;
+            const u32 hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0u;
 
             wgmma_wait<2>();  // S^T is complete (the previous dV / dK and dP^T may not be)
             fence_operand(s);
@@ -298,7 +317,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             sQ_prev = sQ;
         } else {
             const auto pr = tile.pair(p, it);
-            const u32 hidden = pr.partial ? hidden_bits<BM>(tile, pr.h, pr.m, key_base, t) : 0u;
+            const u32 hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0u;
             // A pair that hides every one of this warpgroup's keys (causal: the diagonal's first query
             // tile, for the upper 64 keys) adds nothing to them: the other warpgroup has the tensor
             // cores to itself. (No block barrier follows in this iteration.)

@@ -22,6 +22,9 @@ struct DqSm90Traits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32;
+    // Masked tiles test each row's key interval (QueryTile::INTERVALS) with masks, and causal alone at head_dim
+    // 64; causal alone at 128 ran 1-3% slower so (H200, docs/perf-notes.md, session 13).
+    static constexpr bool INTERVALS = MASK != 0 || D <= 64;
     static_assert(D == 64 || D == 128 || D == 192 || D == 256, "bwd_dq_sm90: head_dim 64, 128, 192 or 256");
     static_assert(BM == 128 && NW == 8, "bwd_dq_sm90: 128 query rows, two warpgroups");
     static_assert(BN == 64 || (BN == 128 && D <= 128), "bwd_dq_sm90: key tiles of 64, or 128 up to head_dim 128");
@@ -81,7 +84,8 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-    const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, NT);
+    using Tile = QueryTile<BM, BN, T::CAUSAL, T::MASK>;
+    const Tile tile(p, tid, NT);
     if (tile.rows <= 0) return;
     const int n_blocks = tile.n_blocks, b = tile.b, h = tile.h;
 
@@ -135,6 +139,27 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             }
         }
 
+        // The element test of the thread's rows on this key tile: whether row hh (row_base + 8 hh) sees key
+        // n0 + 2 t + x (x: a column offset known at compile time). With intervals (QueryTile::INTERVALS, T::INTERVALS),
+        // one or two compares against the row's keys, found once per tile.
+        constexpr bool IV = Tile::INTERVALS && T::INTERVALS;
+        auto element_test = [&] {
+            int2 rel[2] = {};
+            if constexpr (IV) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int2 keys = tile.key_interval(row_base + 8 * hh, n0, BN);
+                    rel[hh] = make_int2(keys.x - n0 - 2 * t, keys.y - n0 - 2 * t);
+                }
+            }
+            return [&, rel](int hh, int x) {
+                if constexpr (IV)
+                    return !((Tile::KEY_LO && x < rel[hh].x) | (x >= rel[hh].y));
+                else
+                    return tile.visible(row_base + 8 * hh, n0 + 2 * t + x, h);
+            };
+        };
+
         float s[BN / 2], dp[BN / 2];
         auto issue_s = [&] {
 #pragma unroll
@@ -156,10 +181,10 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
         u32 hidden = 0;
         if constexpr (T::ONE_V) {
             if (tile.needs_mask(it, j)) {
+                const auto visible = element_test();
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i)
-                    if (!tile.visible(row_base + 8 * ((i >> 1) & 1), n0 + 8 * (i >> 2) + 2 * t + (i & 1), h))
-                        hidden |= 1u << i;
+                    if (!visible((i >> 1) & 1, 8 * (i >> 2) + (i & 1))) hidden |= 1u << i;
             }
         }
         wgmma_fence();  // orders the dQ accumulator writes (zeroing, last tile) before the wgmmas
@@ -188,11 +213,12 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             for (int i = 0; i < BN / 2; ++i)
                 if (hidden >> i & 1) s[i] = 0.f;
         } else if (tile.needs_mask(it, j)) {
+            const auto visible = element_test();
 #pragma unroll
             for (int jj = 0; jj < BN / 8; ++jj)
 #pragma unroll
                 for (int c = 0; c < 4; ++c)
-                    if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), h)) s[4 * jj + c] = 0.f;
+                    if (!visible(c >> 1, 8 * jj + (c & 1))) s[4 * jj + c] = 0.f;
         }
 
         if constexpr (!T::ONE_V) {

@@ -82,17 +82,7 @@ struct FwdRows {
     FRT_DEVICE void softmax(const Tile& tile, int it, int j, int row_base, int t, float scale_log2) {
         if (tile.needs_mask(it, j)) {
             const int n0 = j * BN;
-            if constexpr (Tile::ROW_LIMIT) {  // one key limit per row (the causal diagonal tile)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int lim = tile.key_limit(row_base + 8 * hh) - n0 - 2 * t;  // columns 8 jj + e below it
-#pragma unroll
-                    for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (8 * jj + e >= lim) s[4 * jj + 2 * hh + e] = -FRT_INF;
-                }
-            } else if constexpr (Tile::ROW_INTERVAL) {  // keys [lo, hi) of the tile per row
+            if constexpr (Tile::INTERVALS) {  // keys [lo, hi) of the tile per row
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int2 keys = tile.key_interval(row_base + 8 * hh, n0, BN);

@@ -218,13 +218,15 @@ struct QueryTile {
         return i < vis.Lq ? min(i + vis.shift + 1, vis.Lk) : 0;
     }
 
-    // Lengths and windows without ids or mask_mod: query i sees an interval of each key tile's keys
-    // (key_interval), so a masked tile needs two compares per element instead of Visibility::visible;
-    // one without a window, whose intervals start at the tile's first key (KEY_LO: they may start later).
-    // (A row past the sequence gets [0, 0), empty either way.)
-    static constexpr bool ROW_INTERVAL = MASK != 0 && !IDS && !MOD, KEY_LO = MASK & MASK_WINDOW;
+    // Causal, lengths and windows without ids or mask_mod: query i sees an interval of each key tile's
+    // keys (key_interval), so a masked tile needs one or two compares per element instead of
+    // Visibility::visible (~8 instructions; the window at S=1k ran 26% faster: docs/perf-notes.md, session
+    // 13); one where the intervals start at the tile's first key, without a window (KEY_LO: they may start
+    // later). (A row past the sequence gets [0, 0), empty either way.)
+    static constexpr bool INTERVALS = ROW_LIMIT || (MASK != 0 && !IDS && !MOD), KEY_LO = MASK & MASK_WINDOW;
     FRT_DEVICE int2 key_interval(int i, int n0, int bn) const {
-        static_assert(ROW_INTERVAL, "key_interval: lengths and windows only");
+        static_assert(INTERVALS, "key_interval: causal, lengths and windows only");
+        if constexpr (ROW_LIMIT) return make_int2(n0, key_limit(i));
         return vis.keys_of(i, n0, min(n0 + bn, vis.Lk));
     }
 
@@ -334,6 +336,14 @@ struct KeyTile {
         it_begin = min(n_pairs, split * chunk), it_end = min(n_pairs, it_begin + chunk);
         if constexpr (IDS)
             queries = &tile_intervals<BN>([&](int r) { return vis.queries_of(n0 + r, q_lo, q_hi); }, tid, nthreads);
+    }
+
+    // Without ids or mask_mod, key j sees an interval of each query tile's queries (QueryTile::key_interval's
+    // twin; both ends may cut it).
+    static constexpr bool INTERVALS = !IDS && !MOD;
+    FRT_DEVICE int2 query_interval(int j, int m0, int bm) const {
+        static_assert(INTERVALS, "query_interval: causal, lengths and windows only");
+        return vis.queries_of(j, m0, min(m0 + bm, vis.Lq));
     }
 
     // Whether key j of the tile is seen by query i (of query head h): the element mask of the

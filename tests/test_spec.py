@@ -258,10 +258,11 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
     assert tiles.split_families(64, "sm_90a", SMEM_OPTIN[90]) == wgmma
     assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90]) == wgmma
     assert tiles.split_families(192, "sm_90a", SMEM_OPTIN[90], MASK_BITS["window"]) == wgmma
-    # the head_dim 256 wgmma dQ spills with element masks: bwd_dq.cu's dQ beside the wgmma dK/dV
-    for bit in ("window", "block_ids", "segments"):
+    # the head_dim 256 wgmma dQ spills with id arrays: bwd_dq.cu's dQ beside the wgmma dK/dV
+    for bit in ("block_ids", "segments"):
         assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], MASK_BITS[bit]) == ("bwd_dq", "bwd_dkdv_sm90")
-    assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], MASK_BITS["lengths"] | MASK_BITS["mod"]) == wgmma
+    masks = MASK_BITS["lengths"] | MASK_BITS["window"] | MASK_BITS["mod"]
+    assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], masks) == wgmma
     assert tiles.split_families(96, "sm_90a", SMEM_OPTIN[90]) == mma
     assert tiles.split_families(128, "sm_80", SMEM_OPTIN[80]) == mma       # not Hopper
     assert tiles.split_families(128, "sm_90a", 100 * 1024) == mma          # does not fit
