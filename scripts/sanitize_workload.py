@@ -71,5 +71,12 @@ run(q, k, v, True, mask_mod="doc[b * 150 + q] == doc[b * 150 + k] || h == 1", ma
     seqlens_k=torch.tensor([150, 90], dtype=torch.int32, device="cuda"))
 run(q, k, v, False, mask_mod="(q ^ k) % 3 != 0")
 run(pq, pk, pv, False, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=99, max_seqlen_k=99, mask_mod="k < 20 || q < k")
+# head_dim 128 (the warp-specialised forward): a window and lengths (each row's key interval), and with a
+# mask_mod too (its bits loop, inside the sequence and at its ends)
+q128, k128, v128 = (torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+lens = torch.tensor([300, 170], dtype=torch.int32, device="cuda")
+run(q128, k128, v128, True, window=(100, 0), seqlens_q=lens, seqlens_k=lens)
+run(q128, k128, v128, False, window=(-1, 30), seqlens_k=lens, mask_mod="doc[b * 300 + k] != 1 || k > q - 50",
+    mask_tensors={"doc": torch.randint(0, 3, (2, 300), dtype=torch.int32, device="cuda")})
 torch.cuda.synchronize()
-print(f"sanitize workload: {len(CASES) + 10} cases ran")
+print(f"sanitize workload: {len(CASES) + 12} cases ran")
