@@ -151,6 +151,8 @@ CASES = [
     ("mod-sink-padding-gqa", 3, 200, 300, 4, 2, 64, "bf16", False, _both(_padding, _mod_sink)),
     ("mod-per-head-mqa-causal", 2, 257, 257, 8, 1, 128, "bf16", True, _mod_heads),
     ("mod-docs-tensors-fp16", 2, 333, 300, 4, 2, 96, "fp16", False, _mod_docs),
+    # head_dim 128: the warp-specialised forward's mask_mod bits, inside the sequence and at its ends
+    ("mod-docs-padding-window", 3, 200, 300, 4, 2, 128, "bf16", False, _both(_padding, _window(90, 20), _mod_docs)),
     ("mod-nearly-empty-d256", 2, 300, 300, 2, 2, 256, "bf16", False, _mod_nearly_empty),
     ("mod-window-blocks-causal", 2, 400, 400, 4, 4, 64, "bf16", True, _both(_window(100, -1), _random_blocks,
                                                                           _mod_sink)),
