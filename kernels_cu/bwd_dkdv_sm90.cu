@@ -79,12 +79,25 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
     }
 }
 
+// The bits of a thread's 32 S^T elements (queries q0 + 8 (i >> 2) + (i & 1), keys key_base + 8 ((i >> 1) & 1))
+// whose pair visible(query, key) hides.
+template <int BM, class Visible>
+FRT_DEVICE u32 hidden_where(int q0, int key_base, Visible visible) {
+    u32 hidden = 0;
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i)
+        if (!visible(q0 + 8 * (i >> 2) + (i & 1), key_base + 8 * ((i >> 1) & 1))) hidden |= 1u << i;
+    return hidden;
+}
+
 // Partial pairs: which of a thread's 32 S^T elements (keys key_base + 8 hh, queries of the tile
 // m-th tile) the mask hides, one bit each, evaluated before the wgmmas hold their accumulators
 // (inside the exponential loop, the predicate made the head_dim 128 variants with block / segment
 // ids spill 16-56 bytes, NVRTC 12.9). Unrolled, so that a mask_mod's reads are in flight together:
 // one at a time, a documents mask read through a tensor took 1.22x its built-in twin (session 7).
-// INTERVALS (with KeyTile::INTERVALS): from each key's query interval, two compares per pair.
+// INTERVALS (with KeyTile::INTERVALS): from each key's query interval, two compares per pair. With mask_mod
+// and no id arrays, where the thread's keys and the query tile lie inside the sequence, without the length
+// tests and clamps (Visibility::visible_inside).
 template <int BM, bool INTERVALS, class Tile>
 FRT_DEVICE u32 hidden_bits(const Tile& tile, int h, int m, int key_base, int t) {
     static_assert(BM / 2 == 32, "one bit per S^T element of a thread");
@@ -104,9 +117,15 @@ FRT_DEVICE u32 hidden_bits(const Tile& tile, int h, int m, int key_base, int t) 
             if ((x < r.x) | (x >= r.y)) hidden |= 1u << i;
         }
     } else {
-#pragma unroll
-        for (int i = 0; i < BM / 2; ++i)
-            if (!tile.visible(q0 + 8 * (i >> 2) + (i & 1), key_base + 8 * ((i >> 1) & 1), h)) hidden |= 1u << i;
+        auto general = [&](int i, int j) { return tile.visible(i, j, h); };
+        if constexpr (Tile::MOD && !Tile::IDS) {  // inside the sequence: no length tests or clamps
+            if ((key_base + 8 < tile.vis.Lk) & (m * BM + BM <= tile.vis.Lq))
+                hidden = hidden_where<BM>(q0, key_base, [&](int i, int j) { return tile.vis.visible_inside(i, j, h); });
+            else
+                hidden = hidden_where<BM>(q0, key_base, general);
+        } else {
+            hidden = hidden_where<BM>(q0, key_base, general);
+        }
     }
     return hidden;
 }

@@ -70,6 +70,59 @@ FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, f
     }
 }
 
+// Calls op with the element test of a thread's rows on key tile n0..: whether row hh (row_base + 8 hh) sees
+// key n0 + 2 t + x (x: a column offset known at compile time). IV (QueryTile::INTERVALS, Traits::INTERVALS):
+// one or two compares against the row's keys, found once per tile; with mask_mod and no id arrays, where the
+// thread's rows and the tile's keys lie inside the sequence, without the length tests and clamps
+// (Visibility::visible_inside); else QueryTile::visible.
+template <int BN, bool IV, class Tile, class Op>
+FRT_DEVICE void with_element_test(const Tile& tile, int row_base, int n0, int t, int h, Op op) {
+    if constexpr (IV) {
+        int2 rel[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int2 keys = tile.key_interval(row_base + 8 * hh, n0, BN);
+            rel[hh] = make_int2(keys.x - n0 - 2 * t, keys.y - n0 - 2 * t);
+        }
+        op([&](int hh, int x) { return !((Tile::KEY_LO && x < rel[hh].x) | (x >= rel[hh].y)); });
+    } else {
+        auto general = [&](int hh, int x) { return tile.visible(row_base + 8 * hh, n0 + 2 * t + x, h); };
+        if constexpr (Tile::MOD && !Tile::IDS) {
+            if ((row_base + 8 < tile.vis.Lq) & (n0 + BN <= tile.vis.Lk))
+                op([&](int hh, int x) { return tile.vis.visible_inside(row_base + 8 * hh, n0 + 2 * t + x, h); });
+            else
+                op(general);
+        } else {
+            op(general);
+        }
+    }
+}
+
+// with_element_test's ops: one bit per S element that the test hides (before the wgmmas, ONE_V), or S
+// elements zeroed.
+template <int BN>
+struct HiddenBits {
+    u32& hidden;
+    template <class Visible>
+    FRT_DEVICE void operator()(Visible visible) const {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i)
+            if (!visible((i >> 1) & 1, 8 * (i >> 2) + (i & 1))) hidden |= 1u << i;
+    }
+};
+template <int BN>
+struct ZeroHidden {
+    float (&s)[BN / 2];
+    template <class Visible>
+    FRT_DEVICE void operator()(Visible visible) const {
+#pragma unroll
+        for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (!visible(c >> 1, 8 * jj + (c & 1))) s[4 * jj + c] = 0.f;
+    }
+};
+
 template <class T>
 __device__ void bwd_dq_sm90(const BwdParams& p) {
     using namespace sm90;
@@ -139,27 +192,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             }
         }
 
-        // The element test of the thread's rows on this key tile: whether row hh (row_base + 8 hh) sees key
-        // n0 + 2 t + x (x: a column offset known at compile time). With intervals (QueryTile::INTERVALS, T::INTERVALS),
-        // one or two compares against the row's keys, found once per tile.
         constexpr bool IV = Tile::INTERVALS && T::INTERVALS;
-        auto element_test = [&] {
-            int2 rel[2] = {};
-            if constexpr (IV) {
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int2 keys = tile.key_interval(row_base + 8 * hh, n0, BN);
-                    rel[hh] = make_int2(keys.x - n0 - 2 * t, keys.y - n0 - 2 * t);
-                }
-            }
-            return [&, rel](int hh, int x) {
-                if constexpr (IV)
-                    return !((Tile::KEY_LO && x < rel[hh].x) | (x >= rel[hh].y));
-                else
-                    return tile.visible(row_base + 8 * hh, n0 + 2 * t + x, h);
-            };
-        };
-
         float s[BN / 2], dp[BN / 2];
         auto issue_s = [&] {
 #pragma unroll
@@ -180,12 +213,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
         static_assert(!T::ONE_V || BN / 2 == 32, "one bit per S element of a thread");
         u32 hidden = 0;
         if constexpr (T::ONE_V) {
-            if (tile.needs_mask(it, j)) {
-                const auto visible = element_test();
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i)
-                    if (!visible((i >> 1) & 1, 8 * (i >> 2) + (i & 1))) hidden |= 1u << i;
-            }
+            if (tile.needs_mask(it, j)) with_element_test<BN, IV>(tile, row_base, n0, t, h, HiddenBits<BN>{hidden});
         }
         wgmma_fence();  // orders the dQ accumulator writes (zeroing, last tile) before the wgmmas
         if constexpr (T::ONE_V) {
@@ -213,12 +241,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             for (int i = 0; i < BN / 2; ++i)
                 if (hidden >> i & 1) s[i] = 0.f;
         } else if (tile.needs_mask(it, j)) {
-            const auto visible = element_test();
-#pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    if (!visible(c >> 1, 8 * jj + (c & 1))) s[4 * jj + c] = 0.f;
+            with_element_test<BN, IV>(tile, row_base, n0, t, h, ZeroHidden<BN>{s});
         }
 
         if constexpr (!T::ONE_V) {
