@@ -142,8 +142,8 @@ struct Visibility {
         return mod_visible(i, j, h);
     }
 
-    // visible(), without id arrays, for a pair inside the sequence (i < Lq, j < Lk: unchecked); CLAMP:
-    // mask_mod's positions clamped all the same (for visible(), which runs on pairs outside).
+    // visible(), without id arrays, for a pair inside the sequence (i < Lq, j < Lk: unchecked); clamp:
+    // mask_mod's positions clamped all the same (visible() passes it: its pairs may lie outside).
     FRT_DEVICE bool visible_inside(int i, int j, int h, bool clamp = false) const {
         static_assert(!(BLOCK_IDS || SEGMENTS), "visible_inside: no id arrays");
         const int d = j - i - shift;  // the key's offset from the query's diagonal
