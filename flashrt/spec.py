@@ -54,9 +54,9 @@ DTYPES = ("bf16", "fp16")
 # Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
 MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16}
 _MASK_TAGS = {1: "len", 2: "win", 4: "blk", 8: "seg", 16: "mod"}
-# Mask features fwd_sm90_ws has no variant for: block / segment ids need a block-wide search for a tile's keys
-# (tiles.py: _SM90_MASK_LIMITS); fwd_sm90 has them.
-FWD_WS_NO_MASKS = MASK_BITS["block_ids"] | MASK_BITS["segments"]
+# Mask combinations fwd_sm90_ws has no variant for (each: a mask holding all of its bits): block or segment ids
+# with mask_mod spill its registers (tiles.py: _SM90_MASK_LIMITS); fwd_sm90 has them.
+FWD_WS_NO_MASKS = (MASK_BITS["block_ids"] | MASK_BITS["mod"], MASK_BITS["segments"] | MASK_BITS["mod"])
 # What a mask_mod expression sees besides its tensors (kernels_cu/mask.cuh: flashrt_mask_mod).
 MOD_VARIABLES = ("b", "h", "q", "k", "Lq", "Lk")
 MAX_MOD_TENSORS = 4
@@ -173,8 +173,8 @@ class KernelSpec:
             if self.family == "bwd_dq_sm90" and self.head_dim > 128 and bn != 64:
                 return "block_n 64 above head_dim 128"
             if self.family == "fwd_sm90_ws":  # two consumer warpgroups and a producer one
-                if self.mask & FWD_WS_NO_MASKS:
-                    return "no block / segment ids (fwd_sm90 has them)"
+                if any(self.mask & c == c for c in FWD_WS_NO_MASKS):
+                    return "no block / segment ids with mask_mod (fwd_sm90 has them)"
                 return None if (bm, nw) == (128, 12) and bn in (64, 128) else "block_m 128, 12 warps, block_n 64 or 128"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
@@ -197,8 +197,9 @@ class KernelSpec:
         # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
         if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
             return (bm + 4 * bn) * self.head_dim * 2 + 1024
-        if self.family == "fwd_sm90_ws":  # 2 Q slots + 2 K and 2 V stages + mbarriers
-            return (2 * bm + 4 * bn) * self.head_dim * 2 + 128 + 1024
+        if self.family == "fwd_sm90_ws":  # 2 Q slots + 2 K and 2 V stages + mbarriers [+ 2 slots' key intervals]
+            ids = self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"])
+            return (2 * bm + 4 * bn) * self.head_dim * 2 + 128 + (2 * (8 * bm + 16) if ids else 0) + 1024
         if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V); above head_dim 192 one V buffer
             return (2 * bm + (3 if self.head_dim > 192 else 4) * bn) * self.head_dim * 2 + 1024
         if self.family == "bwd_dkdv_sm90":  # K, V + stages of (Q, dO, lse2, delta) [+ P^T]

@@ -113,16 +113,15 @@ _FALLBACKS = {
 }
 
 
-# wgmma kernels without a variant for some mask features: family -> rules (lo, hi, MASK_BITS): no kernel for
-# those bits at lo < head_dim <= hi. The head_dim 256 dQ sits at 255 registers unmasked; block / segment ids
-# spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ (windows did too, until
-# their element test became a key interval per row: docs/perf-notes.md, session 13). The
-# warp-specialised forward takes lengths (padding, varlen), windows and mask_mod, whose key tiles each of
-# its warpgroups finds by itself (mask_mod: from its tile lists); block / segment ids (a block-wide search)
-# take fwd_sm90.
+# wgmma kernels without a variant for some mask features: family -> rules (lo, hi, MASK_BITS): no kernel for a
+# mask that holds all of those bits at lo < head_dim <= hi. The head_dim 256 dQ sits at 255 registers unmasked;
+# block / segment ids spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ
+# (windows did too, until their element test became a key interval per row: docs/perf-notes.md, session 13).
+# The warp-specialised forward takes every mask but ids with mask_mod (spec.FWD_WS_NO_MASKS: 4-8 bytes of
+# spills in its producer or consumers, whatever the register split, NVRTC 12.9), which take fwd_sm90.
 _SM90_MASK_LIMITS = {
-    "bwd_dq_sm90": ((192, 256, MASK_BITS["block_ids"] | MASK_BITS["segments"]),),
-    "fwd_sm90_ws": ((0, 256, FWD_WS_NO_MASKS),),
+    "bwd_dq_sm90": ((192, 256, MASK_BITS["block_ids"]), (192, 256, MASK_BITS["segments"])),
+    "fwd_sm90_ws": tuple((0, 256, c) for c in FWD_WS_NO_MASKS),
 }
 
 
@@ -133,7 +132,7 @@ def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
         return True
     rules = _SM90_MASK_LIMITS.get(family, ())
     return (arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family]
-            and not any(lo < head_dim <= hi and mask & bits for lo, hi, bits in rules))
+            and not any(lo < head_dim <= hi and mask & bits == bits for lo, hi, bits in rules))
 
 
 def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> str:

@@ -120,6 +120,28 @@ FRT_DEVICE float warp_sum4(float x) {
 // too: ptxas serialises the wgmmas of a loop whose trip count it takes to be divergent.
 FRT_DEVICE int block_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
+// The threads that search a tile's span together (mask.cuh: block_rank, fill_tile_intervals): a
+// barrier, and one that counts the threads whose predicate holds. The whole block, or (NamedGroup)
+// the THREADS threads of named barrier ID, for a kernel whose warpgroups cannot meet (fwd_sm90_ws).
+struct WholeBlock {
+    FRT_DEVICE void sync() const { __syncthreads(); }
+    FRT_DEVICE int count(bool pred) const { return __syncthreads_count(pred); }
+};
+template <int ID, int THREADS>
+struct NamedGroup {
+    FRT_DEVICE void sync() const { asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory"); }
+    FRT_DEVICE int count(bool pred) const {
+        u32 c;
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "setp.ne.u32 p, %1, 0;\n"
+            "bar.red.popc.u32 %0, %2, %3, p;\n"
+            "}\n" : "=r"(c) : "r"((u32)pred), "n"(ID), "n"(THREADS) : "memory");
+        return (int)c;
+    }
+};
+
 // ---------------------------------------------------------------------------
 // ldmatrix / cp.async
 // ---------------------------------------------------------------------------

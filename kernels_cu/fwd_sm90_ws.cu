@@ -1,7 +1,8 @@
 // Attention forward on Hopper (sm_90a), warp-specialised and persistent: O = softmax(scale * Q K^T) V
-// and LSE with wgmma, for dense and causal attention, padding and packed varlen lengths, windows and
-// mask_mod (the masks each thread can find a tile's keys for by itself: mask_mod from its tile lists;
-// block / segment ids take fwd_sm90.cu).
+// and LSE with wgmma, for dense and causal attention and every mask: padding and packed varlen lengths,
+// windows and mask_mod (each thread finds a tile's keys by itself: mask_mod from its tile lists), block
+// and segment ids (a search of the id arrays, which the producer warpgroup runs for the item it loads,
+// and leaves in shared memory beside the item's Q slot: each row's interval of keys).
 //
 // 384 threads: warpgroups 0 and 1 consume (64 query rows each), warpgroup 2 produces. setmaxnreg moves
 // registers from the producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS).
@@ -28,17 +29,22 @@ struct FwdWsTraits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32, CONSUMERS = 256, PRODUCERS = 128;
-    static constexpr int CONSUMER_REGS = 224, PRODUCER_REGS = 56;  // 2 * 128 * 224 + 128 * 56 <= 64K
-    static_assert(!(MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS)), "fwd_sm90_ws: no id arrays (block / segment ids: fwd_sm90)");
+    static constexpr bool IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
+    // 2 * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS = 168 * 384, the launch's count. With id arrays the
+    // producer searches (QueryTile), which spilled at 56 registers; the consumers fit 216 without mask_mod
+    // (ids with mask_mod: fwd_sm90; both splits spilled, tiles.py).
+    static constexpr int CONSUMER_REGS = IDS ? 216 : 224, PRODUCER_REGS = (168 * 384 - 2 * 128 * CONSUMER_REGS) / 128;
+    static_assert(!(IDS && (MASK & MASK_MOD)), "fwd_sm90_ws: ids with mask_mod take fwd_sm90");
     static_assert(D % 64 == 0 && D <= 256, "fwd_sm90_ws: head_dim 64, 128, 192 or 256 (whole swizzle blocks)");
     static_assert(BM == 128 && NW == 12, "fwd_sm90_ws: 128 query rows, two consumer warpgroups and a producer one");
     static_assert(BN == 64 || BN == 128, "fwd_sm90_ws: key tiles of 64 or 128");
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each; then the
-    // work item of each Q slot (int; -1: no work left) and the producer's next claimed item (int).
+    // work item of each Q slot (int; -1: no work left) and the producer's next claimed item (int). With
+    // id arrays, then each Q slot's key intervals (QueryTile's shared_keys).
     enum : int { Q_FULL = 0, Q_EMPTY = 2, K_FULL = 4, K_EMPTY = 6, V_FULL = 8, V_EMPTY = 10, N_BARS = 12 };
-    static constexpr int BAR_BYTES = 128;
-    static constexpr int SMEM = 2 * Q_BYTES + 4 * KV_BYTES + BAR_BYTES + sm90::kAtomBytes;  // + alignment slack
+    static constexpr int BAR_BYTES = 128, KEYS_BYTES = IDS ? (int)sizeof(TileIntervals<BM>) : 0;
+    static constexpr int SMEM = 2 * Q_BYTES + 4 * KV_BYTES + BAR_BYTES + 2 * KEYS_BYTES + sm90::kAtomBytes;  // + alignment slack
 };
 
 FRT_DEVICE void st_shared_s32(u32 at, int v) { asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(v) : "memory"); }
@@ -67,6 +73,9 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
     const u32 sV = sK + 2 * T::KV_BYTES;
     const u32 bars = sV + 2 * T::KV_BYTES, slots = bars + 8 * T::N_BARS;
     auto bar = [&](int which, u32 s) { return bars + 8 * (which + s); };
+    auto slot_keys = [&](u32 s) {  // Q slot s's key intervals (id arrays)
+        return reinterpret_cast<TileIntervals<BM>*>(smem + (bars + T::BAR_BYTES + s * T::KEYS_BYTES - smem_u32(smem)));
+    };
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int n_m = ceil_div(p.Sq, BM), n_items = n_m * p.H * p.B;
@@ -101,7 +110,8 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                 break;
             }
             const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
-            const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi.m, wi.h, wi.b, ptid, T::PRODUCERS);
+            const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi.m, wi.h, wi.b, ptid, T::PRODUCERS,
+                                                                   slot_keys(qs), true);
             load_tile_sw128<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES,
                                                  p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh,
                                                  p.q_ss, tile.rows, ptid);
@@ -158,7 +168,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         if (item < 0) break;
         fence_proxy_async();  // the producer's cp.async writes -> visible to wgmma (async proxy)
         const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
-        const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi.m, wi.h, wi.b, tid, T::CONSUMERS);
+        const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi.m, wi.h, wi.b, tid, T::CONSUMERS, slot_keys(qs));
         const int n_blocks = tile.n_blocks;
         // This warpgroup's 64 query rows of the Q tile (fwd_sm90.cuh: which of them a thread holds).
         const u32 sQw = sQ + qs * T::Q_BYTES + wg * 64 * kSwizzleBytes;

@@ -38,18 +38,18 @@ namespace frt {
 enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8, MASK_MOD = 16 };
 
 // How many elements of the non-decreasing a[0, n) are below x (< x when STRICT, else <= x).
-// The whole block searches together: each round every thread tests one probe, so a
-// round shrinks the interval NTHREADS-fold (3 rounds of loads for n = 128k, 128 threads).
-// Every thread of the block must call it with the same arguments.
-template <bool STRICT>
-FRT_DEVICE int block_rank(const int* a, int n, int x, int tid, int nthreads) {
+// The group's nthreads threads (common.cuh: WholeBlock, NamedGroup) search together: each round
+// every thread tests one probe, so a round shrinks the interval nthreads-fold (3 rounds of loads
+// for n = 128k, 128 threads). Every thread of the group must call it with the same arguments.
+template <bool STRICT, class Group>
+FRT_DEVICE int block_rank(const int* a, int n, int x, int tid, int nthreads, Group group) {
     int lo = 0, hi = n;  // a[0, lo) are below, a[hi] (if hi < n) is not; the answer is in [lo, hi]
     while (lo < hi) {
         const int step = ceil_div(hi - lo, nthreads);
         const int probes = ceil_div(hi - lo, step);
         const int pos = min(lo + (tid + 1) * step - 1, hi - 1);
         const bool below = tid < probes && (STRICT ? a[pos] < x : a[pos] <= x);
-        const int c = __syncthreads_count(below);  // monotone: the probes below are a prefix
+        const int c = group.count(below);  // monotone: the probes below are a prefix
         if (c == probes) {
             lo = hi;
         } else {
@@ -215,18 +215,19 @@ struct Visibility {
     }
 
     // Keys [lo, hi) outside of which no query of rows [m0, m0 + bm) sees anything (mask_mod
-    // aside: it can only narrow the span). Whole-block call (block_rank).
-    FRT_DEVICE void key_span(int m0, int bm, int& lo, int& hi, int tid, int nthreads) const {
+    // aside: it can only narrow the span). A call of the whole group (block_rank).
+    template <class Group = WholeBlock>
+    FRT_DEVICE void key_span(int m0, int bm, int& lo, int& hi, int tid, int nthreads, Group group = Group()) const {
         lo = 0, hi = Lk;
         const int m1 = min(m0 + bm, Lq) - 1;
         if (m1 < m0) { hi = 0; return; }
         if (CAUSAL) hi = min(hi, m1 + shift + 1);
         if (WINDOW && wr >= 0) hi = min(hi, m1 + shift + wr + 1);
         if (WINDOW && wl >= 0) lo = max(lo, m0 + shift - wl);
-        if (BLOCK_IDS) hi = min(hi, block_rank<false>(bk, Lk, bq[m1], tid, nthreads));
+        if (BLOCK_IDS) hi = min(hi, block_rank<false>(bk, Lk, bq[m1], tid, nthreads, group));
         if (SEGMENTS) {
-            lo = max(lo, block_rank<true>(sk, Lk, sq[m0], tid, nthreads));
-            hi = min(hi, block_rank<false>(sk, Lk, sq[m1], tid, nthreads));
+            lo = max(lo, block_rank<true>(sk, Lk, sq[m0], tid, nthreads, group));
+            hi = min(hi, block_rank<false>(sk, Lk, sq[m1], tid, nthreads, group));
         }
         hi = max(hi, lo);
     }
@@ -240,10 +241,10 @@ struct Visibility {
         if (CAUSAL) lo = max(lo, n0 - shift);
         if (WINDOW && wr >= 0) lo = max(lo, n0 - shift - wr);
         if (WINDOW && wl >= 0) hi = min(hi, n1 - shift + wl + 1);
-        if (BLOCK_IDS) lo = max(lo, block_rank<true>(bq, Lq, bk[n0], tid, nthreads));
+        if (BLOCK_IDS) lo = max(lo, block_rank<true>(bq, Lq, bk[n0], tid, nthreads, WholeBlock()));
         if (SEGMENTS) {
-            lo = max(lo, block_rank<true>(sq, Lq, sk[n0], tid, nthreads));
-            hi = min(hi, block_rank<false>(sq, Lq, sk[n1], tid, nthreads));
+            lo = max(lo, block_rank<true>(sq, Lq, sk[n0], tid, nthreads, WholeBlock()));
+            hi = min(hi, block_rank<false>(sq, Lq, sk[n1], tid, nthreads, WholeBlock()));
         }
         hi = max(hi, lo);
     }
@@ -262,27 +263,34 @@ struct Visibility {
 // Each of a tile's N rows' interval of visible positions on the other axis (QueryTile: a query's
 // keys, Visibility::keys_of; KeyTile: a key's queries, queries_of), and their intersection: the
 // positions that every row of the tile sees, so a tile of the other axis inside it needs no
-// element mask. In shared memory; `of(r)` gives row r's interval. Whole-block call.
+// element mask. In shared memory; `of(r)` gives row r's interval; span: the [lo, hi) they were found in
+// (key_span / query_span). A call of the whole group (fill_tile_intervals: `group`; tile_intervals: the
+// block).
 template <int N>
 struct TileIntervals {
     int2 row[N];
-    int2 all;
+    int2 all, span;
     FRT_DEVICE bool covers(int lo, int n) const { return all.x <= lo && lo + n <= all.y; }
     FRT_DEVICE bool holds(int r, int x) const { return (x >= row[r].x) & (x < row[r].y); }  // row r sees x
 };
 
-template <int N, class Of>
-FRT_DEVICE const TileIntervals<N>& tile_intervals(Of of, int tid, int nthreads) {
-    __shared__ TileIntervals<N> iv;
-    if (tid == 0) iv.all = make_int2(0, 0x7fffffff);  // intervals start at >= 0
-    __syncthreads();
+template <int N, class Of, class Group>
+FRT_DEVICE void fill_tile_intervals(TileIntervals<N>& iv, int lo, int hi, Of of, int tid, int nthreads, Group group) {
+    if (tid == 0) iv.all = make_int2(0, 0x7fffffff), iv.span = make_int2(lo, hi);  // intervals start at >= 0
+    group.sync();
     for (int r = tid; r < N; r += nthreads) {
         const int2 x = of(r);
         iv.row[r] = x;
         atomicMax(&iv.all.x, x.x);
         atomicMin(&iv.all.y, x.y);
     }
-    __syncthreads();
+    group.sync();
+}
+
+template <int N, class Of>
+FRT_DEVICE const TileIntervals<N>& tile_intervals(int lo, int hi, Of of, int tid, int nthreads) {
+    __shared__ TileIntervals<N> iv;
+    fill_tile_intervals(iv, lo, hi, of, tid, nthreads, WholeBlock());
     return iv;
 }
 
@@ -316,8 +324,8 @@ FRT_DEVICE typename VisibilityOf<CAUSAL, MASK>::type block_visibility(const P& p
 }
 
 // The visibility a QueryTile holds: the block's shared copy (block_visibility), or with OWN a copy of
-// each thread's own, for a kernel whose warpgroups reach a tile at different times (fwd_sm90_ws): no id
-// arrays, whose tiles need a block-wide search (lengths, windows and mask_mod's lists need none).
+// each thread's own, for a kernel whose warpgroups reach a tile at different times (fwd_sm90_ws; with id
+// arrays its producer warpgroup searches each tile's keys for the consumers: QueryTile).
 template <bool CAUSAL, int MASK, bool OWN>
 struct TileVisibility {
     using type = typename VisibilityOf<CAUSAL, MASK>::type;
@@ -330,7 +338,6 @@ struct TileVisibility<CAUSAL, MASK, true> {
 template <bool CAUSAL, int MASK, bool OWN, class P>
 FRT_DEVICE typename TileVisibility<CAUSAL, MASK, OWN>::type tile_visibility(const P& p, int b) {
     if constexpr (OWN) {
-        static_assert(!(MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS)), "own visibility: no id arrays");
         Visibility<CAUSAL, MASK> vis;
         vis.init(p, b);
         return vis;

@@ -143,7 +143,9 @@ struct RowTraits {
 // The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid
 // (ceil(Sq/BM), H, B); fwd_sm90: work_item) owns, and the n_blocks key tiles it visits: those of [n_first,
 // n_end), or with mask_mod the tiles of its ModLists row. key_tile(0) is the last. OWN_VIS: each thread
-// holds its own visibility (tile_visibility; fwd_sm90_ws), and the constructor is not a whole-block call.
+// holds its own visibility (tile_visibility; fwd_sm90_ws), and the constructor is not a whole-block call;
+// with id arrays, the tile's key span and its rows' intervals are found by one warpgroup (SEARCH: the
+// producer's, on named barrier 6) and written to `shared_keys`, where the others read them.
 template <int BM, int BN, bool CAUSAL, int MASK, bool OWN_VIS = false>
 struct QueryTile {
     static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
@@ -162,8 +164,11 @@ struct QueryTile {
         : QueryTile(p, CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, tid, nthreads) {}
 
     // Query tile m_block of head h_ of batch entry b_ (fwd_sm90: work_item). Whole-block call unless OWN_VIS.
+    // OWN_VIS with id arrays: shared_keys as above; search: this thread is one of the warpgroup that
+    // searches (a call of all its 128 threads).
     template <class P>
-    FRT_DEVICE QueryTile(const P& p, int m_block, int h_, int b_, int tid, int nthreads)
+    FRT_DEVICE QueryTile(const P& p, int m_block, int h_, int b_, int tid, int nthreads,
+                         TileIntervals<BM>* shared_keys = nullptr, bool search = false)
         : vis(tile_visibility<CAUSAL, MASK, OWN_VIS>(p, b_)) {
         h = h_;
         b = b_;
@@ -173,13 +178,25 @@ struct QueryTile {
         row0 = vis.q_row0 + m0;
         stat0 = (i64)b * p.st_sb + (i64)h * p.st_sh + row0;
         int lo = 0, hi = 0;
-        if (rows > 0) vis.key_span(m0, BM, lo, hi, tid, nthreads);
+        keys = nullptr;
+        if constexpr (IDS && OWN_VIS) {
+            if (search) {
+                const NamedGroup<6, 128> group;
+                if (rows > 0) vis.key_span(m0, BM, lo, hi, tid, 128, group);
+                fill_tile_intervals(*shared_keys, lo, hi, [&](int r) { return vis.keys_of(m0 + r, lo, hi); }, tid,
+                                    128, group);
+            } else {
+                lo = shared_keys->span.x, hi = shared_keys->span.y;
+            }
+            keys = shared_keys;
+        } else {
+            if (rows > 0) vis.key_span(m0, BM, lo, hi, tid, nthreads);
+            if constexpr (IDS)
+                keys = &tile_intervals<BM>(lo, hi, [&](int r) { return vis.keys_of(m0 + r, lo, hi); }, tid, nthreads);
+        }
         n_first = lo / BN;
         n_end = hi > lo ? ceil_div(hi, BN) : n_first;
         n_blocks = n_end - n_first;
-        keys = nullptr;
-        if constexpr (IDS)
-            keys = &tile_intervals<BM>([&](int r) { return vis.keys_of(m0 + r, lo, hi); }, tid, nthreads);
         mod_list = nullptr;
         if constexpr (MOD) {
             n_blocks = 0;
@@ -218,15 +235,18 @@ struct QueryTile {
         return i < vis.Lq ? min(i + vis.shift + 1, vis.Lk) : 0;
     }
 
-    // Causal, lengths and windows without ids or mask_mod: query i sees an interval of each key tile's
-    // keys (key_interval), so a masked tile needs one or two compares per element instead of
-    // Visibility::visible (~8 instructions; the window at S=1k ran 26% faster: docs/perf-notes.md, session
-    // 13); one where the intervals start at the tile's first key, without a window (KEY_LO: they may start
-    // later). (A row past the sequence gets [0, 0), empty either way.)
-    static constexpr bool INTERVALS = ROW_LIMIT || (MASK != 0 && !IDS && !MOD), KEY_LO = MASK & MASK_WINDOW;
+    // Causal, lengths and windows without mask_mod (and ids, on fwd_sm90_ws: OWN_VIS): query i sees an
+    // interval of each key tile's keys (key_interval), so a masked tile needs one or two compares per
+    // element instead of Visibility::visible (~8 instructions; the window at S=1k ran 26% faster:
+    // docs/perf-notes.md, session 13); one where the intervals start at the tile's first key, without a
+    // window or segments (KEY_LO: they may start later). (A row past the sequence gets [0, 0), empty either
+    // way.) With ids, the row's interval of the whole span, from shared memory.
+    static constexpr bool INTERVALS = ROW_LIMIT || (MASK != 0 && !MOD && (!IDS || OWN_VIS));
+    static constexpr bool KEY_LO = MASK & (MASK_WINDOW | MASK_SEGMENTS);
     FRT_DEVICE int2 key_interval(int i, int n0, int bn) const {
-        static_assert(INTERVALS, "key_interval: causal, lengths and windows only");
+        static_assert(INTERVALS, "key_interval: causal, lengths, windows (and ids on fwd_sm90_ws) only");
         if constexpr (ROW_LIMIT) return make_int2(n0, key_limit(i));
+        if constexpr (IDS) return keys->row[i - m0];
         return vis.keys_of(i, n0, min(n0 + bn, vis.Lk));
     }
 
@@ -259,6 +279,13 @@ struct QueryTile {
     FRT_DEVICE bool visible(int i, int j, int h) const {
         if constexpr (IDS) return keys->holds(i - m0, j) & vis.mod_visible(i, j, h);
         return vis.visible(i, j, h);
+    }
+    // visible(), for a pair inside the sequence (i < Lq, j < Lk: unchecked; mask_mod's positions unclamped).
+    FRT_DEVICE bool visible_inside(int i, int j, int h) const {
+        if constexpr (IDS)
+            return keys->holds(i - m0, j) & vis.mod_visible(i, j, h, false);
+        else
+            return vis.visible_inside(i, j, h);
     }
 };
 
@@ -335,7 +362,8 @@ struct KeyTile {
         const int chunk = ceil_div(n_pairs, p.splits);
         it_begin = min(n_pairs, split * chunk), it_end = min(n_pairs, it_begin + chunk);
         if constexpr (IDS)
-            queries = &tile_intervals<BN>([&](int r) { return vis.queries_of(n0 + r, q_lo, q_hi); }, tid, nthreads);
+            queries = &tile_intervals<BN>(q_lo, q_hi, [&](int r) { return vis.queries_of(n0 + r, q_lo, q_hi); }, tid,
+                                          nthreads);
     }
 
     // Without ids or mask_mod, key j sees an interval of each query tile's queries (QueryTile::key_interval's

@@ -78,5 +78,12 @@ lens = torch.tensor([300, 170], dtype=torch.int32, device="cuda")
 run(q128, k128, v128, True, window=(100, 0), seqlens_q=lens, seqlens_k=lens)
 run(q128, k128, v128, False, window=(-1, 30), seqlens_k=lens, mask_mod="doc[b * 300 + k] != 1 || k > q - 50",
     mask_tensors={"doc": torch.randint(0, 3, (2, 300), dtype=torch.int32, device="cuda")})
+# ids with more work items than SMs (head_dim 64: the warp-specialised forward, whose producer searches each
+# item's key intervals into its Q slot while the consumers read the other slot's)
+qi = torch.randn(2, 600, 32, 64, device="cuda", dtype=torch.bfloat16)
+ki, vi = (torch.randn(2, 600, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+runs = torch.randint(0, 40, (2, 600), dtype=torch.int32, device="cuda").sort(-1).values
+run(qi, ki, vi, True, block_ids_q=runs, block_ids_k=runs, segment_ids_q=runs // 8, segment_ids_k=runs // 8,
+    seqlens_q=torch.tensor([600, 413], dtype=torch.int32, device="cuda"))
 torch.cuda.synchronize()
-print(f"sanitize workload: {len(CASES) + 12} cases ran")
+print(f"sanitize workload: {len(CASES) + 13} cases ran")

@@ -148,6 +148,9 @@ CASES = [
     ("blocks-segments-many-causal", 2, 517, 517, 4, 1, 128, "bf16", True, _both(_blocks_many, _segments_many)),
     ("blocks-many-sq>sk-fp16", 2, 400, 170, 2, 2, 64, "fp16", False, _blocks_many),
     ("blocks-causal-window-fused", 2, 400, 400, 4, 4, 128, "bf16", True, _both(_window(100, -1), _random_blocks)),
+    # more work items than SMs: the warp-specialised forward's producer searches an item's key intervals into
+    # one Q slot while its consumers read the other's
+    ("blocks-segments-many-items", 3, 1000, 1000, 8, 2, 128, "bf16", True, _both(_padding, _random_blocks, _segments)),
     ("mod-sink-padding-gqa", 3, 200, 300, 4, 2, 64, "bf16", False, _both(_padding, _mod_sink)),
     ("mod-per-head-mqa-causal", 2, 257, 257, 8, 1, 128, "bf16", True, _mod_heads),
     ("mod-docs-tensors-fp16", 2, 333, 300, 4, 2, 96, "fp16", False, _mod_docs),

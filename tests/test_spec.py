@@ -222,15 +222,16 @@ def test_driver_older_than_nvrtc_is_refused_with_the_extra_to_install():
 
 def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
     # warp-specialised at head_dim 64 and 128: dense, causal, lengths, windows and mask_mod; block / segment
-    # ids: fwd_sm90
+    # ids with mask_mod: fwd_sm90
     for d in (64, 128):
         assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
-        for name, bit in MASK_BITS.items():
-            ws = name in ("lengths", "window", "mod")
-            assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], bit) == ("fwd_sm90_ws" if ws else "fwd_sm90")
-        all_ws = MASK_BITS["lengths"] | MASK_BITS["window"] | MASK_BITS["mod"]
-        assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], all_ws) == "fwd_sm90_ws"
-        assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], all_ws | MASK_BITS["segments"]) == "fwd_sm90"
+        for bit in MASK_BITS.values():
+            assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], bit) == "fwd_sm90_ws"
+        no_mod = sum(MASK_BITS.values()) - MASK_BITS["mod"]
+        assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], no_mod) == "fwd_sm90_ws"
+        for ids in ("block_ids", "segments"):
+            mask = MASK_BITS["lengths"] | MASK_BITS["mod"] | MASK_BITS[ids]
+            assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], mask) == "fwd_sm90"
     assert tiles.forward_family(192, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(256, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
     assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90]) == "fwd"      # no wgmma kernel at 96
@@ -240,14 +241,18 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
     assert tiles.forward_family(128, "sm_90a", SMEM_OPTIN[90]) == "fwd"
 
 
-def test_warp_specialised_forward_takes_no_id_arrays():
+def test_warp_specialised_forward_takes_no_id_arrays_with_mask_mod():
     assert KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, True, "sm_90a").layout_problem() is None
     for name, bit in MASK_BITS.items():
-        assert tiles.applies("fwd_sm90_ws", 128, "sm_90a", bit) == (name not in ("block_ids", "segments")), name
-    KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, True, "sm_90a", MASK_BITS["lengths"] | MASK_BITS["window"])
+        assert tiles.applies("fwd_sm90_ws", 128, "sm_90a", bit), name
+    ids = MASK_BITS["block_ids"] | MASK_BITS["segments"]
+    plain = KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, True, "sm_90a", MASK_BITS["lengths"] | MASK_BITS["window"])
+    searched = KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, True, "sm_90a", ids)
+    assert searched.smem_bytes == plain.smem_bytes + 2 * (128 * 8 + 16)  # each Q slot's key intervals
     for name in ("block_ids", "segments"):
-        with pytest.raises(ValueError, match="no block / segment ids"):
-            KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, False, "sm_90a", MASK_BITS[name])
+        assert not tiles.applies("fwd_sm90_ws", 128, "sm_90a", MASK_BITS[name] | MASK_BITS["mod"])
+        with pytest.raises(ValueError, match="no block / segment ids with mask_mod"):
+            KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, False, "sm_90a", MASK_BITS[name] | MASK_BITS["mod"], "k <= q")
     with pytest.raises(ValueError, match="12 warps"):
         KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 8, False, "sm_90a")
 
