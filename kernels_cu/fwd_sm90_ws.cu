@@ -133,7 +133,8 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                 mbar_arrive_cp_async(bar(T::V_FULL, s));
             }
             // The next item, for all four warps: thread 0 claims it and writes it to shared memory
-            // (after the Q slots' items), which none of them reads before the barrier below.
+            // (after the Q slots' items), which none of them reads before the barrier below. (Named
+            // barrier 6 is the producers' own: QueryTile's search of the id arrays uses it too.)
             if (ptid == 0) st_shared_s32(slots + 8, atomicAdd(p.sched, 1) + (int)gridDim.x);
             bar_wait<6, T::PRODUCERS>();
             item = ld_shared_s32(slots + 8);

@@ -49,7 +49,7 @@ FRT_DEVICE void mask_map(const FwdParams& p) {
         // votes: the expression's key-side reads stay the same from row to row (the compiler can keep
         // them), the query-side ones are the same across the warp, and a round's 32 pairs per lane are
         // in flight together (voting after every pair made each pair wait for the previous vote; with 8
-        // pairs per round the map at S=1k took 13 us, latency-bound: docs/perf-notes.md, session 14).
+        // pairs per round the map at S=1k took 13 us, with 32 9 us: docs/perf-notes.md, session 14).
         constexpr int COLS = (BN + 31) / 32, R = COLS >= 32 ? 1 : 32 / COLS;
         static_assert(BM % R == 0, "whole rounds");
         for (int r0 = 0; r0 < BM; r0 += R) {

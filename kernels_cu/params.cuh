@@ -144,8 +144,8 @@ struct RowTraits {
 // (ceil(Sq/BM), H, B); fwd_sm90: work_item) owns, and the n_blocks key tiles it visits: those of [n_first,
 // n_end), or with mask_mod the tiles of its ModLists row. key_tile(0) is the last. OWN_VIS: each thread
 // holds its own visibility (tile_visibility; fwd_sm90_ws), and the constructor is not a whole-block call;
-// with id arrays, the tile's key span and its rows' intervals are found by one warpgroup (SEARCH: the
-// producer's, on named barrier 6) and written to `shared_keys`, where the others read them.
+// with id arrays, the tile's key span and its rows' intervals are found by one warpgroup (`search`: the
+// producer's 128 threads, on named barrier 6) and written to `shared_keys`, where the others read them.
 template <int BM, int BN, bool CAUSAL, int MASK, bool OWN_VIS = false>
 struct QueryTile {
     static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
