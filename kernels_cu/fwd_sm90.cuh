@@ -51,7 +51,7 @@ struct FwdRows {
     FRT_DEVICE static void mod_mask_bits(const Tile& tile, u32 (&bits)[BN / 64], int n0, int row_base, int t) {
         const auto& vis = tile.vis;
         if ((row_base + 8 < vis.Lq) & (n0 + BN <= vis.Lk))
-            mask_bits(bits, n0, row_base, t, [&](int i, int j) { return tile.visible_inside(i, j, tile.h); });
+            mask_bits(bits, n0, row_base, t, [&](int i, int j) { return vis.visible_inside(i, j, tile.h); });
         else
             mask_bits(bits, n0, row_base, t, [&](int i, int j) { return tile.visible(i, j, tile.h); });
     }

@@ -280,13 +280,6 @@ struct QueryTile {
         if constexpr (IDS) return keys->holds(i - m0, j) & vis.mod_visible(i, j, h);
         return vis.visible(i, j, h);
     }
-    // visible(), for a pair inside the sequence (i < Lq, j < Lk: unchecked; mask_mod's positions unclamped).
-    FRT_DEVICE bool visible_inside(int i, int j, int h) const {
-        if constexpr (IDS)
-            return keys->holds(i - m0, j) & vis.mod_visible(i, j, h, false);
-        else
-            return vis.visible_inside(i, j, h);
-    }
 };
 
 // The work items of fwd_sm90 (a 1-D grid; block k does item k): item -> (query tile m, head h,
