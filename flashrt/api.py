@@ -117,29 +117,41 @@ def _classify(p: dict, m: masks.Masking, H: int, dev, *needs) -> tuple:
     """mask_mod: how to make the tile lists that each (consumer kernel, "mask_rows" | "mask_cols") in
     `needs` walks, as plan pieces: (one _Alloc for the maps, lists and counts; params structs; launches
     of kernels_cu/mask_classify.cu, indexing those structs). One map per tiling (the expression on
-    every pair), then the lists. The lists' pointers are the _Alloc's parts, named like their fields.
+    every pair), then the lists; a rows list whose row of key tiles one map block holds comes from that
+    block (launch.map_slots), without a launch of its own. The lists' pointers are the _Alloc's parts,
+    named like their fields; a map launch's struct gets a list's pointer only when it writes that list.
     """
     heads, batches = m.mod_lists(H)
-    parts, structs, launches, maps = [], [], [], {}  # one map per tiling (block_m, block_n)
+    unset = dict.fromkeys(("mod_rows", "mod_rows_count", "mod_cols", "mod_cols_count"), "")  # (no such source)
+    by_tiling: dict = {}
     for consumer, family in needs:
-        tiling = (consumer.block_m, consumer.block_n)
-        tiles_mn = (-(-m.Sq // consumer.block_m), -(-m.Sk // consumer.block_n))
-        if tiling not in maps:
-            mapper = consumer.classifier("mask_map")
-            try:  # the map kernel is the smallest with the expression in it: its compile checks it
-                launch.function(mapper, dev)
-            except nvrtc.CompileError as exc:
-                raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
-            maps[tiling] = f"mod_map{len(maps)}"
-            parts.append((maps[tiling], -(-batches * heads * tiles_mn[0] * tiles_mn[1] // 4)))  # a byte per tile
-            structs.append((params.FWD, p, {"mod_map": maps[tiling]}))
-            launches.append((mapper, launch.grid(mapper, batches, heads, 0, m.Sq, m.Sk), len(structs) - 1))
-        outer = tiles_mn[0] if family == "mask_rows" else tiles_mn[1]
-        lists = family.replace("mask", "mod")
-        parts += [(lists, batches * heads * tiles_mn[0] * tiles_mn[1]), (lists + "_count", batches * heads * outer)]
-        spec = consumer.classifier(family)
-        structs.append((params.FWD, p, {"mod_map": maps[tiling]}))
-        launches.append((spec, launch.grid(spec, batches, heads, 0, m.Sq, m.Sk), len(structs) - 1))
+        by_tiling.setdefault((consumer.block_m, consumer.block_n), []).append((consumer, family))
+    parts, structs, launches = [], [], []
+    for k, ((bm, bn), users) in enumerate(by_tiling.items()):
+        tiles_mn = (-(-m.Sq // bm), -(-m.Sk // bn))
+        mapper = users[0][0].classifier("mask_map")
+        try:  # the map kernel is the smallest with the expression in it: its compile checks it
+            launch.function(mapper, dev)
+        except nvrtc.CompileError as exc:
+            raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
+        name = f"mod_map{k}"
+        parts.append((name, -(-batches * heads * tiles_mn[0] * tiles_mn[1] // 4)))  # a byte per tile
+        grid = launch.grid(mapper, batches, heads, 0, m.Sq, m.Sk)
+        rows_by_map = grid[0] == 1 and any(family == "mask_rows" for _, family in users)
+        links = {**unset, "mod_map": name}
+        if rows_by_map:
+            links.update(mod_rows="mod_rows", mod_rows_count="mod_rows_count")
+        structs.append((params.FWD, p, links))
+        launches.append((mapper, grid, len(structs) - 1))
+        for consumer, family in users:
+            outer = tiles_mn[0] if family == "mask_rows" else tiles_mn[1]
+            lists = family.replace("mask", "mod")
+            parts += [(lists, batches * heads * tiles_mn[0] * tiles_mn[1]), (lists + "_count", batches * heads * outer)]
+            if family == "mask_rows" and rows_by_map:
+                continue
+            spec = consumer.classifier(family)
+            structs.append((params.FWD, p, {"mod_map": name}))
+            launches.append((spec, launch.grid(spec, batches, heads, 0, m.Sq, m.Sk), len(structs) - 1))
     return _Alloc.parts(parts, "i32"), structs, launches
 
 

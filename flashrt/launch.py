@@ -85,8 +85,8 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
         g = (_cdiv(Sq, spec.block_m), H, B)
     elif spec.family in CLASSIFY:  # kernels_cu/mask_classify.cu; B, H: the lists' batch entries and heads
         m_tiles, n_tiles, nw = _cdiv(Sq, spec.block_m), _cdiv(Sk, spec.block_n), spec.warps
-        g = {"mask_map": (_cdiv(n_tiles, nw), m_tiles, B * H), "mask_rows": (_cdiv(B * H * m_tiles, nw), 1, 1),
-             "mask_cols": (_cdiv(B * H * n_tiles, nw), 1, 1)}[spec.family]
+        g = {"mask_map": (_cdiv(n_tiles, map_slots(spec)), m_tiles, B * H),
+             "mask_rows": (_cdiv(B * H * m_tiles, nw), 1, 1), "mask_cols": (_cdiv(B * H * n_tiles, nw), 1, 1)}[spec.family]
     elif spec.family in KEY_PARALLEL:
         g = (_cdiv(Sk, spec.block_n), Hkv * splits, B)
     elif spec.family in ELEMENTWISE:  # grid-stride loops: enough blocks for the work, at most 32 per SM
@@ -104,6 +104,15 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
         raise LaunchError(f"{spec.name}: grid {g} exceeds the CUDA limit of {_MAX_GRID_YZ} on its y/z axes "
                           f"(heads={H}, batch={B}); split the batch into chunks of at most {_MAX_GRID_YZ}")
     return g
+
+
+def map_slots(spec: KernelSpec) -> int:
+    """Key tiles per block of mask_map (kernels_cu/mask_classify.cu: SLOTS): its warps over the warps per tile
+    (SPLIT: four, or fewer where a tile has fewer rounds of R rows, R = 32 lanes' pairs over the columns a lane
+    owns). A row of key tiles that fits in one block gets its list from that block (api._classify)."""
+    cols = _cdiv(spec.block_n, 32)
+    rows_per_round = 1 if cols >= 32 else 32 // cols
+    return spec.warps // min(4, spec.block_m // rows_per_round)
 
 
 def item_chunk(dev: Device, B: int, Sk: int, head_dim: int, H: int, Hkv: int) -> int:

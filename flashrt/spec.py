@@ -49,7 +49,9 @@ SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128), "bw
 # (KernelSpec.classifier); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
 # The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
 CLASSIFY = ("mask_map", "mask_rows", "mask_cols")
-CLASSIFY_WARPS = 8
+# The map evaluates the expression with four warps per tile and 32 per block (mask_classify.cu); a list
+# maker is a warp per list.
+CLASSIFY_WARPS = {"mask_map": 32, "mask_rows": 8, "mask_cols": 8}
 DTYPES = ("bf16", "fp16")
 # Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
 MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16}
@@ -140,7 +142,7 @@ class KernelSpec:
 
     def classifier(self, family: str) -> "KernelSpec":
         """A mask_mod classification kernel (CLASSIFY) for this kernel's tiles."""
-        fixed = dict(family=family, head_dim=64, dtype="bf16", warps=CLASSIFY_WARPS)
+        fixed = dict(family=family, head_dim=64, dtype="bf16", warps=CLASSIFY_WARPS[family], min_blocks=1)
         if family != "mask_map":
             fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
         return dataclasses.replace(self, **fixed)
@@ -153,8 +155,8 @@ class KernelSpec:
     def layout_problem(self) -> str | None:
         """Why the kernel's static_asserts would reject this tiling, or None."""
         bm, bn, nw = self.block_m, self.block_n, self.warps
-        if nw < 1 or nw > 16:
-            return "warps must be in [1, 16]"
+        if nw < 1 or nw > (32 if self.family in CLASSIFY else 16):
+            return f"warps must be in [1, {32 if self.family in CLASSIFY else 16}]"
         if self.min_blocks < 1 or self.min_blocks * nw > 64:
             return "min_blocks must be in [1, 64 / warps]"
         if self.family in ELEMENTWISE:

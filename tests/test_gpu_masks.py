@@ -157,6 +157,8 @@ CASES = [
     # head_dim 128: the warp-specialised forward's mask_mod bits, inside the sequence and at its ends
     ("mod-docs-padding-window", 3, 200, 300, 4, 2, 128, "bf16", False, _both(_padding, _window(90, 20), _mod_docs)),
     ("mod-nearly-empty-d256", 2, 300, 300, 2, 2, 256, "bf16", False, _mod_nearly_empty),
+    # rows of key tiles longer than one map block holds: the lists come from their own launches
+    ("mod-docs-long-rows", 2, 260, 1300, 4, 2, 128, "bf16", False, _mod_docs),
     ("mod-window-blocks-causal", 2, 400, 400, 4, 4, 64, "bf16", True, _both(_window(100, -1), _random_blocks,
                                                                           _mod_sink)),
 ]

@@ -1,4 +1,5 @@
 """Variant naming, keys, tile/smem/grid arithmetic, argument structs: pure functions, no GPU."""
+import dataclasses
 import re
 
 import numpy as np
@@ -127,6 +128,21 @@ def test_warp_specialised_forward_grid_is_persistent():
     assert ws.smem_bytes == (2 * 128 + 4 * 128) * 128 * 2 + 128 + 1024
     assert launch.grid(ws, B=16, H=16, Hkv=16, Sq=1000, Sk=1000, sm_count=132) == (132, 1, 1)
     assert launch.grid(ws, B=1, H=8, Hkv=8, Sq=300, Sk=300, sm_count=132) == (24, 1, 1)
+
+
+def test_mask_map_grid_holds_slots_key_tiles_per_block():
+    """mask_map: 32 warps, four per 128 x 128 tile (eight key tiles per block); four per 64-row tile of
+    64 keys too (rounds of 16 rows); two per 16-row tile (rounds of 8 rows: two rounds). A query tile's row
+    of key tiles in one block (x == 1) gets its list there (api._classify)."""
+    ws = KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, False, "sm_90a", mask=MASK_BITS["mod"], mask_mod="k <= q")
+    mapper = ws.classifier("mask_map")
+    assert (mapper.warps, mapper.min_blocks, mapper.layout_problem()) == (32, 1, None)
+    assert launch.map_slots(mapper) == 8
+    assert launch.grid(mapper, B=16, H=1, Hkv=0, Sq=1024, Sk=1024) == (1, 8, 16)
+    assert launch.grid(mapper, B=2, H=16, Hkv=0, Sq=8192, Sk=1025) == (2, 64, 32)
+    assert launch.map_slots(dataclasses.replace(mapper, block_m=64, block_n=64)) == 8
+    assert launch.map_slots(dataclasses.replace(mapper, block_m=16, block_n=128)) == 16
+    assert ws.classifier("mask_rows").warps == 8
 
 
 def test_item_chunk_fits_half_the_l2_in_equal_chunks():
