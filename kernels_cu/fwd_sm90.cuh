@@ -11,9 +11,9 @@
 namespace frt {
 namespace sm90 {
 
-// MOD_BITS: mask_mod's element mask is evaluated in a rolled loop into bits, then applied (mod_mask_bits),
-// for a kernel whose registers cannot hold the unrolled loop's verdicts (fwd_sm90_ws).
-template <int D, int BN, bool BF16, bool MOD_BITS = false>
+// MOD_FENCED: mask_mod's element mask is evaluated in fenced groups of columns (mod_mask), for a kernel whose
+// registers cannot hold the unrolled loop's verdicts and reads (fwd_sm90_ws).
+template <int D, int BN, bool BF16, bool MOD_FENCED = false>
 struct FwdRows {
     float o[D / 2];
     float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
@@ -42,30 +42,50 @@ struct FwdRows {
         for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, BF16>(s, kk, pa[kk]);
     }
 
-    // mask_mod's element mask of key tile n0.. for the thread's elements: bit 4 (jj % 8) + c of bits[jj / 8]
-    // for s[4 jj + c]. A rolled loop over 16 elements at a time, so that at most 16 verdicts of the user's
-    // expression are live (unrolled, the 64 of them spilled fwd_sm90_ws's 224-register consumers); where
-    // the thread's rows and the tile's keys lie inside the sequence, without the length tests and clamps
-    // (2.5 of ~6.5 instructions per element).
+    // mask_mod's element mask of key tile n0.. on the thread's elements of s (MOD_FENCED). Where the
+    // thread's rows and the tile's keys lie inside the sequence, without the length tests and clamps, each
+    // verdict applied as it is made, 8 key columns (16 elements) at a time with a compiler fence after
+    // each, so that the next columns' reads are not all hoisted above this group's verdicts (unfenced, the
+    // 64 verdicts and their reads spilled fwd_sm90_ws's consumers). At the sequence's ends, the full test
+    // into bits in a rolled loop, then applied (fenced, with groups of 1, 2, 4 or 8 jj, that spilled 128
+    // bytes with a window and lengths at head_dim 128, NVRTC 12.9). Bits everywhere cost documents-mod at
+    // S=1k 212-214 us against 185-190 fenced: their packing and unpacking were ~3 of ~7 instructions per
+    // element (docs/perf-notes.md, session 15).
     template <class Tile>
-    FRT_DEVICE static void mod_mask_bits(const Tile& tile, u32 (&bits)[BN / 64], int n0, int row_base, int t) {
+    FRT_DEVICE void mod_mask(const Tile& tile, int n0, int row_base, int t) {
         const auto& vis = tile.vis;
-        if ((row_base + 8 < vis.Lq) & (n0 + BN <= vis.Lk))
-            mask_bits(bits, n0, row_base, t, [&](int i, int j) { return vis.visible_inside(i, j, tile.h); });
+        // (With a window too, the fenced form spilled 8-16 bytes with lengths at head_dim 64 and 128.)
+        constexpr bool FENCED = !Tile::WINDOW;
+        if (FENCED && (row_base + 8 < vis.Lq) & (n0 + BN <= vis.Lk))
+            mask_fenced(n0, row_base, t, [&](int i, int j) { return vis.visible_inside(i, j, tile.h); });
         else
-            mask_bits(bits, n0, row_base, t, [&](int i, int j) { return tile.visible(i, j, tile.h); });
+            mask_rolled(n0, row_base, t, [&](int i, int j) { return tile.visible(i, j, tile.h); });
     }
     template <class Visible>
-    FRT_DEVICE static void mask_bits(u32 (&bits)[BN / 64], int n0, int row_base, int t, Visible visible) {
-        constexpr int U = 4;  // 16 elements per iteration (8 spilled; 1 and 2 made loads' latency show)
+    FRT_DEVICE void mask_fenced(int n0, int row_base, int t, Visible visible) {
+        constexpr int GROUP = 4;  // jj per fence: 8 key columns, 16 elements (the only size timed)
+#pragma unroll
+        for (int jb = 0; jb < BN / 8; jb += GROUP) {
+#pragma unroll
+            for (int jj = jb; jj < jb + GROUP; ++jj)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    if (!visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1))) s[4 * jj + c] = -FRT_INF;
+            asm volatile("" ::: "memory");
+        }
+    }
+    // Bit 4 (jj % 8) + c of bits[jj / 8] for s[4 jj + c], 16 verdicts per turn of a rolled loop, then applied.
+    template <class Visible>
+    FRT_DEVICE void mask_rolled(int n0, int row_base, int t, Visible visible) {
+        u32 bits[BN / 64];
 #pragma unroll
         for (int w = 0; w < BN / 64; ++w) {
             u32 acc = 0;
 #pragma unroll 1
-            for (int jb = 0; jb < 8; jb += U) {
+            for (int jb = 0; jb < 8; jb += 4) {
                 u32 nib = 0;
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
+                for (int u = 0; u < 4; ++u) {
                     const int col = n0 + 8 * (8 * w + jb + u) + 2 * t;
 #pragma unroll
                     for (int c = 0; c < 4; ++c) nib |= (u32)visible(row_base + 8 * (c >> 1), col + (c & 1)) << (4 * u + c);
@@ -74,6 +94,11 @@ struct FwdRows {
             }
             bits[w] = acc;
         }
+#pragma unroll
+        for (int jj = 0; jj < BN / 8; ++jj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (!((bits[jj / 8] >> (4 * (jj % 8) + c)) & 1u)) s[4 * jj + c] = -FRT_INF;
     }
 
     // Key tile it (j) of `tile`, scores in s: the element mask where the tile needs it, then the online
@@ -93,14 +118,8 @@ struct FwdRows {
                         for (int e = 0; e < 2; ++e)
                             if ((Tile::KEY_LO && 8 * jj + e < lo) | (8 * jj + e >= hi)) s[4 * jj + 2 * hh + e] = -FRT_INF;
                 }
-            } else if constexpr (MOD_BITS && Tile::MOD) {
-                u32 bits[BN / 64];
-                mod_mask_bits(tile, bits, n0, row_base, t);
-#pragma unroll
-                for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c)
-                        if (!((bits[jj / 8] >> (4 * (jj % 8) + c)) & 1u)) s[4 * jj + c] = -FRT_INF;
+            } else if constexpr (MOD_FENCED && Tile::MOD) {
+                mod_mask(tile, n0, row_base, t);
             } else {
 #pragma unroll
                 for (int jj = 0; jj < BN / 8; ++jj)

@@ -148,7 +148,7 @@ struct RowTraits {
 // producer's 128 threads, on named barrier 6) and written to `shared_keys`, where the others read them.
 template <int BM, int BN, bool CAUSAL, int MASK, bool OWN_VIS = false>
 struct QueryTile {
-    static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
+    static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS), WINDOW = MASK & MASK_WINDOW;
     // in shared memory when MASK != 0 (block_visibility), unless OWN_VIS
     typename TileVisibility<CAUSAL, MASK, OWN_VIS>::type vis;
     int h, b, hk, m0, rows, n_first, n_end, n_blocks;

@@ -44,6 +44,11 @@ def _variants():
                 spec = tiles.pick_nw(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
                 out.update([spec, spec.classifier("mask_map"),
                             spec.classifier("mask_rows" if family in QUERY_PARALLEL else "mask_cols")])
+    # The forward with mask_mod, lengths and a window, not causal: fwd_sm90_ws's fenced element mask beside
+    # the length tests (it spilled 128 bytes at head_dim 128 before the sequence's ends took the rolled loop).
+    mask = MASK_BITS["mod"] | MASK_BITS["lengths"] | MASK_BITS["window"]
+    for d in (64, 128):
+        out.add(tiles.pick_nw("fwd_sm90_ws", d, "bf16", False, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",)))
     return sorted(out, key=lambda s: s.name)
 
 
