@@ -155,8 +155,9 @@ class KernelSpec:
     def layout_problem(self) -> str | None:
         """Why the kernel's static_asserts would reject this tiling, or None."""
         bm, bn, nw = self.block_m, self.block_n, self.warps
-        if nw < 1 or nw > (32 if self.family in CLASSIFY else 16):
-            return f"warps must be in [1, {32 if self.family in CLASSIFY else 16}]"
+        most = 32 if self.family in CLASSIFY else 16
+        if nw < 1 or nw > most:
+            return f"warps must be in [1, {most}]"
         if self.min_blocks < 1 or self.min_blocks * nw > 64:
             return "min_blocks must be in [1, 64 / warps]"
         if self.family in ELEMENTWISE:
