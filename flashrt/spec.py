@@ -202,7 +202,7 @@ class KernelSpec:
             return (bm + 4 * bn) * self.head_dim * 2 + 1024
         if self.family == "fwd_sm90_ws":  # 2 Q slots + 2 K and 2 V stages + mbarriers [+ 2 slots' key intervals]
             ids = self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"])
-            return (2 * bm + 4 * bn) * self.head_dim * 2 + 128 + (2 * (8 * bm + 16) if ids else 0) + 1024
+            return (2 * bm + 4 * bn) * self.head_dim * 2 + 192 + (2 * (8 * bm + 16) if ids else 0) + 1024
         if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V); above head_dim 192 one V buffer
             return (2 * bm + (3 if self.head_dim > 192 else 4) * bn) * self.head_dim * 2 + 1024
         if self.family == "bwd_dkdv_sm90":  # K, V + stages of (Q, dO, lse2, delta) [+ P^T]

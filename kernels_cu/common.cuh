@@ -105,6 +105,17 @@ FRT_DEVICE float fast_exp2(float x) {
     return r;
 }
 
+FRT_DEVICE float fast_rcp(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+FRT_DEVICE float fast_log2(float x) {
+    float r;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
 FRT_DEVICE float warp_max4(float x) {  // max over the 4 lanes that share a fragment row
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

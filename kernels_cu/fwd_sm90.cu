@@ -38,7 +38,7 @@ __device__ void fwd_sm90(const FwdParams& p) {
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     const WorkItem wi = work_item<T::CAUSAL>(p, blockIdx.x, ceil_div(p.Sq, BM));
-    const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, wi.m, wi.h, wi.b, tid, NT);
+    const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, wi, tid, NT);
     if (tile.rows <= 0) return;
     const int n_blocks = block_uniform(tile.n_blocks);  // (with id masks it comes from shared memory)
 

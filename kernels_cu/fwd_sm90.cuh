@@ -152,30 +152,45 @@ struct FwdRows {
         }
     }
 
-    // Epilogue (every wgmma complete): normalise, the LSE of the rows that exist, O staged into this
-    // warpgroup's own 64 rows of the BM-row sw128 tile at sQw (only it read them), then 16-byte stores
-    // of the rows that exist. wg, w, g, t: the thread's warpgroup, warp in it, and lane's row / column
-    // (the stores index by threadIdx.x & 127 instead of 32 w + 4 g + t: 3 registers fewer at head_dim 128).
-    template <int BM, class Tile>
-    FRT_DEVICE void store(const FwdParams& p, const Tile& tile, u32 sQw, int wg, int w, int g, int t) {
-        const int rows_wg = tile.rows - 64 * wg;
+    // Epilogue, part 1 (no wgmma needed; fwd_sm90_ws runs it under the last P V): the row sums over the
+    // quad, the LSE of the rows that exist, and row_sum becomes 1 / sum (0 for a row that saw no key). A
+    // row's sum is 0 or at least 1 (its maximum's term): the approximate reciprocal and log2, without the
+    // slow-path tests of 1.f / sum and __log2f. wg, w, g, t: the thread's warpgroup, warp in it, and lane's
+    // row / column.
+    template <class Tile>
+    FRT_DEVICE void finish_rows(const FwdParams& p, const Tile& tile, int wg, int w, int g, int t) {
         float* glse = p.lse + tile.stat0 + 64 * wg;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const float sum = warp_sum4(row_sum[hh]);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-            for (int jj = 0; jj < D / 8; ++jj) o[4 * jj + 2 * hh] *= inv, o[4 * jj + 2 * hh + 1] *= inv;
             const int r = 16 * w + g + 8 * hh;
-            if (t == 0 && r < rows_wg) glse[r] = sum > 0.f ? (row_max[hh] + __log2f(sum)) * kLn2 : -FRT_INF;
+            if (t == 0 && r < tile.rows - 64 * wg) glse[r] = sum > 0.f ? (row_max[hh] + fast_log2(sum)) * kLn2 : -FRT_INF;
+            row_sum[hh] = sum > 0.f ? fast_rcp(sum) : 0.f;
         }
+    }
+
+    // Epilogue, part 2 (after finish_rows, every wgmma complete): O normalised and staged into this
+    // warpgroup's own 64 rows of the BM-row sw128 tile at sQw (only it read them), then 16-byte stores of
+    // the rows that exist (indexed by threadIdx.x & 127 instead of 32 w + 4 g + t: 3 registers fewer at
+    // head_dim 128).
+    template <int BM, class Tile>
+    FRT_DEVICE void store_o(const FwdParams& p, const Tile& tile, u32 sQw, int wg, int w, int g, int t) {
+#pragma unroll
+        for (int jj = 0; jj < D / 8; ++jj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) o[4 * jj + c] *= row_sum[c >> 1];
         acc_to_sw128<BM, D, BF16>(sQw, o, 1.f, w, g, t);
         if (wg == 0)
             warpgroup_bar<1>();
         else
             warpgroup_bar<2>();
         sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss,
-                                    sQw, rows_wg, threadIdx.x & 127);
+                                    sQw, tile.rows - 64 * wg, threadIdx.x & 127);
+    }
+    template <int BM, class Tile>
+    FRT_DEVICE void store(const FwdParams& p, const Tile& tile, u32 sQw, int wg, int w, int g, int t) {
+        finish_rows(p, tile, wg, w, g, t);
+        store_o<BM>(p, tile, sQw, wg, w, g, t);
     }
 };
 

@@ -9,8 +9,9 @@
 // One block per SM loops over work items (params.cuh: work_item, 128-row query tiles ordered for L2
 // and causal balance): block k starts with item k, and the producer claims each later item from a
 // counter in global memory (p.sched, zeroed for each launch) once it has issued the current item's
-// last K / V tile, so that blocks take items greedily, heaviest first, as the hardware hands out
-// blocks (a static round-robin was 6% slower at 2k causal: docs/perf-notes.md, session 10).
+// last K / V tile, so that blocks take items greedily, heaviest first, as the hardware hands out blocks
+// (a static round-robin was 6% slower at 2k causal: docs/perf-notes.md, session 10). The producer
+// decodes each item (WorkItem) for the consumers, beside the item in shared memory.
 //
 // The producer issues every load (cp.async into 128-byte-swizzled tiles, wgmma.cuh) into a ring
 // of two Q slots, two K stages and two V stages; each fill completes an mbarrier (its 128 threads'
@@ -39,11 +40,14 @@ struct FwdWsTraits {
     static_assert(BM == 128 && NW == 12, "fwd_sm90_ws: 128 query rows, two consumer warpgroups and a producer one");
     static_assert(BN == 64 || BN == 128, "fwd_sm90_ws: key tiles of 64 or 128");
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
-    // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each; then the
-    // work item of each Q slot (int; -1: no work left) and the producer's next claimed item (int). With
-    // id arrays, then each Q slot's key intervals (QueryTile's shared_keys).
+    // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each; then each Q
+    // slot's work item (32 bytes: the item, an int, -1 when no work is left, and at 16 bytes its WorkItem,
+    // decoded by the producer), then the producer's next claimed item (int). With id arrays, then each Q
+    // slot's key intervals (QueryTile's shared_keys).
     enum : int { Q_FULL = 0, Q_EMPTY = 2, K_FULL = 4, K_EMPTY = 6, V_FULL = 8, V_EMPTY = 10, N_BARS = 12 };
-    static constexpr int BAR_BYTES = 128, KEYS_BYTES = IDS ? (int)sizeof(TileIntervals<BM>) : 0;
+    enum : int { SLOT_BYTES = 32, CLAIMED = 2 * SLOT_BYTES };
+    static constexpr int BAR_BYTES = 192, KEYS_BYTES = IDS ? (int)sizeof(TileIntervals<BM>) : 0;
+    static_assert(8 * N_BARS + CLAIMED + 4 <= BAR_BYTES, "fwd_sm90_ws: mbarriers and work items");
     static constexpr int SMEM = 2 * Q_BYTES + 4 * KV_BYTES + BAR_BYTES + 2 * KEYS_BYTES + sm90::kAtomBytes;  // + alignment slack
 };
 
@@ -52,6 +56,17 @@ FRT_DEVICE int ld_shared_s32(u32 at) {
     int v;
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at) : "memory");
     return v;
+}
+FRT_DEVICE void st_shared_item(u32 at, const WorkItem& wi) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(at), "r"(wi.m), "r"(wi.h), "r"(wi.b), "r"(wi.hk)
+                 : "memory");
+}
+// (Each field passed through lane 0, so that ptxas knows the item's loop bounds to be uniform: block_uniform.)
+FRT_DEVICE WorkItem ld_shared_item(u32 at) {
+    WorkItem wi;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(wi.m), "=r"(wi.h), "=r"(wi.b), "=r"(wi.hk) : "r"(at)
+                 : "memory");
+    return {block_uniform(wi.m), block_uniform(wi.h), block_uniform(wi.b), block_uniform(wi.hk)};
 }
 
 // The it-th key tile an item visits: causal without mask bits first to last, so that the diagonal tile
@@ -103,20 +118,20 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             mbar_wait(bar(T::Q_EMPTY, qs), ((qc >> 1) & 1) ^ 1);
             if (item >= n_items) {  // no work left: tell the consumers
                 if (ptid == 0) {
-                    st_shared_s32(slots + 4 * qs, -1);
+                    st_shared_s32(slots + T::SLOT_BYTES * qs, -1);
                     mbar_arrive(bar(T::Q_FULL, qs));
                 }
                 mbar_arrive_cp_async(bar(T::Q_FULL, qs));
                 break;
             }
             const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
-            const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi.m, wi.h, wi.b, ptid, T::PRODUCERS,
-                                                                   slot_keys(qs), true);
+            const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi, ptid, T::PRODUCERS, slot_keys(qs), true);
             load_tile_sw128<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES,
                                                  p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh,
                                                  p.q_ss, tile.rows, ptid);
             if (ptid == 0) {
-                st_shared_s32(slots + 4 * qs, item);
+                st_shared_s32(slots + T::SLOT_BYTES * qs, item);
+                st_shared_item(slots + T::SLOT_BYTES * qs + 16, wi);
                 mbar_arrive(bar(T::Q_FULL, qs));
             }
             mbar_arrive_cp_async(bar(T::Q_FULL, qs));
@@ -135,9 +150,9 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             // The next item, for all four warps: thread 0 claims it and writes it to shared memory
             // (after the Q slots' items), which none of them reads before the barrier below. (Named
             // barrier 6 is the producers' own: QueryTile's search of the id arrays uses it too.)
-            if (ptid == 0) st_shared_s32(slots + 8, atomicAdd(p.sched, 1) + (int)gridDim.x);
+            if (ptid == 0) st_shared_s32(slots + T::CLAIMED, atomicAdd(p.sched, 1) + (int)gridDim.x);
             bar_wait<6, T::PRODUCERS>();
-            item = ld_shared_s32(slots + 8);
+            item = ld_shared_s32(slots + T::CLAIMED);
             bar_wait<6, T::PRODUCERS>();  // (read by all before thread 0's next write)
         }
         return;
@@ -165,11 +180,11 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
     for (;; ++qc) {
         const u32 qs = qc & 1;
         mbar_wait(bar(T::Q_FULL, qs), (qc >> 1) & 1);
-        const int item = block_uniform(ld_shared_s32(slots + 4 * qs));
-        if (item < 0) break;
+        if (block_uniform(ld_shared_s32(slots + T::SLOT_BYTES * qs)) < 0) break;
         fence_proxy_async();  // the producer's cp.async writes -> visible to wgmma (async proxy)
-        const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
-        const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi.m, wi.h, wi.b, tid, T::CONSUMERS, slot_keys(qs));
+        // The item as the producer decoded it: its divisions took ~0.5 us of each item's start here (session 16).
+        const WorkItem wi = ld_shared_item(slots + T::SLOT_BYTES * qs + 16);
+        const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi, tid, T::CONSUMERS, slot_keys(qs));
         const int n_blocks = tile.n_blocks;
         // This warpgroup's 64 query rows of the Q tile (fwd_sm90.cuh: which of them a thread holds).
         const u32 sQw = sQ + qs * T::Q_BYTES + wg * 64 * kSwizzleBytes;
@@ -207,15 +222,22 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         }
         r.retire_pv();
         if (n_blocks > 1) mbar_arrive(bar(T::V_EMPTY, kc & 1));  // tile n_blocks - 2's
-        if (n_blocks > 0) {  // P V of the last key tile
-            const u32 sl = (kc - 1) & 1;
+        // P V of the last key tile, and the row sums and LSE while it runs. (The wait outside the branch: with
+        // finish_rows in both branches the dense forward ran 1% slower, session 16.)
+        const bool last_pv = n_blocks > 0;
+        const u32 sl = (kc - 1) & 1;
+        if (last_pv) {
             mbar_wait(bar(T::V_FULL, sl), ((kc - 1) >> 1) & 1);
             fence_proxy_async();
-            wgmma_rs_wait<D, BN, T::BF16>(r.o, r.pa, sV + sl * T::KV_BYTES);
-            mbar_arrive(bar(T::V_EMPTY, sl));
+            wgmma_fence();
+            wgmma_rs_mn<D, BN, T::BF16>(r.o, r.pa, sV + sl * T::KV_BYTES);
+            wgmma_commit();
         }
-
-        r.template store<BM>(p, tile, sQw, wg, w, g, t);  // O staged in this slot, then stored
+        r.finish_rows(p, tile, wg, w, g, t);
+        wgmma_wait<0>();
+        fence_operand(r.o);
+        if (last_pv) mbar_arrive(bar(T::V_EMPTY, sl));
+        r.template store_o<BM>(p, tile, sQw, wg, w, g, t);  // O staged in this slot, then stored
         mbar_arrive(bar(T::Q_EMPTY, qs));
     }
     if (wg == 0) bar_wait<4, 256>();  // warpgroup 1's last "your turn"

@@ -140,6 +140,27 @@ struct RowTraits {
     static constexpr int SMEM_KV_STAGE = 2 * BN * LD;    // K, then V
 };
 
+// The work items of fwd_sm90 (a 1-D grid; block k does item k): item -> (query tile m, head h,
+// batch entry b). The (batch entry, head) pairs come in chunks of p.sched_pairs (the launcher sizes a
+// chunk so that its K and V fit in half of L2: the blocks running at once share them), and inside a
+// chunk the query tile is the outer loop, heaviest first when causal: the blocks that start last
+// are the lightest of their chunk, and fewer SMs idle behind a long one at the end.
+// (hk: the KV head of h.)
+struct WorkItem {
+    int m, h, b, hk;
+};
+template <class P>
+FRT_DEVICE WorkItem make_work_item(const P& p, int m, int h, int b) {
+    return {m, h, b, h / (p.H / p.Hkv)};
+}
+template <bool CAUSAL, class P>
+FRT_DEVICE WorkItem work_item(const P& p, int item, int n_m) {
+    const int per_chunk = n_m * p.sched_pairs, chunk = item / per_chunk;
+    const int first = chunk * p.sched_pairs, pairs = min(p.sched_pairs, p.B * p.H - first);
+    const int r = item - chunk * per_chunk, mi = r / pairs, pair = first + r - mi * pairs;
+    return make_work_item(p, CAUSAL ? n_m - 1 - mi : mi, pair % p.H, pair / p.H);
+}
+
 // The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid
 // (ceil(Sq/BM), H, B); fwd_sm90: work_item) owns, and the n_blocks key tiles it visits: those of [n_first,
 // n_end), or with mask_mod the tiles of its ModLists row. key_tile(0) is the last. OWN_VIS: each thread
@@ -163,16 +184,21 @@ struct QueryTile {
     FRT_DEVICE QueryTile(const P& p, int tid, int nthreads)
         : QueryTile(p, CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, tid, nthreads) {}
 
-    // Query tile m_block of head h_ of batch entry b_ (fwd_sm90: work_item). Whole-block call unless OWN_VIS.
-    // OWN_VIS with id arrays: shared_keys as above; search: this thread is one of the warpgroup that
-    // searches (a call of all its 128 threads).
+    // Query tile m_block of head h_ of batch entry b_. Whole-block call unless OWN_VIS.
     template <class P>
-    FRT_DEVICE QueryTile(const P& p, int m_block, int h_, int b_, int tid, int nthreads,
-                         TileIntervals<BM>* shared_keys = nullptr, bool search = false)
-        : vis(tile_visibility<CAUSAL, MASK, OWN_VIS>(p, b_)) {
-        h = h_;
-        b = b_;
-        hk = h / (p.H / p.Hkv);
+    FRT_DEVICE QueryTile(const P& p, int m_block, int h_, int b_, int tid, int nthreads)
+        : QueryTile(p, make_work_item(p, m_block, h_, b_), tid, nthreads) {}
+
+    // The query tile of work item wi (fwd_sm90, fwd_sm90_ws: work_item). OWN_VIS with id arrays: shared_keys as
+    // above; search: this thread is one of the warpgroup that searches (a call of all its 128 threads).
+    template <class P>
+    FRT_DEVICE QueryTile(const P& p, const WorkItem& wi, int tid, int nthreads, TileIntervals<BM>* shared_keys = nullptr,
+                         bool search = false)
+        : vis(tile_visibility<CAUSAL, MASK, OWN_VIS>(p, wi.b)) {
+        const int m_block = wi.m;
+        h = wi.h;
+        b = wi.b;
+        hk = wi.hk;
         m0 = m_block * BM;
         rows = min(BM, vis.Eq - m0);  // <= 0: past a packed sequence's end, nothing to do
         row0 = vis.q_row0 + m0;
@@ -281,22 +307,6 @@ struct QueryTile {
         return vis.visible(i, j, h);
     }
 };
-
-// The work items of fwd_sm90 (a 1-D grid; block k does item k): item -> (query tile m, head h,
-// batch entry b). The (batch entry, head) pairs come in chunks of p.sched_pairs (the launcher sizes a
-// chunk so that its K and V fit in half of L2: the blocks running at once share them), and inside a
-// chunk the query tile is the outer loop, heaviest first when causal: the blocks that start last
-// are the lightest of their chunk, and fewer SMs idle behind a long one at the end.
-struct WorkItem {
-    int m, h, b;
-};
-template <bool CAUSAL, class P>
-FRT_DEVICE WorkItem work_item(const P& p, int item, int n_m) {
-    const int per_chunk = n_m * p.sched_pairs, chunk = item / per_chunk;
-    const int first = chunk * p.sched_pairs, pairs = min(p.sched_pairs, p.B * p.H - first);
-    const int r = item - chunk * per_chunk, mi = r / pairs, pair = first + r - mi * pairs;
-    return {CAUSAL ? n_m - 1 - mi : mi, pair % p.H, pair / p.H};
-}
 
 // Copy key tile j of K and V (KV head hk of batch b; the sequence's rows start at
 // k_row0, ek of them are stored) into one pipeline stage: K at sK, V right after it.

@@ -430,19 +430,28 @@ FRT_DEVICE void acc_to_sw128(u32 s_rows, const float (&d)[N / 2], float scale, i
 // store; wtid is the thread's index in the warpgroup. The stores are .cs (streaming: first out of
 // L2): a kernel never reads its outputs, and in the forward they evicted the K / V that other blocks
 // were about to read (docs/perf-notes.md, session 10).
+// The shared loads go in batches of up to 8 before their stores (all 64 rows are staged: the rows past
+// rows_valid are read and not stored): one at a time, each store waited for its load (session 16).
 template <int ROWS, int COLS>
 FRT_DEVICE void sw128_rows_to_global(u16* g, i64 stride, u32 s_rows, int rows_valid, int wtid) {
-    constexpr int CPR = COLS / 8;
+    constexpr int CPR = COLS / 8, N = 64 * CPR / 128, BATCH = 8;
 #pragma unroll
-    for (int i = 0; i < 64 * CPR / 128; ++i) {
-        const int idx = wtid + i * 128, r = idx / CPR, c = idx % CPR;
-        if (r < rows_valid) {
-            uint4 val;
+    for (int i0 = 0; i0 < N; i0 += BATCH) {
+        uint4 val[BATCH];
+#pragma unroll
+        for (int i = 0; i < BATCH && i0 + i < N; ++i) {
+            const int idx = wtid + (i0 + i) * 128;
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(s_rows + sw128_offset<ROWS>(r, c)));
-            asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                         :: "l"(g + (i64)r * stride + c * 8), "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w) : "memory");
+                         : "=r"(val[i].x), "=r"(val[i].y), "=r"(val[i].z), "=r"(val[i].w)
+                         : "r"(s_rows + sw128_offset<ROWS>(idx / CPR, idx % CPR)));
+        }
+#pragma unroll
+        for (int i = 0; i < BATCH && i0 + i < N; ++i) {
+            const int idx = wtid + (i0 + i) * 128, r = idx / CPR, c = idx % CPR;
+            if (r < rows_valid)
+                asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                             :: "l"(g + (i64)r * stride + c * 8), "r"(val[i].x), "r"(val[i].y), "r"(val[i].z),
+                             "r"(val[i].w) : "memory");
         }
     }
 }

@@ -13,7 +13,7 @@ from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
 from flashrt.spec import CLASSIFY, ELEMENTWISE, FAMILIES, MASK_BITS, QUERY_PARALLEL, KernelSpec
 
-HEAD_DIMS = (8, 40, 64, 72, 128, 160, 256)
+HEAD_DIMS = (8, 40, 64, 72, 128, 160, 192, 256)
 ARCHS = ("sm_80", "sm_90a")
 
 

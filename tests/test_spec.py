@@ -125,7 +125,7 @@ def test_wgmma_forward_grid_is_one_dimensional():
 def test_warp_specialised_forward_grid_is_persistent():
     """fwd_sm90_ws: one block per SM (at most one per work item); the blocks claim the other items."""
     ws = KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, True, "sm_90a")
-    assert ws.smem_bytes == (2 * 128 + 4 * 128) * 128 * 2 + 128 + 1024
+    assert ws.smem_bytes == (2 * 128 + 4 * 128) * 128 * 2 + 192 + 1024
     assert launch.grid(ws, B=16, H=16, Hkv=16, Sq=1000, Sk=1000, sm_count=132) == (132, 1, 1)
     assert launch.grid(ws, B=1, H=8, Hkv=8, Sq=300, Sk=300, sm_count=132) == (24, 1, 1)
 
