@@ -200,7 +200,7 @@ class KernelSpec:
         # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
         if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
             return (bm + 4 * bn) * self.head_dim * 2 + 1024
-        # fwd_sm90_ws: 2 Q slots + 2 K and 2 V stages + mbarriers and work items (BAR_BYTES, 192) [+ 2 slots' key intervals]
+        # fwd_sm90_ws: 2 Q slots + 2 K and 2 V stages + mbarriers and work items (192) [+ 2 slots' key intervals]
         if self.family == "fwd_sm90_ws":
             ids = self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"])
             return (2 * bm + 4 * bn) * self.head_dim * 2 + 192 + (2 * (8 * bm + 16) if ids else 0) + 1024
