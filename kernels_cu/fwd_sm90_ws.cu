@@ -9,9 +9,10 @@
 // One block per SM loops over work items (params.cuh: work_item, 128-row query tiles ordered for L2
 // and causal balance): block k starts with item k, and the producer claims each later item from a
 // counter in global memory (p.sched, zeroed for each launch) once it has issued the current item's
-// last K / V tile, so that blocks take items greedily, heaviest first, as the hardware hands out blocks
-// (a static round-robin was 6% slower at 2k causal: docs/perf-notes.md, session 10). The producer
-// decodes each item (WorkItem) for the consumers, beside the item in shared memory.
+// last K / V tile, so that blocks take items greedily in that order, as the hardware hands out blocks
+// (a static round-robin was 6% slower at 2k causal: docs/perf-notes.md, session 10; every earlier claim
+// measured slower, sessions 11, 16 and 17). The producer decodes each item (WorkItem) for the consumers,
+// beside the item in shared memory.
 //
 // The producer issues every load (cp.async into 128-byte-swizzled tiles, wgmma.cuh) into a ring
 // of two Q slots, two K stages and two V stages; each fill completes an mbarrier (its 128 threads'

@@ -140,12 +140,14 @@ struct RowTraits {
     static constexpr int SMEM_KV_STAGE = 2 * BN * LD;    // K, then V
 };
 
-// The work items of fwd_sm90 (a 1-D grid; block k does item k): item -> (query tile m, head h,
-// batch entry b). The (batch entry, head) pairs come in chunks of p.sched_pairs (the launcher sizes a
-// chunk so that its K and V fit in half of L2: the blocks running at once share them), and inside a
-// chunk the query tile is the outer loop, heaviest first when causal: the blocks that start last
-// are the lightest of their chunk, and fewer SMs idle behind a long one at the end.
-// (hk: the KV head of h.)
+// The work items of fwd_sm90 (a 1-D grid; block k does item k) and fwd_sm90_ws (claimed in this order):
+// item -> (query tile m, head h, batch entry b). The (batch entry, head) pairs come in chunks of
+// p.sched_pairs (the launcher sizes a chunk so that its K and V fit in half of L2: the blocks running at
+// once share them). Inside a chunk the query tile is the outer loop, heaviest first when causal (the
+// blocks that start last are the lightest, and fewer SMs idle behind a long one at the end) in the last
+// chunk; in a causal launch's earlier chunks the pair is the outer loop, each pair's tiles heaviest first,
+// so that the blocks do not all reach the next chunk's heaviest tiles, and its new K, V and Q in DRAM, at
+// once (S=1k causal 1.6% faster: docs/perf-notes.md, session 17). (hk: the KV head of h.)
 struct WorkItem {
     int m, h, b, hk;
 };
@@ -157,7 +159,16 @@ template <bool CAUSAL, class P>
 FRT_DEVICE WorkItem work_item(const P& p, int item, int n_m) {
     const int per_chunk = n_m * p.sched_pairs, chunk = item / per_chunk;
     const int first = chunk * p.sched_pairs, pairs = min(p.sched_pairs, p.B * p.H - first);
-    const int r = item - chunk * per_chunk, mi = r / pairs, pair = first + r - mi * pairs;
+    const int r = item - chunk * per_chunk;
+    int mi, pair;
+    if (CAUSAL && first + pairs < p.B * p.H) {  // a causal chunk before the last: pair-major
+        const int in_chunk = r / n_m;
+        pair = first + in_chunk;
+        mi = r - in_chunk * n_m;
+    } else {
+        mi = r / pairs;
+        pair = first + r - mi * pairs;
+    }
     return make_work_item(p, CAUSAL ? n_m - 1 - mi : mi, pair % p.H, pair / p.H);
 }
 
