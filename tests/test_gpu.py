@@ -144,6 +144,24 @@ def test_matches_float64_reference(torch, poison, case):
             assert e <= bound, f"{impl} {name}: rel err {e:.2e} > 2x torch SDPA {backend} ({t:.2e})"
 
 
+
+@pytest.mark.parametrize("D", [128, 256])  # fwd_sm90_ws and fwd_sm90 on an H100 / H200
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_over_several_l2_chunks(torch, poison, D, causal):
+    """K and V too large for half the L2 in one chunk of work items: a causal launch takes the chunks
+    before the last pair by pair (params.cuh: work_item), the last one query tile by query tile; every
+    (query tile, head, batch entry) must be done once."""
+    import cupy
+    B, Sq, Sk, H, Hkv = 2, 300, 8192, 8, 4
+    dev = launch.device(torch.cuda.current_device())
+    assert launch.item_chunk(dev, B, Sk, D, H, Hkv) < B * H, "the case must span more than one chunk"
+    q, k, v, _ = make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D + causal)
+    out, lse = flashrt.forward(*(cupy.from_dlpack(x) for x in (q, k, v)), causal=causal)
+    ro, rlse = reference.attention(f64(q), f64(k), f64(v), causal=causal)
+    assert not bool(cupy.isnan(f64(out)).any()), "unwritten (poisoned) elements"
+    assert reference.rel_error(f64(out), ro) < 2e-2
+    assert float(cupy.abs(f64(lse) - rlse).max()) < 1e-3
+
 def test_torch_and_cupy_inputs_agree_bitwise(torch):
     import cupy
     q, k, v, do = make_inputs(torch, 2, 300, 257, 8, 2, 128, "bf16", seed=1)
