@@ -34,8 +34,14 @@ def no_sm90() -> bool:
     return _flag("FLASHRT_NO_SM90")
 
 
+def no_tma() -> bool:
+    """FLASHRT_NO_TMA=1: fwd_sm90_ws loads every tile with cp.async, without TMA tensor maps (A/B timing, a fallback)."""
+    return _flag("FLASHRT_NO_TMA")
+
+
 VARIABLES = {
     "FLASHRT_NO_SM90": no_sm90.__doc__,
+    "FLASHRT_NO_TMA": no_tma.__doc__,
     "FLASHRT_CACHE_DIR": cache_dir.__doc__,
     "FLASHRT_NO_COMPILE": no_compile.__doc__,
     "FLASHRT_DUMP_SOURCE": dump_source.__doc__,

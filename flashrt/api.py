@@ -10,11 +10,12 @@ see no key (possible when Sq > Sk) get out = 0, lse = -inf and zero gradients.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import struct
 
-from . import _env, interop, launch, masks, nvrtc, params, tiles
+from . import _env, interop, launch, masks, nvrtc, params, tiles, tma
 from .interop import Array
 from .spec import ELEMENTWISE
 
@@ -241,15 +242,21 @@ def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dic
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     if spec.family in ("fwd_sm90", "fwd_sm90_ws"):
         p["sched_pairs"] = launch.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
-    if spec.family == "fwd_sm90_ws":  # its work-item counter, zeroed for the launch
+    maps = []
+    if spec.family == "fwd_sm90_ws":  # its work-item counter, zeroed for the launch; its TMA maps of q, k, v
         allocs.append(_Alloc(("sched",), (1,), "i32", 0))
+        if not _env.no_tma():
+            p["use_tma"] = 1
+            maps = [(0, f"{n}_map", n, tma.TileMap(n, a.shape, a.strides, rows))
+                    for n, a, rows in (("q", Q4, spec.block_m), ("k", K4, spec.block_n), ("v", V4, spec.block_n))]
     inputs = ("q", "k", "v", *(f for f, _ in _mask_arrays(mask_args)))
     structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count),
                                                                                  0)], ()
     if m.mask_mod:
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, (spec, "mask_rows")))
-    return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep)
+    return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep,
+                 maps=maps)
 
 
 forward.__doc__ += MASK_DOC
@@ -387,10 +394,11 @@ class _Plan:
     Pointer fields are written at each call from the sources: the call's tensors (named by `inputs`,
     their params fields) and the allocations' parts (named by _Alloc.fields). A field takes the
     source of its own name unless `links` maps it to another (mask_classify's mod_map: one per tiling).
+    maps: (struct index, field, input, tma.TileMap) of each TMA map, written at each call from its input's address.
     """
 
     def __init__(self, structs: list, inputs: tuple, allocs: list, launches: list, dev, reusable: bool = True,
-                 keep=()):
+                 keep=(), maps=()):
         sources = list(inputs)
         self.alloc_parts = []  # (array index, byte offset) of each source after the inputs
         for i, a in enumerate(allocs):
@@ -403,6 +411,7 @@ class _Plan:
             templates.append(params.pack(dtype, values).tobytes())
             self.patches += [(b, dtype.fields[f][1], index[links.get(f, f)]) for f in dtype.names
                              if links.get(f, f) in index]
+        self.maps = [(b, structs[b][0].fields[field][1], index[source], tile_map) for b, field, source, tile_map in maps]
         self.aligned = tuple(i for i, n in enumerate(inputs) if n in _ALIGNED)
         self.like = inputs.index("q") if "q" in inputs else 0  # outputs follow q's library and device
         self.allocs = [(a.shape, a.kind, a.fill) for a in allocs]  # interop.new_many's specs
@@ -424,6 +433,8 @@ class _Plan:
         structs = self.launches.buffers()
         for b, off, j in self.patches:
             _PTR.pack_into(structs[b], off, ptrs[j])
+        for b, off, j, tile_map in self.maps:
+            tile_map.write(ptrs[j], ctypes.addressof(structs[b]) + off)
         self.launches.launch(interop.stream(like))
         return arrays
 
@@ -483,7 +494,7 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, valida
         if mask_args.get("mask_mod") is not None and not arrays and not mod:
             rest += (interop.stream(tensors[0]),)
     sig = _signatures(tensors)
-    return None if sig is None else (kind, sig, options, rest, _env.no_sm90())
+    return None if sig is None else (kind, sig, options, rest, _env.no_sm90(), _env.no_tma())
 
 
 def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, validate: bool, build) -> list:

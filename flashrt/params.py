@@ -12,6 +12,7 @@ import struct
 import numpy as np
 
 _PTR, _I64, _I32, _F32 = np.uint64, np.int64, np.int32, np.float32
+_MAP = np.dtype((np.void, 128))  # a CUtensorMap (flashrt/tma.py), 64-byte aligned in the struct
 
 
 def _strides(*tensors: str) -> list[tuple[str, type]]:
@@ -28,15 +29,19 @@ _MOD = ([(n, _PTR) for n in ("mod_map", "mod_rows", "mod_rows_count", "mod_cols"
         + [("mod_heads", _I32), ("mod_batches", _I32)])
 
 FWD = np.dtype(
-    [(n, _PTR) for n in ("q", "k", "v", "o", "lse")]
+    [(n, _MAP) for n in ("q_map", "k_map", "v_map")]
+    + [(n, _PTR) for n in ("q", "k", "v", "o", "lse")]
     + _MASK_PTRS
     + _strides("q", "k", "v", "o")
     + _STATS + _DIMS
     + [("scale_log2", _F32)]
     + _MOD
-    + [("sched_pairs", _I32), ("sched", _PTR)],
+    + [("sched_pairs", _I32), ("sched", _PTR), ("use_tma", _I32)],
     align=True,
 )
+# The C struct's size is a multiple of its alignment, 64 with the maps (numpy's align=True goes to 8).
+FWD = np.dtype({"names": FWD.names, "formats": [FWD.fields[n][0] for n in FWD.names],
+                "offsets": [FWD.fields[n][1] for n in FWD.names], "itemsize": -(-FWD.itemsize // 64) * 64})
 
 BWD = np.dtype(
     [(n, _PTR) for n in ("q", "k", "v", "o", "dout", "lse", "lse2", "delta", "dq", "dk", "dv", "dkv_partial",
@@ -51,7 +56,7 @@ BWD = np.dtype(
 )
 
 C_NAMES = {FWD: "frt::FwdParams", BWD: "frt::BwdParams"}
-_CODES = {np.dtype(_PTR): "Q", np.dtype(_I64): "q", np.dtype(_I32): "i", np.dtype(_F32): "f"}
+_CODES = {np.dtype(_PTR): "Q", np.dtype(_I64): "q", np.dtype(_I32): "i", np.dtype(_F32): "f", _MAP: "128s"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,13 +72,13 @@ def _packer(dtype: np.dtype) -> struct.Struct:
 
 
 def pack(dtype: np.dtype, values: dict) -> np.ndarray:
-    """The kernel argument struct as one field-less element (fields not in `values` are 0).
+    """The kernel argument struct as one field-less element (fields not in `values` are 0, maps zero bytes).
 
     Built with struct.pack and passed without a structured dtype: CuPy reads a NumPy kernel
     argument through __array_interface__, which for a structured dtype rebuilds its field
     list on every launch (~0.1 ms); filling a structured array field by field cost as much.
     """
-    data = _packer(dtype).pack(*(values.get(name, 0) for name in dtype.names))
+    data = _packer(dtype).pack(*(values.get(name, b"" if dtype.fields[name][0] == _MAP else 0) for name in dtype.names))
     return np.frombuffer(data, dtype=np.dtype((np.void, dtype.itemsize)))
 
 

@@ -117,7 +117,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         const auto pr = pair(it);
         const int h = pr.h;
         const int m0 = pr.m * BM;
-        const int rows = min(BM, vis.Eq - m0);
+        const int rows = min(BM, vis.Lq - m0);  // rows past the sequence's length: zeros
         const i64 row0 = vis.q_row0 + m0;
         const u32 sQ = sQdO + stage * T::SMEM_QDO_STAGE;
         load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + row0 * p.q_ss + h * p.q_sh, p.q_ss, rows, tid);
@@ -132,8 +132,8 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     };
 
     const i64 krow0 = vis.k_row0 + n0;
-    load_tile<BN, T::D, T::NTHREADS>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, rows_k, tid);
-    load_tile<BN, T::D, T::NTHREADS>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, rows_k, tid);
+    load_tile<BN, T::D, T::NTHREADS>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, tid);
+    load_tile<BN, T::D, T::NTHREADS>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.live, tid);
     if (it_begin < it_end) load_q(it_begin, 0);
     cp_async_commit();
 

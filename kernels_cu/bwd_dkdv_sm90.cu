@@ -59,13 +59,13 @@ struct DkdvSm90Traits {
 };
 
 // Pair `it`'s query tile (Q, dO) and its lse2 / delta into one pipeline stage: the tiles at sQ (dO
-// QT_BYTES after it), the statistics at sStat; rows past the sequence are zeros.
+// QT_BYTES after it), the statistics at sStat; rows past the sequence (or its length) are zeros.
 template <class T, class Tile>
 FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u32 sQ, u32 sStat, int tid) {
     using namespace sm90;
     constexpr int BM = T::BM, D = T::D, NT = T::NTHREADS;
     const auto pr = tile.pair(p, it);
-    const int m0 = pr.m * BM, rows = min(BM, tile.vis.Eq - m0), b = tile.b;
+    const int m0 = pr.m * BM, rows = min(BM, tile.vis.Lq - m0), b = tile.b;
     const i64 row0 = tile.vis.q_row0 + m0;
     load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + row0 * p.q_ss + pr.h * p.q_sh, p.q_ss, rows, tid);
     load_tile_sw128<BM, D, NT>(sQ + T::QT_BYTES, p.dout + b * p.do_sb + row0 * p.do_ss + pr.h * p.do_sh, p.do_ss,
@@ -217,8 +217,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
 
     const i64 krow0 = tile.vis.k_row0 + n0;
-    load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.rows, tid);
-    load_tile_sw128<BN, D, NT>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.rows, tid);
+    load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, tid);
+    load_tile_sw128<BN, D, NT>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.live, tid);
     if (it_begin < it_end) load_query_stage<T>(p, tile, it_begin, sQdO, sStat, tid);
     cp_async_commit();  // one group: K, V and the first query tile
 

@@ -30,11 +30,11 @@ __device__ void bwd_dq(const BwdParams& p) {
     const u32 sKV = sdO + T::SMEM_Q;
     const int wrow = warp * MT * 16;
 
-    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.rows, tid);
+    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.live, tid);
     load_tile<BM, T::D, T::NTHREADS>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss,
-                                     tile.rows, tid);
+                                     tile.live, tid);
     auto load_kv = [&](u32 stage, int j) {
-        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, b, tile.hk, tile.vis.k_row0, tile.vis.Ek, j, tid);
+        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, b, tile.hk, tile.vis.k_row0, tile.vis.Lk, j, tid);
     };
     // Key tiles first to last: visit number it is tile.key_tile(n_blocks - 1 - it).
     const int n_blocks = tile.n_blocks;
@@ -49,8 +49,8 @@ __device__ void bwd_dq(const BwdParams& p) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = wrow + mt * 16 + g + 8 * hh;
-            lse2[mt][hh] = r < tile.rows ? p.lse2[stat0 + r] : FRT_INF;
-            delta[mt][hh] = r < tile.rows ? p.delta[stat0 + r] : 0.f;
+            lse2[mt][hh] = r < tile.live ? p.lse2[stat0 + r] : FRT_INF;
+            delta[mt][hh] = r < tile.live ? p.delta[stat0 + r] : 0.f;
         }
 
     float dq[MT][NT_D][4];

@@ -50,7 +50,7 @@ FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, f
     for (int hh = 0; hh < 2; ++hh) {
         const int r = r0 + 8 * hh;
         float acc = 0.f;
-        if (r < tile.rows) {
+        if (r < tile.live) {  // (delta 0 past the sequence's length, whatever O and dO hold there)
             const i64 row = tile.row0 + r;
             const u16* o = p.o + tile.b * p.o_sb + row * p.o_ss + tile.h * p.o_sh;
             const u16* d = p.dout + tile.b * p.do_sb + row * p.do_ss + tile.h * p.do_sh;
@@ -142,16 +142,16 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     if (tile.rows <= 0) return;
     const int n_blocks = tile.n_blocks, b = tile.b, h = tile.h;
 
-    load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.rows, tid);
-    load_tile_sw128<BM, D, NT>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss, tile.rows,
+    load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.live, tid);
+    load_tile_sw128<BM, D, NT>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss, tile.live,
                                tid);
     const u16* gk = p.k + b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
     const u16* gv = p.v + b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
     auto load_k = [&](int stage, int j) {
-        load_tile_sw128<BN, D, NT>(sKV + stage * K_STRIDE, gk + (i64)j * BN * p.k_ss, p.k_ss, tile.vis.Ek - j * BN, tid);
+        load_tile_sw128<BN, D, NT>(sKV + stage * K_STRIDE, gk + (i64)j * BN * p.k_ss, p.k_ss, tile.vis.Lk - j * BN, tid);
     };
     auto load_v = [&](u32 sV, int j) {
-        load_tile_sw128<BN, D, NT>(sV, gv + (i64)j * BN * p.v_ss, p.v_ss, tile.vis.Ek - j * BN, tid);
+        load_tile_sw128<BN, D, NT>(sV, gv + (i64)j * BN * p.v_ss, p.v_ss, tile.vis.Lk - j * BN, tid);
     };
     if (n_blocks > 0) {
         load_k(0, tile.key_tile(0));

@@ -36,7 +36,7 @@ __device__ void fwd(const FwdParams& p) {
     load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
                                      tile.rows, tid);
     auto load_kv = [&](u32 stage, int j) {
-        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, tile.b, tile.hk, tile.vis.k_row0, tile.vis.Ek, j, tid);
+        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, tile.b, tile.hk, tile.vis.k_row0, tile.vis.Lk, j, tid);
     };
     if (n_blocks > 0) load_kv(sKV, tile.key_tile(0));
     cp_async_commit();

@@ -50,7 +50,7 @@ __device__ void fwd_sm90(const FwdParams& p) {
     // iteration ahead of its S wgmma and its V one iteration ahead of its P V wgmma (which runs in
     // iteration it + 1, under that iteration's softmax), so both tiles of tile it live in stage it & 1.
     auto load = [&](u32 s_tile, const u16* g, i64 stride, int j) {  // key tile j of K or V
-        load_tile_sw128<BN, D, NT>(s_tile, g + (i64)j * BN * stride, stride, tile.vis.Ek - j * BN, tid);
+        load_tile_sw128<BN, D, NT>(s_tile, g + (i64)j * BN * stride, stride, tile.vis.Lk - j * BN, tid);
     };
     if (n_blocks > 0) load(sKV, gk, p.k_ss, tile.key_tile(0));
     cp_async_commit();

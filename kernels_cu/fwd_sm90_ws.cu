@@ -127,26 +127,58 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             }
             const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
             const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi, ptid, T::PRODUCERS, slot_keys(qs), true);
-            load_tile_sw128<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES,
-                                                 p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh,
-                                                 p.q_ss, tile.rows, ptid);
+            // A tile whose rows are all stored comes by TMA (thread 0 issues; the others arrive), a ragged one
+            // by the zero-filling cp.async copy. The maps' batch axis: packed varlen is one batch entry.
+            const int map_b = (T::MASK & MASK_LENGTHS) && p.cu_q ? 0 : tile.b;
+            const u32 q_full = bar(T::Q_FULL, qs);
+            if (p.use_tma && tile.rows == BM) {
+                if (ptid == 0) {
+                    mbar_arrive_expect_tx(q_full, T::Q_BYTES);
+                    load_tile_tma<BM, D>(sQ + qs * T::Q_BYTES, &p.q_map, q_full, tile.h, (int)tile.row0, map_b);
+                } else {
+                    mbar_arrive(q_full);
+                }
+            } else {
+                load_tile_sw128<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES,
+                                                     p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh,
+                                                     p.q_ss, tile.rows, ptid);
+                mbar_arrive_cp_async(q_full);
+            }
             if (ptid == 0) {
                 st_shared_s32(slots + T::SLOT_BYTES * qs, item);
                 st_shared_item(slots + T::SLOT_BYTES * qs + 16, wi);
-                mbar_arrive(bar(T::Q_FULL, qs));
+                mbar_arrive(q_full);
             }
-            mbar_arrive_cp_async(bar(T::Q_FULL, qs));
             const u16* gk = p.k + tile.b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
             const u16* gv = p.v + tile.b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
             for (int it = 0; it < tile.n_blocks; ++it, ++kc) {
-                const int j = key_tile(tile, it), rows = tile.vis.Ek - j * BN;
-                const u32 s = kc & 1, empty = ((kc >> 1) & 1) ^ 1;
+                const int j = key_tile(tile, it), rows = tile.vis.Lk - j * BN;
+                const u32 s = kc & 1, empty = ((kc >> 1) & 1) ^ 1, k_full = bar(T::K_FULL, s), v_full = bar(T::V_FULL, s);
+                const int krow = (int)tile.vis.k_row0 + j * BN;
                 mbar_wait(bar(T::K_EMPTY, s), empty);
-                load_tile_sw128<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, ptid);
-                mbar_arrive_cp_async(bar(T::K_FULL, s));
+                if (p.use_tma && rows >= BN) {
+                    if (ptid == 0) {
+                        mbar_arrive_expect_tx(k_full, T::KV_BYTES);
+                        load_tile_tma<BN, D>(sK + s * T::KV_BYTES, &p.k_map, k_full, tile.hk, krow, map_b);
+                    } else {
+                        mbar_arrive(k_full);
+                    }
+                } else {
+                    load_tile_sw128<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, ptid);
+                    mbar_arrive_cp_async(k_full);
+                }
                 mbar_wait(bar(T::V_EMPTY, s), empty);
-                load_tile_sw128<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, ptid);
-                mbar_arrive_cp_async(bar(T::V_FULL, s));
+                if (p.use_tma && rows >= BN) {
+                    if (ptid == 0) {
+                        mbar_arrive_expect_tx(v_full, T::KV_BYTES);
+                        load_tile_tma<BN, D>(sV + s * T::KV_BYTES, &p.v_map, v_full, tile.hk, krow, map_b);
+                    } else {
+                        mbar_arrive(v_full);
+                    }
+                } else {
+                    load_tile_sw128<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, ptid);
+                    mbar_arrive_cp_async(v_full);
+                }
             }
             // The next item, for all four warps: thread 0 claims it and writes it to shared memory
             // (after the Q slots' items), which none of them reads before the barrier below. (Named
@@ -239,6 +271,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         fence_operand(r.o);
         if (last_pv) mbar_arrive(bar(T::V_EMPTY, sl));
         r.template store_o<BM>(p, tile, sQw, wg, w, g, t);  // O staged in this slot, then stored
+        fence_proxy_async();  // this slot's generic reads and writes before the next TMA load into it
         mbar_arrive(bar(T::Q_EMPTY, qs));
     }
     if (wg == 0) bar_wait<4, 256>();  // warpgroup 1's last "your turn"

@@ -11,7 +11,15 @@
 
 namespace frt {
 
+// A CUtensorMap (cuTensorMapEncodeTiled), encoded by the host for each call (flashrt/tma.py).
+struct alignas(64) TmaMap {
+    unsigned char bytes[128];
+};
+
 struct FwdParams {
+    // fwd_sm90_ws: q, k and v as TMA maps (wgmma.cuh: load_tile_tma), first so that they sit 64-byte
+    // aligned without padding; zero (unused) for the other forwards.
+    TmaMap q_map, k_map, v_map;
     const u16* q;
     const u16* k;
     const u16* v;
@@ -50,6 +58,7 @@ struct FwdParams {
     int mod_heads, mod_batches;
     int sched_pairs;  // fwd_sm90, fwd_sm90_ws: (batch entry, head) pairs per chunk of work items (work_item)
     int* sched;       // fwd_sm90_ws: work items claimed so far beyond the first wave (zeroed per launch)
+    int use_tma;      // fwd_sm90_ws: 1 when the maps are set (0: FLASHRT_NO_TMA, every tile by cp.async)
 };
 
 struct BwdParams {
@@ -184,6 +193,7 @@ struct QueryTile {
     // in shared memory when MASK != 0 (block_visibility), unless OWN_VIS
     typename TileVisibility<CAUSAL, MASK, OWN_VIS>::type vis;
     int h, b, hk, m0, rows, n_first, n_end, n_blocks;
+    int live;   // of the rows, those inside the sequence (padding: the rest are never read; their outputs are zeros)
     i64 row0;   // the tile's first row on the seq axis of q / out / dout / dq
     i64 stat0;  // lse / lse2 / delta index of the tile's first row
     const int* mod_list;  // MOD: this query tile's ModLists row
@@ -213,6 +223,7 @@ struct QueryTile {
         m0 = m_block * BM;
         rows = min(BM, vis.Eq - m0);  // <= 0: past a packed sequence's end, nothing to do
         row0 = vis.q_row0 + m0;
+        live = min(rows, vis.Lq - m0);
         stat0 = (i64)b * p.st_sb + (i64)h * p.st_sh + row0;
         int lo = 0, hi = 0;
         keys = nullptr;
@@ -320,7 +331,7 @@ struct QueryTile {
 };
 
 // Copy key tile j of K and V (KV head hk of batch b; the sequence's rows start at
-// k_row0, ek of them are stored) into one pipeline stage: K at sK, V right after it.
+// k_row0, the first ek of them are read, the rest are zeros) into one pipeline stage: K at sK, V right after it.
 template <int BN, int D, int NTHREADS, class P>
 FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, i64 k_row0, int ek, int j, int tid) {
     const i64 n0 = k_row0 + j * BN;
@@ -340,6 +351,7 @@ struct KeyTile {
     static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
     typename VisibilityOf<CAUSAL, MASK>::type vis;  // in shared memory when MASK != 0 (block_visibility)
     int n_block, hk, split, b, group, n0, rows;     // rows <= 0: past a packed sequence's end
+    int live;  // of the rows, the keys inside the sequence (padding: the rest are never read; their dK, dV are zeros)
     int m_first, m_count, it_begin, it_end;
     ModLists lists;
     const TileIntervals<BN>* queries;  // IDS: each key's visible queries (Visibility::queries_of)
@@ -355,6 +367,7 @@ struct KeyTile {
         group = p.H / p.Hkv;
         n0 = n_block * BN;
         rows = min(BN, vis.Ek - n0);
+        live = min(rows, vis.Lk - n0);
         m_first = m_count = it_begin = it_end = 0;
         queries = nullptr;
         if (rows <= 0) return;  // (the launcher uses one split when varlen: no partials to write)
@@ -432,10 +445,11 @@ struct KeyTile {
 // One compiled variant: a plain extern "C" entry named FRT_KERNEL_NAME whose
 // template arguments come from the -D defines of flashrt/spec.py. FRT_MIN_BLOCKS, the
 // blocks per SM in the launch bounds, is 1 unless a tiling asks for more (tiles.py):
-// left to itself ptxas capped registers to raise occupancy, and spilled.
+// left to itself ptxas capped registers to raise occupancy, and spilled. The params are
+// __grid_constant__, so that a kernel can take a field's address (fwd_sm90_ws's TMA maps) without a copy.
 #define FRT_ENTRY(TRAITS, BODY, PARAMS)                                                              \
     typedef frt::TRAITS<FRT_HEAD_DIM, FRT_BLOCK_M, FRT_BLOCK_N, FRT_WARPS, FRT_BF16, FRT_CAUSAL> FrtTraits; \
     static_assert(FrtTraits::SMEM == FRT_SMEM_BYTES, "launcher and kernel disagree on dynamic shared memory"); \
-    extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, FRT_MIN_BLOCKS) FRT_KERNEL_NAME(const frt::PARAMS p) {  \
+    extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, FRT_MIN_BLOCKS) FRT_KERNEL_NAME(const __grid_constant__ frt::PARAMS p) {  \
         frt::BODY<FrtTraits>(p);                                                                      \
     }

@@ -96,6 +96,23 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
     }
 }
 
+// The same sw128 tile by TMA (cp.async.bulk.tensor): one 64-column x ROWS-row box per column block
+// from `map`, a CUtensorMap of a (B, S, H, D) tensor (dims D, H, S, B; box 64 x 1 x ROWS x 1; 128-byte
+// swizzle, which is the sw128 layout: chunk c of row r at c ^ (r % 8), from a 1024-byte-aligned
+// start), at (head h, seq row `row`, batch entry b). One thread issues; the boxes complete the mbarrier
+// `bar` by their bytes, which that thread announced first (mbar_arrive_expect_tx). `map` is the address of a
+// __grid_constant__ kernel parameter.
+template <int ROWS, int COLS>
+FRT_DEVICE void load_tile_tma(u32 s_tile, const void* map, u32 bar, int h, int row, int b) {
+    static_assert(COLS % kBlockCols == 0 && ROWS <= 256, "TMA boxes: whole 64-column blocks, at most 256 rows");
+#pragma unroll
+    for (int cb = 0; cb < COLS / kBlockCols; ++cb)
+        asm volatile(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+            :: "r"(s_tile + cb * ROWS * kSwizzleBytes), "l"(map), "r"(cb * kBlockCols), "r"(h), "r"(row), "r"(b), "r"(bar)
+            : "memory");
+}
+
 // A whole tile (the probes have no ragged edges).
 template <int ROWS, int COLS, int NTHREADS>
 FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int tid) {
@@ -234,6 +251,10 @@ FRT_DEVICE void mbar_arrive(u32 bar) {
 // towards the barrier's expected arrivals).
 FRT_DEVICE void mbar_arrive_cp_async(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+// One arrival that also makes the phase wait for `bytes` more of transactions (TMA loads' complete_tx).
+FRT_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
 }
 FRT_DEVICE void mbar_wait(u32 bar, u32 parity) {
     asm volatile(

@@ -215,6 +215,30 @@ def test_mask_matches_float64_reference(cupy, poison, case):  # noqa: F811
     assert float(cupy.abs(f64(dq)[rows]).sum()) == 0.0
 
 
+@pytest.mark.parametrize("D,causal,no_sm90", [(64, False, "0"), (128, True, "0"), (128, False, "1"), (256, True, "0")])
+def test_padding_reads_nothing_past_the_lengths(cupy, poison, monkeypatch, D, causal, no_sm90):  # noqa: F811
+    """Padded positions (past seqlens_q / seqlens_k) may hold anything, NaN included (a KV cache from torch.empty):
+    the forward and every backward impl give what they give on clean inputs, zeros past the lengths. head_dim 64 /
+    128: the warp-specialised forward (tiles by TMA, the key tile at a length by cp.async), 256: fwd_sm90, and the
+    mma.sync kernels with FLASHRT_NO_SM90=1."""
+    monkeypatch.setenv("FLASHRT_NO_SM90", no_sm90)
+    B, Sq, Sk, H, Hkv = 3, 300, 333, 4, 2
+    lq, lk = np.array([300, 129, 1], np.int32), np.array([333, 200, 65], np.int32)
+    kw = _on_device(dict(seqlens_q=lq, seqlens_k=lk))
+    q, k, v, do = _inputs(cupy, (B, Sq, H, D), (B, Sk, Hkv, D), "bf16", 7 + D)
+    keep = reference.visible(B, Sq, Sk, causal=causal, xp=cupy, heads=H, **kw)
+    ro, rlse, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+    for x, lengths in ((q, lq), (do, lq), (k, lk), (v, lk)):
+        for b in range(B):
+            x.view(cupy.uint16)[b, lengths[b]:] = 0x7FC0  # bf16 NaN
+    out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
+    _check(cupy, "out", out, ro, TOL["bf16"])
+    for impl, det in _impls(kw):
+        got = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, deterministic=det, **kw)
+        for name, x, r in zip(("dq", "dk", "dv"), got, (rdq, rdk, rdv)):
+            _check(cupy, f"{impl}{' det' if det else ''} {name}", x, r, TOL["bf16"])
+
+
 def _pack(cupy, x, lengths):
     return cupy.concatenate([x[b, :n] for b, n in enumerate(lengths)])
 

@@ -166,7 +166,8 @@ def test_arch_for():
 
 
 _C_TYPES = {"u8*": np.uint64, "const u16*": np.uint64, "u16*": np.uint64, "const float*": np.uint64, "float*": np.uint64,
-            "int*": np.uint64, "const int*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32}
+            "int*": np.uint64, "const int*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32,
+            "TmaMap": params._MAP}
 
 
 def _header_fields(struct: str) -> list[tuple[str, type]]:
@@ -219,12 +220,15 @@ def test_pack_lays_fields_out_as_the_struct(dtype):
     for i, name in enumerate(dtype.names):
         kind = dtype.fields[name][0]
         values[name] = (0.5 + i) if kind == np.float32 else (-(i + 1) if kind != np.uint64 else 2**40 + i)
+        if kind == params._MAP:
+            values[name] = bytes(range(i, i + 128))
     del values[dtype.names[3]]  # a missing field is 0
     packed = params.pack(dtype, values)
     assert packed.dtype.itemsize == dtype.itemsize and packed.dtype.names is None and packed.size == 1
     fields = packed.view(dtype)[0]
     for name in dtype.names:
-        assert fields[name] == values.get(name, 0), name
+        want = values.get(name, 0)
+        assert (fields[name].tobytes() == want) if isinstance(want, bytes) else (fields[name] == want), name
 
 
 def test_driver_older_than_nvrtc_is_refused_with_the_extra_to_install():
