@@ -20,7 +20,6 @@ from .interop import Array
 from .spec import ELEMENTWISE
 
 _LOG2E = 1.4426950408889634
-TMA_STORE_MAX_SK = 2048  # fwd_sm90_ws stores O by TMA up to this many keys (see _forward_plan)
 
 
 def _check_tensor(a: Array, name: str, rank: int) -> None:
@@ -247,13 +246,9 @@ def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dic
     if spec.family == "fwd_sm90_ws":  # its work-item counter, zeroed for the launch; its TMA maps of q, k, v
         allocs.append(_Alloc(("sched",), (1,), "i32", 0))
         if not _env.no_tma():
-            # O by TMA too where items are short: 1% faster causal at S = 512-2k, 2-5% slower at 8k, where the
-            # stores contend with the loads (docs/perf-notes.md, session 18)
-            p["use_tma"] = 1 | (2 if m.Sk <= TMA_STORE_MAX_SK else 0)
-            O4 = dataclasses.replace(Q4, strides=_contiguous_strides(Q4.shape))  # out: a new array like q
+            p["use_tma"] = 1
             maps = [(0, f"{n}_map", n, tma.TileMap(n, a.shape, a.strides, rows))
-                    for n, a, rows in (("q", Q4, spec.block_m), ("k", K4, spec.block_n), ("v", V4, spec.block_n),
-                                       ("o", O4, 64))]  # (o: each consumer warpgroup's 64 rows)
+                    for n, a, rows in (("q", Q4, spec.block_m), ("k", K4, spec.block_n), ("v", V4, spec.block_n))]
     inputs = ("q", "k", "v", *(f for f, _ in _mask_arrays(mask_args)))
     structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count),
                                                                                  0)], ()
@@ -521,11 +516,6 @@ def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, validat
             _PLANS[key] = plan
         result = plan.run(tensors)
     return result
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    """Element strides of a new contiguous array of `shape`."""
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 def _contiguous_fields(prefix: str, shape: tuple) -> dict:

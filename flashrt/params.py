@@ -29,7 +29,7 @@ _MOD = ([(n, _PTR) for n in ("mod_map", "mod_rows", "mod_rows_count", "mod_cols"
         + [("mod_heads", _I32), ("mod_batches", _I32)])
 
 FWD = np.dtype(
-    [(n, _MAP) for n in ("q_map", "k_map", "v_map", "o_map")]
+    [(n, _MAP) for n in ("q_map", "k_map", "v_map")]
     + [(n, _PTR) for n in ("q", "k", "v", "o", "lse")]
     + _MASK_PTRS
     + _strides("q", "k", "v", "o")

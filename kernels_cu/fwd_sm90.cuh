@@ -175,24 +175,17 @@ struct FwdRows {
     // head_dim 128).
     template <int BM, class Tile>
     FRT_DEVICE void store_o(const FwdParams& p, const Tile& tile, u32 sQw, int wg, int w, int g, int t) {
-        stage_o<BM, false>(sQw, wg, w, g, t);
-        sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss,
-                                    sQw, tile.rows - 64 * wg, threadIdx.x & 127);
-    }
-    // O normalised and staged into this warpgroup's 64 rows of the sw128 tile at sQw, for the warpgroup's
-    // threads (after its barrier) or, TMA_READS, for a TMA store (the writes fenced for the async proxy).
-    template <int BM, bool TMA_READS>
-    FRT_DEVICE void stage_o(u32 sQw, int wg, int w, int g, int t) {
 #pragma unroll
         for (int jj = 0; jj < D / 8; ++jj)
 #pragma unroll
             for (int c = 0; c < 4; ++c) o[4 * jj + c] *= row_sum[c >> 1];
         acc_to_sw128<BM, D, BF16>(sQw, o, 1.f, w, g, t);
-        if constexpr (TMA_READS) fence_proxy_async();
         if (wg == 0)
             warpgroup_bar<1>();
         else
             warpgroup_bar<2>();
+        sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss,
+                                    sQw, tile.rows - 64 * wg, threadIdx.x & 127);
     }
     template <int BM, class Tile>
     FRT_DEVICE void store(const FwdParams& p, const Tile& tile, u32 sQw, int wg, int w, int g, int t) {

@@ -18,8 +18,7 @@
 // 128-byte-swizzled tiles (wgmma.cuh): a tile whose rows all lie inside the sequence by TMA (one thread
 // issues, the mbarrier completes on the bytes: session 18, 6-7% faster than cp.async), a ragged one by
 // cp.async (its 128 threads' `cp.async.mbarrier.arrive.noinc`). The consumers hand a buffer back by
-// arriving on its "empty" mbarrier; they store O by TMA too where the launch's items are short (api.py:
-// TMA_STORE_MAX_SK). The producer runs up to two key tiles ahead, and into the next item: its Q
+// arriving on its "empty" mbarrier. The producer runs up to two key tiles ahead, and into the next item: its Q
 // lands in the other slot while the consumers finish the current one.
 // Each consumer warpgroup runs fwd_sm90.cu's loop (S = Q K^T of tile it and O += P V of tile
 // it - 1 issued together, tile it's softmax under the P V wgmma), and the two warpgroups issue
@@ -272,18 +271,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         wgmma_wait<0>();
         fence_operand(r.o);
         if (last_pv) mbar_arrive(bar(T::V_EMPTY, sl));
-        // O staged in this slot, then stored: a whole tile by TMA (each warpgroup's 64 rows from one thread,
-        // which waits for the reads before the slot goes back), else by the warpgroup's threads.
-        if ((p.use_tma & 2) && tile.rows == BM) {
-            r.template stage_o<BM, true>(sQw, wg, w, g, t);
-            if ((tid & 127) == 0) {
-                const int map_b = (T::MASK & MASK_LENGTHS) && p.cu_q ? 0 : tile.b;
-                store_tile_tma<BM, D, 64>(sQw, &p.o_map, tile.h, (int)tile.row0 + 64 * wg, map_b);
-                bulk_wait_read();
-            }
-        } else {
-            r.template store_o<BM>(p, tile, sQw, wg, w, g, t);
-        }
+        r.template store_o<BM>(p, tile, sQw, wg, w, g, t);  // O staged in this slot, then stored
         fence_proxy_async();  // this slot's generic reads and writes before the next TMA load into it
         mbar_arrive(bar(T::Q_EMPTY, qs));
     }

@@ -17,9 +17,9 @@ struct alignas(64) TmaMap {
 };
 
 struct FwdParams {
-    // fwd_sm90_ws: q, k and v as TMA maps (wgmma.cuh: load_tile_tma) and o (store_tile_tma), first so that
-    // they sit 64-byte aligned without padding; zero (unused) for the other forwards.
-    TmaMap q_map, k_map, v_map, o_map;
+    // fwd_sm90_ws: q, k and v as TMA maps (wgmma.cuh: load_tile_tma), first so that they sit 64-byte
+    // aligned without padding; zero (unused) for the other forwards.
+    TmaMap q_map, k_map, v_map;
     const u16* q;
     const u16* k;
     const u16* v;
@@ -58,7 +58,7 @@ struct FwdParams {
     int mod_heads, mod_batches;
     int sched_pairs;  // fwd_sm90, fwd_sm90_ws: (batch entry, head) pairs per chunk of work items (work_item)
     int* sched;       // fwd_sm90_ws: work items claimed so far beyond the first wave (zeroed per launch)
-    int use_tma;      // fwd_sm90_ws: bit 0, loads by TMA (the maps are set; 0: FLASHRT_NO_TMA, cp.async); bit 1, O too
+    int use_tma;      // fwd_sm90_ws: 1 when the maps are set (0: FLASHRT_NO_TMA, every tile by cp.async)
 };
 
 struct BwdParams {

@@ -113,22 +113,6 @@ FRT_DEVICE void load_tile_tma(u32 s_tile, const void* map, u32 bar, int h, int r
             : "memory");
 }
 
-// The other way: TILE_ROWS x COLS of a sw128 tile of ROWS rows (s_rows: its first row; rows stored
-// contiguously in each column block) to global memory by TMA, one box per column block, from one
-// thread, as one bulk group; the caller made the tile's shared writes visible to the async proxy
-// (fence_proxy_async, then a barrier) and waits for the reads (bulk_wait_read) before reusing it.
-template <int ROWS, int COLS, int TILE_ROWS>
-FRT_DEVICE void store_tile_tma(u32 s_rows, const void* map, int h, int row, int b) {
-#pragma unroll
-    for (int cb = 0; cb < COLS / kBlockCols; ++cb)
-        asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
-                     :: "l"(map), "r"(cb * kBlockCols), "r"(h), "r"(row), "r"(b), "r"(s_rows + cb * ROWS * kSwizzleBytes)
-                     : "memory");
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-// This thread's bulk stores have read their shared memory.
-FRT_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-
 // A whole tile (the probes have no ragged edges).
 template <int ROWS, int COLS, int NTHREADS>
 FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int tid) {
