@@ -80,6 +80,27 @@ FRT_DEVICE int key_tile(const Tile& tile, int it) {
     return Tile::ROW_LIMIT ? tile.n_first + it : tile.key_tile(it);
 }
 
+// A producer's fill of one ROWS x D tile at s_tile, completing the mbarrier `full` (one arrival per producer):
+// by TMA from `map` at (head h, row, batch entry b) when by_tma (all its rows inside the sequence: thread 0
+// issues and announces the bytes, the others arrive), else by the zero-filling cp.async copy of its first
+// `rows` rows from g (row stride `stride`).
+template <int ROWS, int D, int PRODUCERS>
+FRT_DEVICE void fill_tile(u32 s_tile, u32 full, bool by_tma, const void* map, int h, int row, int b, const u16* g,
+                          i64 stride, int rows, int ptid) {
+    using namespace sm90;
+    if (by_tma) {
+        if (ptid == 0) {
+            mbar_arrive_expect_tx(full, ROWS * D * 2);
+            load_tile_tma<ROWS, D>(s_tile, map, full, h, row, b);
+        } else {
+            mbar_arrive(full);
+        }
+    } else {
+        load_tile_sw128<ROWS, D, PRODUCERS>(s_tile, g, stride, rows, ptid);
+        mbar_arrive_cp_async(full);
+    }
+}
+
 template <class T>
 __device__ void fwd_sm90_ws(const FwdParams& p) {
     using namespace sm90;
@@ -128,23 +149,12 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             }
             const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
             const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi, ptid, T::PRODUCERS, slot_keys(qs), true);
-            // A tile whose rows are all stored comes by TMA (thread 0 issues; the others arrive), a ragged one
-            // by the zero-filling cp.async copy. The maps' batch axis: packed varlen is one batch entry.
-            const int map_b = (T::MASK & MASK_LENGTHS) && p.cu_q ? 0 : tile.b;
+            const int map_b = (T::MASK & MASK_LENGTHS) && p.cu_q ? 0 : tile.b;  // packed varlen: one batch entry
             const u32 q_full = bar(T::Q_FULL, qs);
-            if (p.use_tma && tile.rows == BM) {
-                if (ptid == 0) {
-                    mbar_arrive_expect_tx(q_full, T::Q_BYTES);
-                    load_tile_tma<BM, D>(sQ + qs * T::Q_BYTES, &p.q_map, q_full, tile.h, (int)tile.row0, map_b);
-                } else {
-                    mbar_arrive(q_full);
-                }
-            } else {
-                load_tile_sw128<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES,
-                                                     p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh,
-                                                     p.q_ss, tile.rows, ptid);
-                mbar_arrive_cp_async(q_full);
-            }
+            fill_tile<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES, q_full, p.use_tma && tile.rows == BM, &p.q_map, tile.h,
+                                           (int)tile.row0, map_b,
+                                           p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
+                                           tile.rows, ptid);
             if (ptid == 0) {
                 st_shared_s32(slots + T::SLOT_BYTES * qs, item);
                 st_shared_item(slots + T::SLOT_BYTES * qs + 16, wi);
@@ -156,30 +166,13 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                 const int j = key_tile(tile, it), rows = tile.vis.Lk - j * BN;
                 const u32 s = kc & 1, empty = ((kc >> 1) & 1) ^ 1, k_full = bar(T::K_FULL, s), v_full = bar(T::V_FULL, s);
                 const int krow = (int)tile.vis.k_row0 + j * BN;
+                const bool by_tma = p.use_tma && rows >= BN;
                 mbar_wait(bar(T::K_EMPTY, s), empty);
-                if (p.use_tma && rows >= BN) {
-                    if (ptid == 0) {
-                        mbar_arrive_expect_tx(k_full, T::KV_BYTES);
-                        load_tile_tma<BN, D>(sK + s * T::KV_BYTES, &p.k_map, k_full, tile.hk, krow, map_b);
-                    } else {
-                        mbar_arrive(k_full);
-                    }
-                } else {
-                    load_tile_sw128<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, ptid);
-                    mbar_arrive_cp_async(k_full);
-                }
+                fill_tile<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, k_full, by_tma, &p.k_map, tile.hk, krow, map_b,
+                                               gk + (i64)j * BN * p.k_ss, p.k_ss, rows, ptid);
                 mbar_wait(bar(T::V_EMPTY, s), empty);
-                if (p.use_tma && rows >= BN) {
-                    if (ptid == 0) {
-                        mbar_arrive_expect_tx(v_full, T::KV_BYTES);
-                        load_tile_tma<BN, D>(sV + s * T::KV_BYTES, &p.v_map, v_full, tile.hk, krow, map_b);
-                    } else {
-                        mbar_arrive(v_full);
-                    }
-                } else {
-                    load_tile_sw128<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, ptid);
-                    mbar_arrive_cp_async(v_full);
-                }
+                fill_tile<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, v_full, by_tma, &p.v_map, tile.hk, krow, map_b,
+                                               gv + (i64)j * BN * p.v_ss, p.v_ss, rows, ptid);
             }
             // The next item, for all four warps: thread 0 claims it and writes it to shared memory
             // (after the Q slots' items), which none of them reads before the barrier below. (Named
