@@ -242,9 +242,9 @@ def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dic
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     if spec.family in ("fwd_sm90", "fwd_sm90_ws"):
         p["sched_pairs"] = launch.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
-    maps = []
-    if spec.family == "fwd_sm90_ws":  # its work-item counter, zeroed for the launch; its TMA maps of q, k, v
-        allocs.append(_Alloc(("sched",), (1,), "i32", 0))
+    maps, counter = [], None
+    if spec.family == "fwd_sm90_ws":  # its work-item counter (launch.sched_counter); its TMA maps of q, k, v
+        counter = (0, "sched")
         if not _env.no_tma():
             p["use_tma"] = 1
             maps = [(0, f"{n}_map", n, tma.TileMap(n, a.shape, a.strides, rows))
@@ -256,7 +256,7 @@ def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dic
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, (spec, "mask_rows")))
     return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep,
-                 maps=maps)
+                 maps=maps, counter=counter)
 
 
 forward.__doc__ += MASK_DOC
@@ -322,6 +322,9 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else launch.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
+    if m.causal:  # the causal blocks' order (kernels_cu/params.cuh: query_block, key_block)
+        p["sched_pairs"] = launch.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
+        p["sched_key_pairs"] = launch.key_item_chunk(dev, m.B, m.Sq, D, H, Hkv, splits)
     if splits > 1:
         scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * D))
     if impl == "fused":
@@ -395,10 +398,12 @@ class _Plan:
     their params fields) and the allocations' parts (named by _Alloc.fields). A field takes the
     source of its own name unless `links` maps it to another (mask_classify's mod_map: one per tiling).
     maps: (struct index, field, input, tma.TileMap) of each TMA map, written at each call from its input's address.
+    counter: (struct index, field) of fwd_sm90_ws's work-item counter, written at each call: the stream's
+    (launch.sched_counter), or a zeroed one of the call's own while the stream is captured.
     """
 
     def __init__(self, structs: list, inputs: tuple, allocs: list, launches: list, dev, reusable: bool = True,
-                 keep=(), maps=()):
+                 keep=(), maps=(), counter=None):
         sources = list(inputs)
         self.alloc_parts = []  # (array index, byte offset) of each source after the inputs
         for i, a in enumerate(allocs):
@@ -412,6 +417,7 @@ class _Plan:
             self.patches += [(b, dtype.fields[f][1], index[links.get(f, f)]) for f in dtype.names
                              if links.get(f, f) in index]
         self.maps = [(b, structs[b][0].fields[field][1], index[source], tile_map) for b, field, source, tile_map in maps]
+        self.counter = None if counter is None else (counter[0], structs[counter[0]][0].fields[counter[1]][1])
         self.aligned = tuple(i for i, n in enumerate(inputs) if n in _ALIGNED)
         self.like = inputs.index("q") if "q" in inputs else 0  # outputs follow q's library and device
         self.allocs = [(a.shape, a.kind, a.fill) for a in allocs]  # interop.new_many's specs
@@ -435,7 +441,14 @@ class _Plan:
             _PTR.pack_into(structs[b], off, ptrs[j])
         for b, off, j, tile_map in self.maps:
             tile_map.write(ptrs[j], ctypes.addressof(structs[b]) + off)
-        self.launches.launch(interop.stream(like))
+        stream = interop.stream(like)
+        if self.counter is not None:
+            counter = launch.sched_counter(self.dev, stream)
+            if counter is None:  # captured: freed with `own` in the stream's order, after the launch
+                own = interop.new_many(like, [((1,), "i32", 0)])[0]
+                counter = interop.data_ptr(own)
+            _PTR.pack_into(structs[self.counter[0]], self.counter[1], counter)
+        self.launches.launch(stream)
         return arrays
 
 

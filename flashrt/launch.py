@@ -128,6 +128,17 @@ def item_chunk(dev: Device, B: int, Sk: int, head_dim: int, H: int, Hkv: int) ->
     return min(_cdiv(even, group) * group, pairs)
 
 
+def key_item_chunk(dev: Device, B: int, Sq: int, head_dim: int, H: int, Hkv: int, splits: int) -> int:
+    """(batch entry, grid row) pairs per chunk of a causal key-parallel launch's blocks (kernels_cu/params.cuh:
+    key_block; a grid row is a KV head and split): at most as many as have the query rows they read (q and
+    dout of the KV head's group, bf16 / fp16) in half of the L2 cache, in chunks of equal size (item_chunk's
+    rule, with the roles of queries and keys swapped)."""
+    pairs = B * Hkv * splits
+    per_pair = max(1, 4 * max(Sq, 1) * head_dim * (H // Hkv) // splits)
+    most = min(max(1, dev.l2_bytes // 2 // per_pair), pairs)
+    return _cdiv(pairs, _cdiv(pairs, most))
+
+
 # fp32 dK/dV partials of a split dK/dV pass are bounded by this many bytes.
 DKDV_PARTIAL_LIMIT = 256 * 2**20
 
@@ -272,3 +283,29 @@ class Sequence:
 
 
 _ONE_POINTER = ctypes.c_void_p * 1
+
+_SCHED: dict = {}  # (device index, raw stream handle) -> address of fwd_sm90_ws's work-item counter
+
+
+def sched_counter(dev: Device, stream: int) -> int | None:
+    """The work-item counter of fwd_sm90_ws's launches on `stream` (kernels_cu/fwd_sm90_ws.cu): 4 bytes of device
+    memory of this module's, zeroed once in the stream's order and never freed. Each launch's last claim sets it
+    back to zero, and launches on one stream run one after another, so no launch needs a fill of its own (a fill
+    kernel and its gap cost ~2.5 us a call). (A destroyed stream's handle is released only after its work is
+    done, so a later stream with the same handle finds the counter at zero.)
+
+    None while the stream is being captured into a CUDA graph: a graph may be replayed on any stream, beside
+    other launches, so a captured launch takes a zeroed counter of its own (api._Plan.run).
+    """
+    cupy, _ = _cuda()
+    # (0 and 1 are the legacy stream: never captured, and querying it during another capture is an error.)
+    if stream > 1 and cupy.cuda.runtime.streamIsCapturing(stream):
+        return None
+    key = (dev.index, stream)
+    ptr = _SCHED.get(key)
+    if ptr is None:
+        with cupy.cuda.Device(dev.index):
+            ptr = cupy.cuda.runtime.malloc(4)
+            cupy.cuda.runtime.memsetAsync(ptr, 0, 4, stream)
+        ptr = _SCHED.setdefault(key, ptr)
+    return ptr

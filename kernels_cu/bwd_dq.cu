@@ -22,7 +22,7 @@ __device__ void bwd_dq(const BwdParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, T::NTHREADS);
+    const QueryTile<BM, BN, T::CAUSAL, T::MASK> tile(p, query_block<T::CAUSAL, true>(p), tid, T::NTHREADS);
     if (tile.rows <= 0) return;
     const int m0 = tile.m0, h = tile.h, b = tile.b;
 

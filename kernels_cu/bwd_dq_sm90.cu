@@ -138,7 +138,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     using Tile = QueryTile<BM, BN, T::CAUSAL, T::MASK>;
-    const Tile tile(p, tid, NT);
+    const Tile tile(p, query_block<T::CAUSAL, FRT_MIN_BLOCKS == 1>(p), tid, NT);
     if (tile.rows <= 0) return;
     const int n_blocks = tile.n_blocks, b = tile.b, h = tile.h;
 

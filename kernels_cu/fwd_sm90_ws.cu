@@ -8,11 +8,11 @@
 // registers from the producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS).
 // One block per SM loops over work items (params.cuh: work_item, 128-row query tiles ordered for L2
 // and causal balance): block k starts with item k, and the producer claims each later item from a
-// counter in global memory (p.sched, zeroed for each launch) once it has issued the current item's
-// last K / V tile, so that blocks take items greedily in that order, as the hardware hands out blocks
-// (a static round-robin was 6% slower at 2k causal: docs/perf-notes.md, session 10; every earlier claim
-// measured slower, sessions 11, 16 and 17). The producer decodes each item (WorkItem) for the consumers,
-// beside the item in shared memory.
+// counter in global memory (p.sched: zero at the launch, set back to zero by its last claim) once it
+// has issued the current item's last K / V tile, so that blocks take items greedily in that order, as
+// the hardware hands out blocks (a static round-robin was 6% slower at 2k causal: docs/perf-notes.md,
+// session 10; every earlier claim measured slower, sessions 11, 16 and 17). The producer decodes each
+// item (WorkItem) for the consumers, beside the item in shared memory.
 //
 // The producer issues every load into a ring of two Q slots, two K stages and two V stages of
 // 128-byte-swizzled tiles (wgmma.cuh): a tile whose rows all lie inside the sequence by TMA (one thread
@@ -177,7 +177,13 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             // The next item, for all four warps: thread 0 claims it and writes it to shared memory
             // (after the Q slots' items), which none of them reads before the barrier below. (Named
             // barrier 6 is the producers' own: QueryTile's search of the id arrays uses it too.)
-            if (ptid == 0) st_shared_s32(slots + T::CLAIMED, atomicAdd(p.sched, 1) + (int)gridDim.x);
+            // A launch makes n_items claims in all (each block's last one finds no item): the last claim sets the
+            // counter back to 0 for the next launch on this stream (launch.sched_counter).
+            if (ptid == 0) {
+                const int c = atomicAdd(p.sched, 1);
+                if (c == n_items - 1) atomicExch(p.sched, 0);
+                st_shared_s32(slots + T::CLAIMED, c + (int)gridDim.x);
+            }
             bar_wait<6, T::PRODUCERS>();
             item = ld_shared_s32(slots + T::CLAIMED);
             bar_wait<6, T::PRODUCERS>();  // (read by all before thread 0's next write)

@@ -57,7 +57,7 @@ struct FwdParams {
     const int* mod_t3;
     int mod_heads, mod_batches;
     int sched_pairs;  // fwd_sm90, fwd_sm90_ws: (batch entry, head) pairs per chunk of work items (work_item)
-    int* sched;       // fwd_sm90_ws: work items claimed so far beyond the first wave (zeroed per launch)
+    int* sched;       // fwd_sm90_ws: work items claimed so far beyond the first wave (0 at the start and the end)
     int use_tma;      // fwd_sm90_ws: 1 when the maps are set (0: FLASHRT_NO_TMA, every tile by cp.async)
 };
 
@@ -77,6 +77,8 @@ struct BwdParams {
     float* dq_accum;     // fused backward: fp32 (B, H, Sq, D) unscaled dQ, zeroed by bwd_preprocess
     int* dq_sem;         // fused + deterministic: (B, H, ceil(Sq/BM)) key tiles added so far, zeroed
     int splits;          // blocks that share one key tile's (query head, query tile) pairs
+    int sched_pairs;     // causal bwd_dq: (batch entry, head) pairs per chunk of blocks (query_block); 0: none
+    int sched_key_pairs; // causal key-parallel kernels: (batch entry, grid row) pairs per chunk (key_block); 0: none
     // Masks (kernels_cu/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
     // offsets, (B, S) or packed (total,) non-decreasing ids.
     const int* seqlens_q;
@@ -164,21 +166,47 @@ template <class P>
 FRT_DEVICE WorkItem make_work_item(const P& p, int m, int h, int b) {
     return {m, h, b, h / (p.H / p.Hkv)};
 }
+// The order itself, for n_t tiles of each of n_pairs pairs in chunks of `chunk` pairs: item -> (t, pair),
+// t = 0 the heaviest tile when causal (the caller maps t to its tile).
+struct ChunkedItem {
+    int t, pair;
+};
+template <bool CAUSAL>
+FRT_DEVICE ChunkedItem chunked_order(int item, int n_t, int n_pairs, int chunk) {
+    const int per_chunk = n_t * chunk, c = item / per_chunk;
+    const int first = c * chunk, pairs = min(chunk, n_pairs - first);
+    const int r = item - c * per_chunk;
+    if (CAUSAL && first + pairs < n_pairs) {  // a causal chunk before the last: pair-major
+        const int in_chunk = r / n_t;
+        return {r - in_chunk * n_t, first + in_chunk};
+    }
+    const int t = r / pairs;
+    return {t, first + r - t * pairs};
+}
 template <bool CAUSAL, class P>
 FRT_DEVICE WorkItem work_item(const P& p, int item, int n_m) {
-    const int per_chunk = n_m * p.sched_pairs, chunk = item / per_chunk;
-    const int first = chunk * p.sched_pairs, pairs = min(p.sched_pairs, p.B * p.H - first);
-    const int r = item - chunk * per_chunk;
-    int mi, pair;
-    if (CAUSAL && first + pairs < p.B * p.H) {  // a causal chunk before the last: pair-major
-        const int in_chunk = r / n_m;
-        pair = first + in_chunk;
-        mi = r - in_chunk * n_m;
-    } else {
-        mi = r / pairs;
-        pair = first + r - mi * pairs;
+    const ChunkedItem c = chunked_order<CAUSAL>(item, n_m, p.B * p.H, p.sched_pairs);
+    return make_work_item(p, CAUSAL ? n_m - 1 - c.t : c.t, c.pair % p.H, c.pair / p.H);
+}
+
+// The blocks of the backward's grids (x: the tile; y, z: the pair), which the hardware starts in the order
+// of their linear index: causal, with p.sched_pairs / p.sched_key_pairs set, in chunked_order (the last
+// chunk heaviest tile first: fewer SMs idle behind a heavy block at the launch's end); else a pair's tiles
+// in a row, heaviest first when causal (and where ORDER is false: the decode's registers spilled the head_dim
+// 64 dQ at two blocks per SM, 5% slower; and fwd.cu, 8 bytes of spills with lengths at head_dim 128).
+FRT_DEVICE int linear_block() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
+template <bool CAUSAL, bool ORDER, class P>
+FRT_DEVICE WorkItem query_block(const P& p) {
+    if (CAUSAL && ORDER && p.sched_pairs > 0) return work_item<true>(p, linear_block(), gridDim.x);
+    return make_work_item(p, CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+}
+template <bool CAUSAL>
+FRT_DEVICE int3 key_block(int chunk) {
+    if (CAUSAL && chunk > 0) {
+        const ChunkedItem c = chunked_order<true>(linear_block(), gridDim.x, gridDim.y * gridDim.z, chunk);
+        return make_int3(c.t, c.pair % gridDim.y, c.pair / gridDim.y);
     }
-    return make_work_item(p, CAUSAL ? n_m - 1 - mi : mi, pair % p.H, pair / p.H);
+    return make_int3(blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 // The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid
@@ -200,7 +228,7 @@ struct QueryTile {
     const TileIntervals<BM>* keys;  // IDS: each row's visible keys (Visibility::keys_of)
 
     // The block's tile of grid (ceil(Sq/BM), H, B). Causal: the last query tiles see the most
-    // keys; they come first.
+    // keys; they come first. (bwd_dq's kernels take query_block's order instead.)
     template <class P>
     FRT_DEVICE QueryTile(const P& p, int tid, int nthreads)
         : QueryTile(p, CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, tid, nthreads) {}
@@ -361,9 +389,14 @@ struct KeyTile {
         bool partial;  // some pair of the two tiles is not visible: the element mask runs
     };
 
+    // The block's tile (key_block: causal, key tile 0 sees the most queries).
     template <class P>
-    FRT_DEVICE KeyTile(const P& p, int tid, int nthreads) : vis(block_visibility<CAUSAL, MASK>(p, blockIdx.z)) {
-        n_block = blockIdx.x, hk = blockIdx.y % p.Hkv, split = blockIdx.y / p.Hkv, b = blockIdx.z;
+    FRT_DEVICE KeyTile(const P& p, int tid, int nthreads) : KeyTile(p, key_block<CAUSAL>(p.sched_key_pairs), tid, nthreads) {}
+
+    // Key tile blk.x of grid row blk.y (KV head and split) of batch entry blk.z.
+    template <class P>
+    FRT_DEVICE KeyTile(const P& p, int3 blk, int tid, int nthreads) : vis(block_visibility<CAUSAL, MASK>(p, blk.z)) {
+        n_block = blk.x, hk = blk.y % p.Hkv, split = blk.y / p.Hkv, b = blk.z;
         group = p.H / p.Hkv;
         n0 = n_block * BN;
         rows = min(BN, vis.Ek - n0);

@@ -162,6 +162,36 @@ def test_forward_over_several_l2_chunks(torch, poison, D, causal):
     assert reference.rel_error(f64(out), ro) < 2e-2
     assert float(cupy.abs(f64(lse) - rlse).max()) < 1e-3
 
+def test_work_item_counter_is_ready_for_every_launch(torch, poison):
+    """fwd_sm90_ws claims work items from one counter per stream, which each launch's last claim sets back
+    to zero (launch.sched_counter): launches back to back on one stream, with different item counts, and on
+    two streams at once must each do every item once (the poisoned outputs show an item left out)."""
+    import ctypes
+    import cupy
+    cases = [(4, 1000, 8, 2, 128, True), (1, 200, 4, 4, 64, False), (3, 700, 16, 4, 64, True), (2, 1024, 16, 16, 128, False)]
+    inputs = [make_inputs(torch, B, S, S, H, Hkv, D, "bf16", seed=40 + i) for i, (B, S, H, Hkv, D, _) in enumerate(cases)]
+    torch.cuda.synchronize()
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    results = []
+    for _ in range(2):  # every case twice on each stream, without a sync in between
+        for stream in streams:
+            with stream:
+                for (q, k, v, _), c in zip(inputs, cases):
+                    out, lse = flashrt.forward(*(cupy.from_dlpack(x) for x in (q, k, v)), causal=c[-1])
+                    results.append((q, k, v, c[-1], out, lse))
+    cupy.cuda.Device().synchronize()
+    for q, k, v, causal, out, lse in results:
+        ro, rlse = reference.attention(f64(q), f64(k), f64(v), causal=causal)
+        assert not bool(cupy.isnan(f64(out)).any()), "unwritten (poisoned) elements: a work item was left out"
+        assert reference.rel_error(f64(out), ro) < 2e-2
+        assert float(cupy.abs(f64(lse) - rlse).max()) < 1e-3
+    for stream in streams:
+        value = ctypes.c_int(-1)
+        ptr = launch.sched_counter(launch.device(torch.cuda.current_device()), stream.ptr)
+        cupy.cuda.runtime.memcpy(ctypes.addressof(value), ptr, 4, cupy.cuda.runtime.memcpyDeviceToHost)
+        assert value.value == 0, f"the counter of stream {stream.ptr:#x} was left at {value.value}"
+
+
 def test_torch_and_cupy_inputs_agree_bitwise(torch):
     import cupy
     q, k, v, do = make_inputs(torch, 2, 300, 257, 8, 2, 128, "bf16", seed=1)
