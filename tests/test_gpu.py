@@ -162,14 +162,17 @@ def test_forward_over_several_l2_chunks(torch, poison, D, causal):
     assert reference.rel_error(f64(out), ro) < 2e-2
     assert float(cupy.abs(f64(lse) - rlse).max()) < 1e-3
 
+
 def test_work_item_counter_is_ready_for_every_launch(torch, poison):
     """fwd_sm90_ws claims work items from one counter per stream, which each launch's last claim sets back
     to zero (launch.sched_counter): launches back to back on one stream, with different item counts, and on
     two streams at once must each do every item once (the poisoned outputs show an item left out)."""
     import ctypes
     import cupy
-    cases = [(4, 1000, 8, 2, 128, True), (1, 200, 4, 4, 64, False), (3, 700, 16, 4, 64, True), (2, 1024, 16, 16, 128, False)]
-    inputs = [make_inputs(torch, B, S, S, H, Hkv, D, "bf16", seed=40 + i) for i, (B, S, H, Hkv, D, _) in enumerate(cases)]
+    cases = [(4, 1000, 8, 2, 128, True), (1, 200, 4, 4, 64, False), (3, 700, 16, 4, 64, True),
+             (2, 1024, 16, 16, 128, False)]  # (B, S, H, Hkv, D, causal)
+    inputs = [make_inputs(torch, B, S, S, H, Hkv, D, "bf16", seed=40 + i)
+              for i, (B, S, H, Hkv, D, _) in enumerate(cases)]
     torch.cuda.synchronize()
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
     results = []
