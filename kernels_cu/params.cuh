@@ -227,19 +227,14 @@ struct QueryTile {
     const int* mod_list;  // MOD: this query tile's ModLists row
     const TileIntervals<BM>* keys;  // IDS: each row's visible keys (Visibility::keys_of)
 
-    // The block's tile of grid (ceil(Sq/BM), H, B). Causal: the last query tiles see the most
-    // keys; they come first. (bwd_dq's kernels take query_block's order instead.)
+    // The block's tile of grid (ceil(Sq/BM), H, B), a pair's tiles in a row (query_block without ORDER;
+    // bwd_dq's kernels ask for its chunked order themselves).
     template <class P>
-    FRT_DEVICE QueryTile(const P& p, int tid, int nthreads)
-        : QueryTile(p, CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, tid, nthreads) {}
+    FRT_DEVICE QueryTile(const P& p, int tid, int nthreads) : QueryTile(p, query_block<CAUSAL, false>(p), tid, nthreads) {}
 
-    // Query tile m_block of head h_ of batch entry b_. Whole-block call unless OWN_VIS.
-    template <class P>
-    FRT_DEVICE QueryTile(const P& p, int m_block, int h_, int b_, int tid, int nthreads)
-        : QueryTile(p, make_work_item(p, m_block, h_, b_), tid, nthreads) {}
-
-    // The query tile of work item wi (fwd_sm90, fwd_sm90_ws: work_item). OWN_VIS with id arrays: shared_keys as
-    // above; search: this thread is one of the warpgroup that searches (a call of all its 128 threads).
+    // The query tile of work item wi (fwd_sm90, fwd_sm90_ws: work_item; bwd_dq: query_block). Whole-block call
+    // unless OWN_VIS; OWN_VIS with id arrays: shared_keys as above; search: this thread is one of the warpgroup
+    // that searches (a call of all its 128 threads).
     template <class P>
     FRT_DEVICE QueryTile(const P& p, const WorkItem& wi, int tid, int nthreads, TileIntervals<BM>* shared_keys = nullptr,
                          bool search = false)
