@@ -129,11 +129,36 @@ struct FwdRows {
                             s[4 * jj + c] = -FRT_INF;
             }
         }
+        online(scale_log2);
+    }
+
+    // Causal without mask bits, on key tile j whose diagonal is this warpgroup's: its rows see the thread's key
+    // groups jj < JLO whole and none from JHI on (fwd_sm90_ws: the aligned diagonal tile), so only the groups
+    // [JLO, JHI) are compared, and the masked ones' P is 0 without their exponentials.
+    template <int JLO, int JHI, class Tile>
+    FRT_DEVICE void softmax_diagonal(const Tile& tile, int j, int row_base, int t, float scale_log2) {
+        static_assert(Tile::ROW_LIMIT && 0 <= JLO && JLO <= JHI && JHI <= BN / 8, "softmax_diagonal: causal key groups");
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int hi = tile.key_limit(row_base + 8 * hh) - j * BN - 2 * t;  // in columns 8 jj + e
+#pragma unroll
+            for (int jj = JLO; jj < JHI; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (8 * jj + e >= hi) s[4 * jj + 2 * hh + e] = -FRT_INF;
+        }
+        online<JHI>(scale_log2);
+    }
+
+    // The online softmax of the scores in s, the key groups jj < JHI (s becomes P, unnormalised; alpha the rescale
+    // of O); the groups from JHI on are masked for every row here, and their P is 0.
+    template <int JHI = BN / 8>
+    FRT_DEVICE void online(float scale_log2) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             float mx = -FRT_INF;
 #pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * hh], s[4 * jj + 2 * hh + 1]));
+            for (int jj = 0; jj < JHI; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * hh], s[4 * jj + 2 * hh + 1]));
             const float m_new = fmaxf(row_max[hh], warp_max4(mx) * scale_log2);
             // A row that has seen only masked keys keeps m = -inf; subtract 0 then.
             const float base = m_new == -FRT_INF ? 0.f : m_new;
@@ -141,13 +166,15 @@ struct FwdRows {
             row_max[hh] = m_new;
             float sum = 0.f;
 #pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj)
+            for (int jj = 0; jj < JHI; ++jj)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float& x = s[4 * jj + 2 * hh + e];
                     x = fast_exp2(fmaf(x, scale_log2, -base));
                     sum += x;
                 }
+#pragma unroll
+            for (int jj = JHI; jj < BN / 8; ++jj) s[4 * jj + 2 * hh] = s[4 * jj + 2 * hh + 1] = 0.f;
             row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
         }
     }

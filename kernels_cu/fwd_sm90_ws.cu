@@ -223,8 +223,8 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         const u32 sQw = sQ + qs * T::Q_BYTES + wg * 64 * kSwizzleBytes;
         const int row_base = tile.m0 + 64 * wg + 16 * w + g;
         FwdRows<D, BN, T::BF16, true> r;
-
-        for (int it = 0; it < n_blocks; ++it, ++kc) {
+        // Key tile it: S = Q K^T of it and O += P V of it - 1 issued, S complete; returns the tile (j) for the softmax.
+        auto key_step = [&](int it) {
             const int j = key_tile(tile, it);
             const u32 st = kc & 1, full = (kc >> 1) & 1;
             r.retire_pv();  // P V of tile it - 2 (issued last iteration) is done: its V stage goes back
@@ -251,6 +251,31 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             }
             fence_operand(r.s);
             mbar_arrive(bar(T::K_EMPTY, st));
+            return j;
+        };
+        int it = 0;
+        // Causal without mask bits, where the last key tile's diagonal is the query tile's and all its rows and
+        // keys lie inside the sequence (Sq = Sk, multiples of 128, or any shift of whole tiles): the tiles before
+        // it take the softmax without a mask test, and on it each warpgroup compares only its 64 keys of the
+        // diagonal (warpgroup 0's rows, the first 64, see none of the last 64 keys). Its own loop: the same
+        // tests as branches inside one loop cost 1% at S=1k (docs/perf-notes.md, session 20).
+        if constexpr (T::CAUSAL && T::MASK == 0 && BN == BM) {
+            if (n_blocks > 0 && tile.m0 + BM <= tile.vis.Lq && (tile.n_first + n_blocks) * BN <= tile.vis.Lk &&
+                tile.m0 + tile.vis.shift == (tile.n_first + n_blocks - 1) * BN) {
+                for (; it + 1 < n_blocks; ++it, ++kc) {
+                    key_step(it);
+                    r.online(p.scale_log2);
+                }
+                const int j = key_step(it);
+                if (wg == 0)
+                    r.template softmax_diagonal<0, BN / 16>(tile, j, row_base, t, p.scale_log2);
+                else
+                    r.template softmax_diagonal<BN / 16, BN / 8>(tile, j, row_base, t, p.scale_log2);
+                ++it, ++kc;
+            }
+        }
+        for (; it < n_blocks; ++it, ++kc) {
+            const int j = key_step(it);
             r.softmax(tile, it, j, row_base, t, p.scale_log2);
         }
         r.retire_pv();

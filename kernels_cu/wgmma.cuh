@@ -436,14 +436,21 @@ FRT_DEVICE void sw128_to_a_frags(u32 s_rows, u32 (&a)[K / 16][4], int w, int g, 
 // Step 2, after a barrier of the warpgroup: sw128_rows_to_global.
 template <int ROWS, int N, bool BF16>
 FRT_DEVICE void acc_to_sw128(u32 s_rows, const float (&d)[N / 2], float scale, int w, int g, int t) {
+    static_assert(N % 16 == 0, "acc_to_sw128: pairs of 8-column blocks");
+    const int lane = 4 * g + t, mat = lane >> 3;
+    const int row = 16 * w + 8 * (mat & 1) + (lane & 7);
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j)
+    for (int j = 0; j < N / 8; j += 2) {
+        const u32 at = s_rows + sw128_offset<ROWS>(row, j + (mat >> 1));
+        u32 v[4];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const u32 at = s_rows + sw128_offset<ROWS>(16 * w + g + 8 * hh, j) + 4 * t;
-            const u32 val = Elem<BF16>::pack(d[4 * j + 2 * hh] * scale, d[4 * j + 2 * hh + 1] * scale);
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(val));
+        for (int i = 0; i < 4; ++i) {
+            const int jj = j + (i >> 1), hh = i & 1;
+            v[i] = Elem<BF16>::pack(d[4 * jj + 2 * hh] * scale, d[4 * jj + 2 * hh + 1] * scale);
         }
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" :: "r"(at), "r"(v[0]), "r"(v[1]),
+                     "r"(v[2]), "r"(v[3]));
+    }
 }
 
 // Epilogue, step 2: rows [0, rows_valid) of a warpgroup's 64 rows of a sw128 tile (ROWS rows, COLS

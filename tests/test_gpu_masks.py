@@ -135,6 +135,12 @@ CASES = [
     ("padding-causal-gqa", 3, 200, 300, 4, 2, 128, "bf16", True, _padding),
     ("top_left-sq>sk", 2, 300, 200, 2, 1, 64, "bf16", "top_left", None),
     ("top_left-sq<sk", 2, 130, 333, 2, 2, 96, "fp16", "top_left", None),
+    # whole 128-row tiles on the diagonal (fwd_sm90_ws's diagonal loop at head_dim 64 and 128), Sq < Sk, Sq > Sk
+    # (its first rows see no key) and Sq = Sk, both alignments
+    ("diagonal-tiles-sq<sk", 2, 256, 640, 4, 2, 128, "bf16", True, None),
+    ("diagonal-tiles-top_left-d64", 2, 256, 640, 4, 2, 64, "fp16", "top_left", None),
+    ("diagonal-tiles-sq>sk-d64", 1, 640, 256, 4, 1, 64, "bf16", True, None),
+    ("diagonal-tiles-sq=sk", 2, 1024, 1024, 2, 2, 128, "fp16", "top_left", None),
     ("window-causal", 2, 513, 513, 2, 1, 128, "bf16", True, _window(64, 0)),
     ("window-both", 2, 257, 300, 2, 2, 96, "bf16", False, _window(32, 16)),
     ("window-left-only-d256", 1, 300, 300, 2, 2, 256, "bf16", False, _window(40, -1)),
