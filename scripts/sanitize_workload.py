@@ -23,6 +23,8 @@ CASES = [
     # more work items than SMs: the warp-specialised forward's blocks claim items from a counter
     (3, 260, 260, 24, 8, 128, True, torch.bfloat16),
     (2, 600, 500, 16, 4, 64, False, torch.float16),
+    # whole tiles on the diagonal: fwd_sm90_ws's diagonal loop (head_dim 64 here; 128 in the case above)
+    (2, 256, 256, 4, 2, 64, True, torch.bfloat16),
 ]
 
 
