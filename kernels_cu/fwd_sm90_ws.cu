@@ -255,11 +255,11 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         };
         int it = 0;
         // Causal without mask bits, where the last key tile's diagonal is the query tile's (the shift between
-        // queries and keys is a whole number of tiles: Sq = Sk, or top-left) and its rows and keys lie inside the
-        // sequence: the tiles before it take the softmax without a mask test, and on it each warpgroup compares
-        // only its 64 keys of the diagonal (warpgroup 0's rows, the first 64, see none of the last 64 keys). A
-        // loop of its own: the same tests as branches inside one loop cost 1% at S=1k (docs/perf-notes.md,
-        // session 20).
+        // queries and keys is a whole number of tiles, as with Sq = Sk or top-left) and its rows and keys lie
+        // inside the sequence: the tiles before it take the softmax without a mask test, and on it each
+        // warpgroup compares only its 64 keys of the diagonal (warpgroup 0's rows, the first 64, see none of the
+        // last 64 keys). A loop of its own: the same tests as branches inside one loop cost 1% at S=1k
+        // (docs/perf-notes.md, session 20).
         if constexpr (T::CAUSAL && T::MASK == 0 && BN == BM) {
             if (n_blocks > 0 && tile.m0 + BM <= tile.vis.Lq && (tile.n_first + n_blocks) * BN <= tile.vis.Lk &&
                 tile.m0 + tile.vis.shift == (tile.n_first + n_blocks - 1) * BN) {
