@@ -123,8 +123,7 @@ def item_chunk(dev: Device, B: int, Sk: int, head_dim: int, H: int, Hkv: int) ->
     docs/perf-notes.md, session 11)."""
     group, pairs = H // Hkv, B * H
     kv_heads = max(1, dev.l2_bytes // 2 // (4 * max(Sk, 1) * head_dim))
-    most = min(kv_heads * group, pairs)
-    even = _cdiv(pairs, _cdiv(pairs, most))
+    even = _equal_chunks(pairs, min(kv_heads * group, pairs))
     return min(_cdiv(even, group) * group, pairs)
 
 
@@ -135,7 +134,12 @@ def key_item_chunk(dev: Device, B: int, Sq: int, head_dim: int, H: int, Hkv: int
     rule, with the roles of queries and keys swapped)."""
     pairs = B * Hkv * splits
     per_pair = max(1, 4 * max(Sq, 1) * head_dim * (H // Hkv) // splits)
-    most = min(max(1, dev.l2_bytes // 2 // per_pair), pairs)
+    return _equal_chunks(pairs, min(max(1, dev.l2_bytes // 2 // per_pair), pairs))
+
+
+def _equal_chunks(pairs: int, most: int) -> int:
+    """The size of the fewest chunks of at most `most` that cover `pairs`, as equal as whole numbers allow (so
+    that the last chunk is not a small remainder)."""
     return _cdiv(pairs, _cdiv(pairs, most))
 
 

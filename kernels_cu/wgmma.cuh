@@ -433,7 +433,10 @@ FRT_DEVICE void sw128_to_a_frags(u32 s_rows, u32 (&a)[K / 16][4], int w, int g, 
 
 // Epilogue, step 1: a warpgroup's 64 x N fp32 accumulator (wgmma layout), times `scale`, as 16-bit
 // values into its 64 rows of a sw128 tile of ROWS rows (s_rows: the address of its first row).
-// Step 2, after a barrier of the warpgroup: sw128_rows_to_global.
+// Step 2, after a barrier of the warpgroup: sw128_rows_to_global. Each stmatrix stores four 8 x 8 blocks
+// (rows 16 w .. + 15 of two 8-column blocks): an accumulator 8 x 8 block is laid out across the warp as
+// stmatrix's fragment (lane 4 g + t: row g, columns 2 t, 2 t + 1), and lane l gives the address of row l % 8
+// of block l / 8.
 template <int ROWS, int N, bool BF16>
 FRT_DEVICE void acc_to_sw128(u32 s_rows, const float (&d)[N / 2], float scale, int w, int g, int t) {
     static_assert(N % 16 == 0, "acc_to_sw128: pairs of 8-column blocks");

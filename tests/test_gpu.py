@@ -144,7 +144,6 @@ def test_matches_float64_reference(torch, poison, case):
             assert e <= bound, f"{impl} {name}: rel err {e:.2e} > 2x torch SDPA {backend} ({t:.2e})"
 
 
-
 @pytest.mark.parametrize("D", [128, 256])  # fwd_sm90_ws and fwd_sm90 on an H100 / H200
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_over_several_l2_chunks(torch, poison, D, causal):
