@@ -11,6 +11,15 @@ from ._version import __version__
 from .api import backward, forward
 
 
+def synchronize() -> None:
+    """Wait for the GPUs where flashrt has checked mask arrays (validate=True), and raise the first invalid
+    array such a check found (a ValueError naming the argument), if none was raised yet. Without it, the
+    report surfaces at the next flashrt call."""
+    from . import launch, masks
+    launch.synchronize_checked()
+    masks.raise_reported()
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, impl="auto", deterministic=True,
               validate=True, **mask_args):
     """Differentiable attention for torch tensors (imports torch on first use).
@@ -34,4 +43,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "forward", "backward", "attention"]
+__all__ = ["__version__", "forward", "backward", "attention", "synchronize"]

@@ -172,16 +172,13 @@ def _with_lists(m: masks.Masking, tensors: tuple, inputs: tuple, structs: list, 
     return (structs + cstructs, allocs + [alloc], [(sp, g, i + n) for sp, g, i in claunches] + launches, ())
 
 
-def _prepare(q, k, v, mask_args: dict, validate: bool):
+def _prepare(q, k, v, mask_args: dict):
     """Descriptors of q, k, v (as 4-D), the problem's dimensions, and the parsed masking."""
     Q, K, V = interop.describe(q, "q"), interop.describe(k, "k"), interop.describe(v, "v")
     for a, name in ((Q, "q"), (K, "k"), (V, "v")):
         if a.device < 0:
             raise ValueError(f"{name} is in host memory; flashrt needs CUDA tensors: move it with {name}.cuda()")
-    arrays = any(mask_args.get(n) is not None for n in masks.ARRAY_ARGS)
-    if arrays and validate:
-        validate = not launch._capturing(launch.device(Q.device))  # a host copy cannot be captured
-    m = masks.Masking.parse(Q, K, **mask_args, validate=validate)
+    m = masks.Masking.parse(Q, K, **mask_args)
     Q4, K4, V4 = (_as_batch(a) if m.varlen else a for a in (Q, K, V))
     s = _check_qkv(Q4, K4, V4)
     return Q, K, V, Q4, K4, V4, s, m
@@ -210,23 +207,27 @@ MASK_DOC = """
         and lists the tiles to visit, per head only when it names h, per batch entry only when it
         names b or a tensor (or a built-in mask differs by batch entry).
       A query that sees no key gets out = 0, lse = -inf and zero gradients.
-      validate=True checks the data of the id/length arrays (non-decreasing ids, lengths within the
-        tensor, well-formed cu_seqlens) with one host copy, which synchronises; it is skipped during
-        CUDA-graph capture. Pass validate=False in hot loops once the inputs are known to be good.
+      validate=True (the default) checks the data of the id/length arrays (non-decreasing ids, lengths
+        within the tensor, well-formed cu_seqlens, no sequence longer than max_seqlen) on the GPU, after
+        the call's kernels: no host copy and no synchronisation (CUDA graphs capture it). A failure sets
+        the call's outputs to NaN and raises a ValueError naming the argument at the next flashrt call
+        or at flashrt.synchronize(); validate="sync" waits for the check and raises in the call itself;
+        validate=False skips it (a bad array then gives wrong answers, never an access outside the tensors).
 """
 
 
-def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, validate: bool = True, **mask_args):
+def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, validate=True, **mask_args):
     """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library."""
     masks.check_names(mask_args, "forward")
-    result = _planned("forward", (q, k, v), (causal, softmax_scale), mask_args, validate,
-                      lambda tensors: _forward_plan(tensors, causal, softmax_scale, validate, mask_args))
+    mode = masks.validate_mode(validate)
+    result = _planned("forward", (q, k, v), (causal, softmax_scale), mask_args, mode,
+                      lambda tensors: _forward_plan(tensors, causal, softmax_scale, mode, mask_args))
     return result[0], result[1]  # (mask_mod's tile lists follow out and lse)
 
 
-def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dict) -> "_Plan":
+def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict) -> "_Plan":
     q, k, v = tensors[:3]
-    Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal), validate)
+    Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
     # Varlen: rows outside every sequence are not written by the kernel: zeros, lse -inf. Nothing to
@@ -255,8 +256,20 @@ def _forward_plan(tensors, causal, softmax_scale, validate: bool, mask_args: dic
     if m.mask_mod:
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, (spec, "mask_rows")))
+    if mode and m.checked:
+        _add_check(structs, launches, m, dev, False, (("o", Q.shape, Q.itemsize), ("lse", m.lse_shape(H), 4)))
     return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep,
                  maps=maps, counter=counter)
+
+
+def _add_check(structs: list, launches: list, m: masks.Masking, dev, backward: bool, outputs: tuple) -> None:
+    """validate: kernels_cu/mask_check.cu after the call's kernels, on its mask arrays; on a failure it writes
+    launch.report_words and sets the call's `outputs` ((alloc field, shape, itemsize) each, at most 3) to NaN."""
+    values, links = dict(m.check_fields(backward), report=launch.report_words(dev)), {}
+    for i, (field, shape, itemsize) in enumerate(outputs):
+        values[f"poison_bytes{i}"], links[f"poison{i}"] = math.prod(shape) * itemsize, field
+    structs.append((params.CHECK, values, links))
+    launches.append((tiles.check_spec(dev.arch), (1, 1, 1), len(structs) - 1))
 
 
 forward.__doc__ += MASK_DOC
@@ -269,7 +282,7 @@ def _check_impl(impl: str) -> None:
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | None = None, impl: str = "auto",
-             deterministic: bool = True, validate: bool = True, **mask_args):
+             deterministic: bool = True, validate=True, **mask_args):
     """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v).
 
     Pass the same mask arguments as to forward.
@@ -282,17 +295,18 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     identical inputs, run after run and process after process, for every impl.
     """
     masks.check_names(mask_args, "backward")
+    mode = masks.validate_mode(validate)
     result = _planned("backward", (dout, q, k, v, out, lse), (causal, softmax_scale, impl, deterministic), mask_args,
-                      validate, lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic,
-                                                               validate, mask_args))
+                      mode, lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic,
+                                                           mode, mask_args))
     return result[0], result[1], result[2]  # (the scratch arrays follow)
 
 
-def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, validate: bool,
+def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, mode: int,
                    mask_args: dict) -> "_Plan":
     _check_impl(impl)
     dout, q, k, v, out, lse = tensors[:6]
-    Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal), validate)
+    Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
     scale = _scale(softmax_scale, D)
     dO, O, L = interop.describe(dout, "dout"), interop.describe(out, "out"), interop.describe(lse, "lse")
@@ -355,6 +369,9 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         needs = [(main, "mask_cols")] + ([] if impl == "fused" else [(_pick(dq_family, D, Q, m, dev), "mask_rows")])
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, *needs))
+    if mode and m.checked:
+        _add_check(structs, launches, m, dev, True, tuple((n, shape, Q.itemsize) for n, shape in
+                                                         (("dq", Q.shape), ("dk", K.shape), ("dv", K.shape))))
     return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep)
 
 
@@ -484,20 +501,17 @@ def _mask_arrays(mask_args: dict) -> list:
         ([(f"mod_t{i}", x) for i, x in enumerate(mod.values())] if isinstance(mod, dict) else [])  # else: build raises
 
 
-def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, validate: bool):
+def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: int):
     """The plan cache's key of a call (tensors: with its _mask_arrays), or None when its plan cannot be reused.
 
-    Not reused: calls that validate mask arrays (the check reads their data) and packed varlen without
-    both max_seqlen (the grid comes from the data). A mask_mod plan over no arrays keeps its tile lists
-    (masks.Masking.static_lists), so its key holds the stream: the lists were made on it, and the
-    caching allocator reclaims them in that stream's order when the plan is dropped.
+    Not reused: packed varlen without both max_seqlen (the grid comes from the data). A mask_mod plan over
+    no arrays keeps its tile lists (masks.Masking.static_lists), so its key holds the stream: the lists were
+    made on it, and the caching allocator reclaims them in that stream's order when the plan is dropped.
     """
     rest = ()
     if mask_args:
         arrays = [n for n in masks.ARRAY_ARGS if mask_args.get(n) is not None]
         mod = mask_args.get("mask_tensors") or {}
-        if arrays and validate:
-            return None
         if "cu_seqlens_q" in arrays and (mask_args.get("max_seqlen_q") is None or mask_args.get("max_seqlen_k") is None):
             return None
         if not isinstance(mod, dict):
@@ -507,15 +521,19 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, valida
         if mask_args.get("mask_mod") is not None and not arrays and not mod:
             rest += (interop.stream(tensors[0]),)
     sig = _signatures(tensors)
-    return None if sig is None else (kind, sig, options, rest, _env.no_sm90(), _env.no_tma())
+    return None if sig is None else (kind, sig, options, rest, mode if mask_args else 0, _env.no_sm90(),
+                                     _env.no_tma())
 
 
-def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, validate: bool, build) -> list:
+def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: int, build) -> list:
     """Run the call's plan: the cached one of its signature, else build() (which checks the arguments and
-    raises what is wrong with them, a misaligned pointer included) and keep it when it is reusable."""
+    raises what is wrong with them, a misaligned pointer included) and keep it when it is reusable.
+    First, what a device check of an earlier call reported (masks.raise_reported); with validate="sync"
+    (mode 2), this call's check, once its kernels are done."""
+    masks.raise_reported()
     if mask_args:
         tensors = (*tensors, *(x for _, x in _mask_arrays(mask_args)))
-    key = _plan_key(kind, tensors, options, mask_args, validate)
+    key = _plan_key(kind, tensors, options, mask_args, mode)
     try:
         plan = _PLANS.get(key)
     except TypeError:  # an odd option value: its call is checked (and planned) every time
@@ -528,6 +546,9 @@ def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, validat
                 _PLANS.pop(next(iter(_PLANS)), None)
             _PLANS[key] = plan
         result = plan.run(tensors)
+    if mode == 2 and mask_args:
+        launch.synchronize_checked()
+        masks.raise_reported()
     return result
 
 

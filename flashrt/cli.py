@@ -9,7 +9,7 @@ import time
 
 from . import cache, nvrtc, tiles
 from ._version import __version__
-from .spec import CLASSIFY, DTYPES, FAMILIES, HEAD_DIMS, KernelSpec
+from .spec import DTYPES, FAMILIES, HEAD_DIMS, NO_INPUTS, KernelSpec
 
 # Opt-in shared memory per block of each arch's flagship parts (CUDA programming guide, compute
 # capabilities table); used to pick tiles when compiling for a GPU that is not present.
@@ -50,8 +50,9 @@ def _target(arch: str | None) -> tuple[str, int]:
 def matrix(arch: str, smem_limit: int, head_dims, dtypes) -> list[KernelSpec]:
     """Every kernel the forward and backward passes may launch for these head_dims and dtypes."""
     specs = {tiles.pick_nw(f, d, t, c, arch, smem_limit)  # (mask_mod's classifiers need an expression)
-             for f in set(FAMILIES) - set(CLASSIFY) for d in head_dims for t in dtypes for c in (False, True)
+             for f in set(FAMILIES) - set(NO_INPUTS) for d in head_dims for t in dtypes for c in (False, True)
              if tiles.applies(f, d, arch)}
+    specs.add(tiles.check_spec(arch))
     return sorted(specs, key=lambda s: s.name)
 
 

@@ -7,7 +7,6 @@ the device before launch, so a misfit is a clear error, not a failed launch.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import threading
@@ -89,6 +88,8 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
              "mask_rows": (_cdiv(B * H * m_tiles, nw), 1, 1), "mask_cols": (_cdiv(B * H * n_tiles, nw), 1, 1)}[spec.family]
     elif spec.family in KEY_PARALLEL:
         g = (_cdiv(Sk, spec.block_n), Hkv * splits, B)
+    elif spec.family == "mask_check":  # one block (kernels_cu/mask_check.cu)
+        g = (1, 1, 1)
     elif spec.family in ELEMENTWISE:  # grid-stride loops: enough blocks for the work, at most 32 per SM
         work = {"bwd_preprocess": (B * H * Sq, spec.warps),  # one warp per (b, h, query) row
                 "bwd_dkdv_reduce": (B * Hkv * Sk * spec.head_dim // 8, spec.threads),  # a thread per 8 elements
@@ -273,20 +274,67 @@ class Sequence:
         return mine[0]
 
     def launch(self, stream: int) -> None:
-        """Enqueue every launch on the raw stream handle `stream` (interop.stream), with this thread's structs."""
+        """Enqueue every launch on the raw stream handle `stream` (interop.stream), with this thread's structs.
+
+        cuLaunchKernel needs the device's context current on this thread. A thread that has made no CUDA
+        runtime call has none, even where the runtime's current device is this one: autograd's backward
+        thread, its allocations all from torch's cache, failed with CUDA_ERROR_INVALID_CONTEXT. Setting the
+        device makes its primary context current (CUDA >= 12)."""
         cupy, driver = _cuda()
         calls = self._local.mine[2]
         index = self.dev.index
-        with cupy.cuda.Device(index) if cupy.cuda.runtime.getDevice() != index else contextlib.nullcontext():
-            for fn, (gx, gy, gz), spec, kernel_params in calls:
-                try:
-                    driver.launchKernel(fn, gx, gy, gz, spec.threads, 1, 1, spec.smem_bytes, stream, kernel_params, 0)
-                except Exception as exc:
-                    raise LaunchError(f"launch of {spec.name} failed (grid={(gx, gy, gz)}, block={spec.threads}, "
-                                      f"dynamic smem={spec.smem_bytes} B): {exc}") from exc
+        current = cupy.cuda.runtime.getDevice()
+        if current == index and driver.ctxGetCurrent():
+            _enqueue(calls, stream, driver)
+            return
+        cupy.cuda.runtime.setDevice(index)
+        try:
+            _enqueue(calls, stream, driver)
+        finally:
+            if current != index:
+                cupy.cuda.runtime.setDevice(current)
+
+
+def _enqueue(calls: list, stream: int, driver) -> None:
+    for fn, (gx, gy, gz), spec, kernel_params in calls:
+        try:
+            driver.launchKernel(fn, gx, gy, gz, spec.threads, 1, 1, spec.smem_bytes, stream, kernel_params, 0)
+        except Exception as exc:
+            raise LaunchError(f"launch of {spec.name} failed (grid={(gx, gy, gz)}, block={spec.threads}, "
+                              f"dynamic smem={spec.smem_bytes} B): {exc}") from exc
 
 
 _ONE_POINTER = ctypes.c_void_p * 1
+
+REPORT = None  # report_words' int32 array, once made (masks.raise_reported reads it at every call)
+REPORT_LEN = 8  # int32 words (kernels_cu/mask_check.cu: REPORT_WORDS, rounded up)
+_checked_devices: set = set()
+
+
+def report_words(dev: Device) -> int:
+    """The address of the device checks' report (kernels_cu/mask_check.cu), for kernels on `dev`: REPORT_LEN int32
+    words of pinned host memory, mapped into every device's address space (portable, mapped: under unified
+    addressing its host address is its device address), all zero until a check fails. The host reads it with a
+    plain load, no copy and no synchronisation (masks.raise_reported). Made once per process, never freed."""
+    global REPORT
+    _checked_devices.add(dev.index)
+    if REPORT is None:
+        cupy, _ = _cuda()
+        with cupy.cuda.Device(dev.index):
+            ptr = cupy.cuda.runtime.hostAlloc(4 * REPORT_LEN, cupy.cuda.runtime.hostAllocPortable
+                                              | cupy.cuda.runtime.hostAllocMapped)
+        words = (ctypes.c_int32 * REPORT_LEN).from_address(ptr)
+        ctypes.memset(ptr, 0, 4 * REPORT_LEN)
+        REPORT = words
+    return ctypes.addressof(REPORT)
+
+
+def synchronize_checked() -> None:
+    """Wait for every device that has run a device check (so that their reports are in)."""
+    cupy, _ = _cuda()
+    for index in sorted(_checked_devices):
+        with cupy.cuda.Device(index):
+            cupy.cuda.runtime.deviceSynchronize()
 
 _SCHED: dict = {}  # (device index, raw stream handle) -> address of fwd_sm90_ws's work-item counter
 

@@ -1,10 +1,13 @@
 """Mask and batching arguments of flashrt.forward / backward: checks and kernel fields.
 
 kernels_cu/mask.cuh applies them; flashrt/reference.py: visible() is their
-specification. `Masking.parse` checks every argument (a clear error naming it),
-and `Masking` carries what the launcher needs: the compile-time feature bits
-(spec.MASK_BITS), the kernels' run-time fields, and the problem's geometry
-(for packed varlen: number of sequences, longest lengths, total rows).
+specification. `Masking.parse` checks every argument it can without reading device
+data (a clear error naming it), and `Masking` carries what the launcher needs: the
+compile-time feature bits (spec.MASK_BITS), the kernels' run-time fields, and the
+problem's geometry (for packed varlen: number of sequences, longest lengths, total rows).
+The arrays' data (ids, lengths, offsets) are checked on the device, after the call's
+kernels (kernels_cu/mask_check.cu: no host copy, no synchronisation); a failure is
+reported by `raise_reported` at the next call (or flashrt.synchronize()), in the words below.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import re
 
 import numpy as np
 
-from . import interop
+from . import interop, launch
 from .interop import Array
 from .spec import MASK_BITS, MAX_MOD_TENSORS, MOD_VARIABLES
 
@@ -23,8 +26,21 @@ ARRAY_ARGS = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "block_i
               "segment_ids_q", "segment_ids_k")
 # The params field (params.py) that carries each array's pointer.
 ARRAY_FIELDS = dict(zip(ARRAY_ARGS, ("seqlens_q", "seqlens_k", "cu_q", "cu_k", "block_q", "block_k", "seg_q", "seg_k")))
+_ARRAY_FIELD_SET = frozenset(ARRAY_FIELDS.values())
 ARGS = ARRAY_ARGS + ("window", "max_seqlen_q", "max_seqlen_k", "mask_mod", "mask_tensors")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+
+
+# validate= of forward / backward / attention -> its mode: 0 no check, 1 the device check (reported at the
+# next call), 2 the device check and a synchronisation, so that the call itself raises.
+VALIDATE_MODES = {False: 0, True: 1, "sync": 2}
+
+
+def validate_mode(validate) -> int:
+    try:
+        return VALIDATE_MODES[validate]
+    except (KeyError, TypeError):
+        raise ValueError(f"validate must be True, False or 'sync', got {validate!r}") from None
 
 
 def check_names(mask_args: dict, fn: str) -> None:
@@ -68,6 +84,17 @@ class Masking:
         """lse (and delta, dq_accum rows) layout: (B, H, Sq), or (H, total_q) when varlen."""
         return dict(st_sb=0, st_sh=self.total_q) if self.varlen else dict(st_sb=H * self.Sq, st_sh=self.Sq)
 
+    @property
+    def checked(self) -> bool:
+        """Some id / length / offset array is given: the device check has data to read."""
+        return any(f in self.fields for f in ARRAY_FIELDS.values())
+
+    def check_fields(self, backward: bool) -> dict:
+        """params.CHECK's fields (kernels_cu/mask_check.cu) but the outputs and the report."""
+        return {**{f: p for f, p in self.fields.items() if f in _ARRAY_FIELD_SET}, "B": self.B, "Sq": self.Sq,
+                "Sk": self.Sk, "total_q": self.total_q, "total_k": self.total_k,
+                "call": int(backward) | 2 * self.varlen}
+
     def lse_shape(self, H: int) -> tuple[int, ...]:
         return (H, self.total_q) if self.varlen else (self.B, H, self.Sq)
 
@@ -75,7 +102,7 @@ class Masking:
         """Every params field this masking sets (params.FWD / BWD); the tile lists' pointers aside."""
         heads, batches = self.mod_lists(H)
         return {**self.fields, **self.stat_strides(H), "B": self.B, "Sq": self.Sq, "Sk": self.Sk,
-                "mod_heads": heads, "mod_batches": batches}
+                "total_q": self.total_q, "total_k": self.total_k, "mod_heads": heads, "mod_batches": batches}
 
     def elementwise_fields(self, H: int) -> dict:
         """Overrides for the row-wise families (bwd_preprocess, bwd_dq_convert): packed rows are one batch."""
@@ -84,18 +111,18 @@ class Masking:
     @staticmethod
     def parse(Q: Array, K: Array, *, causal=False, window=None, seqlens_q=None, seqlens_k=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_ids_q=None,
-              block_ids_k=None, segment_ids_q=None, segment_ids_k=None, mask_mod=None, mask_tensors=None,
-              validate: bool = True) -> "Masking":
-        """Q, K: the descriptors of q and k as given ((B, S, H, D), or (total, H, D) when varlen)."""
+              block_ids_k=None, segment_ids_q=None, segment_ids_k=None, mask_mod=None,
+              mask_tensors=None) -> "Masking":
+        """Q, K: the descriptors of q and k as given ((B, S, H, D), or (total, H, D) when varlen). Reads no
+        device data, but cu_seqlens' (a host copy) for a max_seqlen not given."""
         if causal not in CAUSAL_MODES or isinstance(causal, (int, float)) and not isinstance(causal, bool):
             raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
         fields: dict = {"top_left": int(causal == "top_left")}
-        bits, arrays, host = 0, [], {}
+        bits, arrays = 0, []
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
 
-        def int_array(x, name, shape=None, data_checked=True):
-            """The pointer of an int32 device array (of `shape`, or any shape when None); its host
-            copy in `host` when its data are validated."""
+        def int_array(x, name, shape=None):
+            """The pointer of an int32 device array (of `shape`, or any shape when None)."""
             a = interop.describe(x, name)
             shape = a.shape if shape is None else shape
             if a.lib != Q.lib or a.device != Q.device:
@@ -110,8 +137,6 @@ class Masking:
             if any(n > 1 and st != c for n, st, c in zip(shape, a.strides, contiguous)):
                 raise ValueError(f"{name} must be contiguous, got strides {a.strides}; pass {name}.contiguous()")
             arrays.append(x)
-            if validate and data_checked:
-                host[name] = interop.to_numpy(a)
             return a.ptr
 
         if varlen:
@@ -129,15 +154,8 @@ class Masking:
             B = cu_len[0] - 1
             fields[ARRAY_FIELDS["cu_seqlens_q"]] = int_array(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
             fields[ARRAY_FIELDS["cu_seqlens_k"]] = int_array(cu_seqlens_k, "cu_seqlens_k", (B + 1,))
-            if validate:
-                for name, total in (("cu_seqlens_q", total_q), ("cu_seqlens_k", total_k)):
-                    cu = host[name]
-                    if cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] > total:
-                        raise ValueError(f"{name} must start at 0, be non-decreasing and end at most at the "
-                                         f"packed length {total}; got {cu.tolist()[:16]}"
-                                         f"{' ...' if len(cu) > 16 else ''}")
-            Sq = _max_len(max_seqlen_q, "max_seqlen_q", host.get("cu_seqlens_q"), cu_seqlens_q)
-            Sk = _max_len(max_seqlen_k, "max_seqlen_k", host.get("cu_seqlens_k"), cu_seqlens_k)
+            Sq = _max_len(max_seqlen_q, "max_seqlen_q", cu_seqlens_q)
+            Sk = _max_len(max_seqlen_k, "max_seqlen_k", cu_seqlens_k)
             q_ids_shape, k_ids_shape = (total_q,), (total_k,)
             bits |= MASK_BITS["lengths"]
         else:
@@ -149,14 +167,11 @@ class Masking:
             B, Sq, Sk = Q.shape[0], Q.shape[1], K.shape[1]
             total_q, total_k = B * Sq, B * Sk
             q_ids_shape, k_ids_shape = (B, Sq), (B, Sk)
-            for x, name, extent in ((seqlens_q, "seqlens_q", Sq), (seqlens_k, "seqlens_k", Sk)):
+            for x, name in ((seqlens_q, "seqlens_q"), (seqlens_k, "seqlens_k")):
                 if x is None:
                     continue
                 fields[ARRAY_FIELDS[name]] = int_array(x, name, (B,))
                 bits |= MASK_BITS["lengths"]
-                if validate and ((host[name] < 0) | (host[name] > extent)).any():
-                    raise ValueError(f"{name} must lie in [0, {extent}] (the tensor's seqlen axis), got "
-                                     f"{host[name].tolist()[:16]}")
 
         if window is not None:
             try:
@@ -178,15 +193,12 @@ class Masking:
             fields[ARRAY_FIELDS[f"{kind}_q"]] = int_array(xq, f"{kind}_q", q_ids_shape)
             fields[ARRAY_FIELDS[f"{kind}_k"]] = int_array(xk, f"{kind}_k", k_ids_shape)
             bits |= MASK_BITS[bit]
-            if validate:
-                for name in (f"{kind}_q", f"{kind}_k"):
-                    _check_non_decreasing(host[name], name, host.get("cu_seqlens_" + name[-1]))
 
         mod, names, per_head, per_batch = "", (), False, False
         if mask_mod is not None or mask_tensors:
             mod, names = _check_mask_mod(mask_mod, mask_tensors)
             for i, (name, x) in enumerate((mask_tensors or {}).items()):
-                fields[f"mod_t{i}"] = int_array(x, f"mask_tensors[{name!r}]", data_checked=False)
+                fields[f"mod_t{i}"] = int_array(x, f"mask_tensors[{name!r}]")
             used = set(_IDENTIFIER.findall(mod))
             per_head = "h" in used
             per_batch = "b" in used or bool(names) or bool(bits & ~MASK_BITS["window"])
@@ -195,34 +207,15 @@ class Masking:
                        per_head, per_batch)
 
 
-def _max_len(given, name: str, cu_host, cu) -> int:
+def _max_len(given, name: str, cu) -> int:
+    """max_seqlen_q / _k: as given (the device check reports a sequence longer than it), else the longest
+    sequence of cu_seqlens, from a host copy (which synchronises)."""
     if given is not None:
         if int(given) < 0:
             raise ValueError(f"{name} must be >= 0, got {given}")
-        if cu_host is not None and int(given) < int(np.diff(cu_host).max(initial=0)):
-            raise ValueError(f"{name}={given} is below the longest sequence in cu_seqlens "
-                             f"({int(np.diff(cu_host).max())})")
         return int(given)
-    if cu_host is None:
-        cu_host = interop.to_numpy(interop.describe(cu, name.replace("max_seqlen", "cu_seqlens")))
+    cu_host = interop.to_numpy(interop.describe(cu, name.replace("max_seqlen", "cu_seqlens")))
     return int(np.diff(cu_host).max(initial=0))
-
-
-def _check_non_decreasing(ids: np.ndarray, name: str, cu: np.ndarray | None) -> None:
-    """Ids must not decrease within a sequence (the kernels skip tiles by binary search)."""
-    if cu is None:
-        bad = np.nonzero((np.diff(ids, axis=-1) < 0).any(axis=-1))[0] if ids.size else []
-        where = f"batch {int(bad[0])}" if len(bad) else None
-    else:
-        where = None
-        for b in range(len(cu) - 1):
-            if (np.diff(ids[cu[b]:cu[b + 1]]) < 0).any():
-                where = f"sequence {b}"
-                break
-    if where is not None:
-        raise ValueError(f"{name} must be non-decreasing along each sequence (key j is visible to query i iff "
-                         f"{'block_ids_k[j] <= block_ids_q[i]' if 'block' in name else 'the ids are equal'}; "
-                         f"flashrt skips tiles by that order); {name} decreases in {where}")
 
 
 def _check_mask_mod(expr, tensors) -> tuple[str, tuple]:
@@ -262,3 +255,48 @@ def mask_mod_error(expr: str, tensors: tuple, log: str) -> ValueError:
     names = ", ".join(MOD_VARIABLES + tuple(f"const int* {n}" for n in tensors))
     return ValueError(f"mask_mod does not compile as a CUDA boolean expression over {names}:\n  " +
                       "\n  ".join(ln for ln in lines if ln.strip()) + f"\n(the expression: {expr!r})")
+
+
+# kernels_cu/mask_check.cu's report: its int32 words in order, and its failure codes (tests/test_spec.py
+# compares both with the kernel's enums).
+REPORT_WORDS = ("code", "arg", "seq", "pos", "value", "limit", "call")
+BAD_LENGTH, BAD_CU_START, BAD_CU_ORDER, BAD_CU_END, BAD_CU_LONGEST, BAD_IDS_ORDER = range(1, 7)
+
+
+def raise_reported() -> None:
+    """Raise the failure a device check reported (launch.report_words), if one did since the last was raised."""
+    words = launch.REPORT
+    if words is None or not words[0]:
+        return
+    report = dict(zip(REPORT_WORDS, words))
+    words[0] = 0
+    raise ValueError(report_message(report))
+
+
+def report_message(r: dict) -> str:
+    """The error for a device check's report: the rule, where the data break it, and when it was found."""
+    name, code = ARRAY_ARGS[r["arg"]], r["code"]
+    side = name[-1]
+    cu_rule = f"{name} must start at 0, be non-decreasing and end at most at the packed length"
+    if code == BAD_LENGTH:
+        text = (f"{name} must lie in [0, {r['limit']}] (the tensor's seqlen axis), got {r['value']} for batch "
+                f"entry {r['seq']}")
+    elif code == BAD_CU_START:
+        text = f"{cu_rule}; it starts at {r['value']}"
+    elif code == BAD_CU_ORDER:
+        text = f"{cu_rule}; entry {r['seq']} ({r['value']}) is below entry {r['seq'] - 1} ({r['limit']})"
+    elif code == BAD_CU_END:
+        text = f"{cu_rule} ({r['limit']}); it ends at {r['value']}"
+    elif code == BAD_CU_LONGEST:
+        text = (f"max_seqlen_{side}={r['limit']} is below the length of sequence {r['seq']} in {name} ({r['value']}); "
+                f"pass the longest length, or leave max_seqlen_{side} out")
+    else:
+        rule = "block_ids_k[j] <= block_ids_q[i]" if "block" in name else "the ids are equal"
+        where = "sequence" if r["call"] & 2 else "batch"
+        text = (f"{name} must be non-decreasing along each sequence (key j is visible to query i iff {rule}; flashrt "
+                f"skips tiles by that order); {name} decreases in {where} {r['seq']} at position {r['pos']} "
+                f"({r['value']} after {r['limit']})")
+    call = "backward" if r["call"] & 1 else "forward"
+    return (f"{text}. (Found on the GPU by the validate=True check of an earlier flashrt {call} call, whose outputs "
+            f"were set to NaN; such checks report at the next flashrt call or at flashrt.synchronize(), and "
+            f"validate='sync' makes the call itself raise.)")

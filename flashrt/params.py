@@ -22,7 +22,7 @@ def _strides(*tensors: str) -> list[tuple[str, type]]:
 # kernels_cu/mask.cuh's run-time inputs, in both structs.
 _MASK_PTRS = [(n, _PTR) for n in ("seqlens_q", "seqlens_k", "cu_q", "cu_k", "block_q", "block_k", "seg_q", "seg_k")]
 _STATS = [("st_sb", _I64), ("st_sh", _I64)]
-_DIMS = [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk", "win_left", "win_right", "top_left")]
+_DIMS = [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk", "win_left", "win_right", "top_left", "total_q", "total_k")]
 # mask_mod's fields, last in both structs.
 _MOD = ([(n, _PTR) for n in ("mod_map", "mod_rows", "mod_rows_count", "mod_cols", "mod_cols_count", "mod_t0", "mod_t1",
                              "mod_t2", "mod_t3")]
@@ -55,7 +55,17 @@ BWD = np.dtype(
     align=True,
 )
 
-C_NAMES = {FWD: "frt::FwdParams", BWD: "frt::BwdParams"}
+# kernels_cu/mask_check.cu's: the mask arrays (named as in FWD / BWD), the outputs it sets to NaN on a failure
+# (linked to the call's outputs: api._check_launch) and their sizes, the report's address and the extents.
+CHECK = np.dtype(
+    _MASK_PTRS
+    + [(f"poison{i}", _PTR) for i in range(3)] + [(f"poison_bytes{i}", _I64) for i in range(3)]
+    + [("report", _PTR)]
+    + [(n, _I32) for n in ("B", "Sq", "Sk", "total_q", "total_k", "call")],
+    align=True,
+)
+
+C_NAMES = {FWD: "frt::FwdParams", BWD: "frt::BwdParams", CHECK: "frt::CheckParams"}
 _CODES = {np.dtype(_PTR): "Q", np.dtype(_I64): "q", np.dtype(_I32): "i", np.dtype(_F32): "f", _MAP: "128s"}
 
 

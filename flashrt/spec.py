@@ -35,6 +35,8 @@ FAMILIES = {
     "mask_map": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 0}),
     "mask_rows": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 1}),
     "mask_cols": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 2}),
+    # validate=True: the mask arrays checked on the device after the attention kernels (no host copy)
+    "mask_check": ("mask_check.cu", params.CHECK, {}),
 }
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
 ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
@@ -52,6 +54,9 @@ CLASSIFY = ("mask_map", "mask_rows", "mask_cols")
 # The map evaluates the expression with four warps per tile and 32 per block (mask_classify.cu); a list
 # maker is a warp per list.
 CLASSIFY_WARPS = {"mask_map": 32, "mask_rows": 8, "mask_cols": 8}
+# Families that read no q, k or v: one compiled kernel serves every head_dim and dtype (fixed at 64 and bf16,
+# not in the name; tiles.check_spec, KernelSpec.classifier).
+NO_INPUTS = CLASSIFY + ("mask_check",)
 DTYPES = ("bf16", "fp16")
 # Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
 MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16}
@@ -119,8 +124,8 @@ class KernelSpec:
             raise ValueError("a mask_mod expression goes with the mod mask bit, and tensors with an expression")
         if self.family == "mask_map" and not self.mask_mod:
             raise ValueError("mask_map evaluates a mask_mod expression; it needs one")
-        if self.family in ("mask_rows", "mask_cols") and (self.mask or self.causal):
-            raise ValueError(f"{self.family} reads only the tile map: it takes no mask")
+        if self.family in ("mask_rows", "mask_cols", "mask_check") and (self.mask or self.causal):
+            raise ValueError(f"{self.family} reads no attention inputs: it takes no mask")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
             raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
         problem = self.layout_problem()
@@ -130,6 +135,8 @@ class KernelSpec:
     # -- identity -----------------------------------------------------------------
     @functools.cached_property  # (a frozen dataclass without __slots__: the cache lands in __dict__)
     def name(self) -> str:
+        if self.family == "mask_check":
+            return f"flashrt_mask_check_w{self.warps}_{self.arch}"
         if self.family in ELEMENTWISE:
             return f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_w{self.warps}_{self.arch}"
         mask = "causal" if self.causal else "full"
@@ -160,7 +167,7 @@ class KernelSpec:
             return f"warps must be in [1, {most}]"
         if self.min_blocks < 1 or self.min_blocks * nw > 64:
             return "min_blocks must be in [1, 64 / warps]"
-        if self.family in ELEMENTWISE:
+        if self.family in ELEMENTWISE or self.family == "mask_check":
             return None
         if self.family in CLASSIFY:
             return None if bm % 16 == 0 and bn % 16 == 0 and bm > 0 and bn > 0 else \

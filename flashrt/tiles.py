@@ -114,13 +114,12 @@ _FALLBACKS = {
 
 
 # wgmma kernels without a variant for some mask features: family -> rules (lo, hi, MASK_BITS): no kernel for a
-# mask that holds all of those bits at lo < head_dim <= hi. The head_dim 256 dQ sits at 255 registers unmasked;
-# block / segment ids spill 40-64 bytes there (NVRTC 12.9), so those backward passes take bwd_dq.cu's dQ
-# (windows did too, until their element test became a key interval per row: docs/perf-notes.md, session 13).
-# The warp-specialised forward takes every mask but ids with mask_mod (spec.FWD_WS_NO_MASKS: 4-8 bytes of
-# spills in its producer or consumers, whatever the register split, NVRTC 12.9), which take fwd_sm90.
+# mask that holds all of those bits at lo < head_dim <= hi. The warp-specialised forward takes every mask but ids
+# with mask_mod (spec.FWD_WS_NO_MASKS: 4-8 bytes of spills in its producer or consumers, whatever the register
+# split, NVRTC 12.9), which take fwd_sm90. (The wgmma dQ has every mask at every head_dim since its ids became a
+# key interval per row: 225-253 registers at head_dim 192 / 256, no spills; docs/perf-notes.md, "Masks at the
+# seed shape".)
 _SM90_MASK_LIMITS = {
-    "bwd_dq_sm90": ((192, 256, MASK_BITS["block_ids"]), (192, 256, MASK_BITS["segments"])),
     "fwd_sm90_ws": tuple((0, 256, c) for c in FWD_WS_NO_MASKS),
 }
 
@@ -207,6 +206,14 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
         tried.append(f"{spec.name}: {spec.smem_bytes} B")
     raise TilingError(f"no tiling of {family} for head_dim={head_dim} fits the device's shared memory limit of "
                       f"{smem_limit} bytes per block; required: " + ", ".join(tried))
+
+
+CHECK_WARPS = 16  # mask_check.cu: one block; its arrays are a few ints per token
+
+
+def check_spec(arch: str) -> KernelSpec:
+    """The kernel that checks a call's mask arrays on the device (kernels_cu/mask_check.cu)."""
+    return KernelSpec("mask_check", 64, "bf16", 0, 0, CHECK_WARPS, False, arch)
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False) -> str:

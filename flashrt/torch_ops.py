@@ -53,14 +53,18 @@ def _mask_kwargs(causal: str, window, max_seqlen_q, max_seqlen_k, tensors, mask_
     return dict(kw, causal=False if causal == "none" else causal)
 
 
+# validate travels through the op as its mode (masks.VALIDATE_MODES: 0, 1, 2; op schemas take no Union).
+_VALIDATE_OF_MODE = {mode: v for v, mode in masks.VALIDATE_MODES.items()}
+
+
 # impl and deterministic only matter to the backward; the forward op takes them so that
 # setup_context can hand them on (an autograd formula sees only the op's own arguments).
 @torch.library.custom_op("flashrt::fwd", mutates_args=())
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax_scale: Optional[float],
          impl: str, deterministic: bool, window: Optional[list[int]], max_seqlen_q: Optional[int],
-         max_seqlen_k: Optional[int], validate: bool, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
+         max_seqlen_k: Optional[int], validate: int, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
          mod_names: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return api.forward(q, k, v, softmax_scale=softmax_scale, validate=validate,
+    return api.forward(q, k, v, softmax_scale=softmax_scale, validate=_VALIDATE_OF_MODE[validate],
                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names))
 
 
@@ -181,7 +185,7 @@ def _call_masks(call: tuple, tensors: tuple) -> dict:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, return_lse: bool = False,
-              impl: str = "auto", deterministic: bool = True, validate: bool = True, **mask_args):
+              impl: str = "auto", deterministic: bool = True, validate=True, **mask_args):
     """Differentiable attention on torch tensors (B, S, H, D); see flashrt.forward for the semantics
     and the mask arguments.
 
@@ -213,7 +217,7 @@ def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args):
             static[name] = a
     mod = mask_args.get("mask_tensors")
     mod = mod if isinstance(mod, dict) else {}
-    call = (causal, scale, impl, bool(deterministic), bool(validate), static, tuple(arrays), tuple(mod))
+    call = (causal, scale, impl, bool(deterministic), validate, static, tuple(arrays), tuple(mod))
     return _Eager.apply(q, k, v, call, *tensors, *mod.values())
 
 
@@ -225,5 +229,6 @@ def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args):
         mask_mod, _ = masks._check_mask_mod(mask_mod, mod_tensors)
     tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS] + list(mod_tensors.values())
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
-            mask_args.get("max_seqlen_k"), bool(validate), tensors, mask_mod or "", ",".join(mod_tensors))
+            mask_args.get("max_seqlen_k"), masks.validate_mode(validate), tensors, mask_mod or "",
+            ",".join(mod_tensors))
     return torch.ops.flashrt.fwd.default(*args)

@@ -109,9 +109,11 @@ struct Visibility {
         Eq = Lq = p.Sq, Ek = Lk = p.Sk;
         q_row0 = k_row0 = 0;
         if constexpr (LENGTHS) {
-            if (p.cu_q) {  // packed varlen: the tensors are (total, H, D), batch stride 0
-                q_row0 = p.cu_q[b], Eq = Lq = min(p.cu_q[b + 1] - p.cu_q[b], p.Sq);
-                k_row0 = p.cu_k[b], Ek = Lk = min(p.cu_k[b + 1] - p.cu_k[b], p.Sk);
+            if (p.cu_q) {  // packed varlen: the tensors are (total, H, D), batch stride 0; offsets clamped into
+                           // them, so that no value of cu_seqlens reaches outside (mask_check.cu reports it)
+                const int q0 = max(0, min(p.cu_q[b], p.total_q)), k0 = max(0, min(p.cu_k[b], p.total_k));
+                q_row0 = q0, Eq = Lq = max(0, min(min(p.cu_q[b + 1], p.total_q) - q0, p.Sq));
+                k_row0 = k0, Ek = Lk = max(0, min(min(p.cu_k[b + 1], p.total_k) - k0, p.Sk));
             } else {  // padding: lengths clamped to the extent, so a bad length cannot fault
                 if (p.seqlens_q) Lq = max(0, min(p.seqlens_q[b], p.Sq));
                 if (p.seqlens_k) Lk = max(0, min(p.seqlens_k[b], p.Sk));

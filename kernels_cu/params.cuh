@@ -42,6 +42,7 @@ struct FwdParams {
     i64 st_sb, st_sh;  // lse of (b, h, row): b * st_sb + h * st_sh + row
     int B, H, Hkv, Sq, Sk;  // Sq, Sk: the longest sequences when varlen
     int win_left, win_right, top_left;
+    int total_q, total_k;  // varlen: rows of the packed q and k (mask.cuh clamps cu_q / cu_k to them)
     float scale_log2;  // softmax_scale * log2(e)
     // mask_mod (MASK_MOD), last so that the other fields keep their offsets: the tile map and
     // lists written by mask_classify.cu (ModLists in mask.cuh), the int32 tensors the expression reads, and the
@@ -100,6 +101,7 @@ struct BwdParams {
     i64 st_sb, st_sh;  // lse / lse2 / delta of (b, h, row), and dq_accum's row: b * st_sb + h * st_sh + row
     int B, H, Hkv, Sq, Sk;
     int win_left, win_right, top_left;
+    int total_q, total_k;
     float scale_log2;
     float scale;
     // mask_mod (MASK_MOD), last so that the other fields keep their offsets: the tile map and
@@ -115,6 +117,27 @@ struct BwdParams {
     const int* mod_t2;
     const int* mod_t3;
     int mod_heads, mod_batches;
+};
+
+// mask_check.cu: a call's mask arrays (the pointers of FwdParams / BwdParams, null when not given), the
+// extents they are checked against, and the call's outputs, set to NaN when a check fails.
+struct CheckParams {
+    const int* seqlens_q;
+    const int* seqlens_k;
+    const int* cu_q;
+    const int* cu_k;
+    const int* block_q;
+    const int* block_k;
+    const int* seg_q;
+    const int* seg_k;
+    u8* poison0;
+    u8* poison1;
+    u8* poison2;
+    i64 poison_bytes0, poison_bytes1, poison_bytes2;
+    int* report;  // host-mapped (flashrt/launch.py: report_words); mask_check.cu: REPORT_*
+    int B, Sq, Sk;  // Sq, Sk: the tensors' seqlen extents, or max_seqlen_q / _k when varlen
+    int total_q, total_k;  // varlen: rows of the packed q and k
+    int call;  // 0 forward, 1 backward (for the message)
 };
 
 // ---------------------------------------------------------------------------

@@ -23,12 +23,13 @@ def test_prewarm_twice_then_info_and_clear(tmp_path):
                 cache_dir=tmp_path)
     assert first.returncode == 0, first.stderr
     assert str(tmp_path) in first.stdout
-    assert "compiled 22, already cached 0" in first.stdout  # 2 head dims x (4 tiled families x 2 masks + 3 elementwise)
-    assert "22/22" in first.stderr  # progress bar
+    # 2 head dims x (4 tiled families x 2 masks + 3 elementwise), and the mask arrays' check
+    assert "compiled 23, already cached 0" in first.stdout
+    assert "23/23" in first.stderr  # progress bar
     second = run("prewarm", "--arch", "sm_80", "--head-dims", "64,96", "--dtypes", "bf16", cache_dir=tmp_path)
-    assert "compiled 0, already cached 22" in second.stdout
+    assert "compiled 0, already cached 23" in second.stdout
     info = run("cache", "info", cache_dir=tmp_path)
-    assert "entries:   22" in info.stdout and "sm_80: 22" in info.stdout
+    assert "entries:   23" in info.stdout and "sm_80: 23" in info.stdout
     cleared = run("cache", "clear", cache_dir=tmp_path)
     assert "removed" in cleared.stdout
     assert "entries:   0" in run("cache", "info", cache_dir=tmp_path).stdout
@@ -55,7 +56,7 @@ def test_check_without_gpu_says_so_and_compiles(tmp_path):
     r = run("check", "--arch", "sm_80", "--jobs", "2", cache_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "no CUDA GPU found" in r.stdout
-    assert "compiled 22" in r.stdout
+    assert "compiled 23" in r.stdout
 
 
 def test_cache_info_shows_and_clear_removes_stale_entries(cache_dir, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import CLASSIFY, ELEMENTWISE, FAMILIES, MASK_BITS, QUERY_PARALLEL, KernelSpec
+from flashrt.spec import ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, QUERY_PARALLEL, KernelSpec
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 192, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -21,7 +21,7 @@ def _variants():
     out = set()
     for arch in ARCHS:
         limit = SMEM_OPTIN[int(arch[3:5])]
-        for family in set(FAMILIES) - set(CLASSIFY):
+        for family in set(FAMILIES) - set(NO_INPUTS):
             for d in (d for d in HEAD_DIMS if tiles.applies(family, d, arch)):
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
@@ -29,7 +29,7 @@ def _variants():
     # Masked variants (kernels_cu/mask.cuh): every feature at once, lengths alone (padding / varlen),
     # lengths with a window (Visibility::visible's branch-free form, taken without id arrays), and
     # segment ids alone (documents: before TileIntervals, two of these spilled where every feature did not).
-    for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
+    for family in set(FAMILIES) - set(ELEMENTWISE) - set(NO_INPUTS):
         for d in (64, 128, 160, 256):
             for causal in (False, True):
                 for mask in (sum(MASK_BITS.values()) & ~MASK_BITS["mod"], MASK_BITS["lengths"],
@@ -38,12 +38,13 @@ def _variants():
                         out.add(tiles.pick_nw(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
     # mask_mod variants (an expression that reads a tensor and names every variable) with every
     # built-in feature and alone, and their classifiers (kernels_cu/mask_classify.cu).
-    for family in set(FAMILIES) - set(ELEMENTWISE) - set(CLASSIFY):
+    for family in set(FAMILIES) - set(ELEMENTWISE) - set(NO_INPUTS):
         for d in (64, 128, 256):
             for mask in (m for m in (sum(MASK_BITS.values()), MASK_BITS["mod"]) if tiles.applies(family, d, "sm_90a", m)):
                 spec = tiles.pick_nw(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
                 out.update([spec, spec.classifier("mask_map"),
                             spec.classifier("mask_rows" if family in QUERY_PARALLEL else "mask_cols")])
+    out.update(tiles.check_spec(arch) for arch in ARCHS)  # kernels_cu/mask_check.cu
     # The forward with mask_mod, lengths and a window, not causal: fwd_sm90_ws's fenced element mask beside
     # the length tests (it spilled 128 bytes at head_dim 128 before the sequence's ends took the rolled loop).
     mask = MASK_BITS["mod"] | MASK_BITS["lengths"] | MASK_BITS["window"]

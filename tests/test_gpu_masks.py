@@ -294,24 +294,64 @@ def test_varlen_matches_per_sequence_reference(cupy, poison, causal, window, wit
                 _check(cupy, f"seq {b} {impl}{' det' if det else ''} {name}", x, r, TOL["bf16"])
 
 
+def _i32(cupy, values):
+    return cupy.asarray(values, dtype=cupy.int32)
+
+
 def test_mask_input_errors_name_the_argument(cupy):
-    q = cupy.zeros((2, 64, 2, 64), dtype=cupy.float16)
+    """Bad array data (validate=True, the default) is found on the GPU without a host copy: the call's outputs
+    become NaN and a ValueError naming the argument comes at the next flashrt call, at flashrt.synchronize(),
+    or (validate="sync") from the call itself."""
+    q = cupy.ones((2, 64, 2, 64), dtype=cupy.float16)
     ids = cupy.zeros((2, 64), dtype=cupy.int32)
     bad = ids.copy()
     bad[1, 10] = -1  # decreases
-    with pytest.raises(ValueError, match=r"block_ids_k must be non-decreasing.*batch 1"):
-        flashrt.forward(q, q, q, block_ids_q=ids, block_ids_k=bad)
-    with pytest.raises(TypeError, match=r"segment_ids_q must be int32"):
-        flashrt.forward(q, q, q, segment_ids_q=ids.astype(cupy.int64), segment_ids_k=ids)
-    with pytest.raises(ValueError, match=r"seqlens_k must lie in \[0, 64\]"):
-        flashrt.forward(q, q, q, seqlens_k=cupy.asarray([64, 65], dtype=cupy.int32))
-    packed = cupy.zeros((100, 2, 64), dtype=cupy.float16)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0"):
-        flashrt.forward(packed, packed, packed, cu_seqlens_q=cupy.asarray([1, 50, 100], dtype=cupy.int32),
-                        cu_seqlens_k=cupy.asarray([0, 50, 100], dtype=cupy.int32))
-    with pytest.raises(ValueError, match=r"cu_seqlens_k must start at 0, be non-decreasing and end at most at"):
-        flashrt.forward(packed, packed, packed, cu_seqlens_q=cupy.asarray([0, 50, 100], dtype=cupy.int32),
-                        cu_seqlens_k=cupy.asarray([0, 60, 50], dtype=cupy.int32))
+    out, lse = flashrt.forward(q, q, q, block_ids_q=ids, block_ids_k=bad)  # no host copy: nothing raised yet
+    with pytest.raises(ValueError, match=r"block_ids_k must be non-decreasing.*decreases in batch 1 at position 10 "
+                                         r"\(-1 after 0\).*earlier flashrt forward call"):
+        flashrt.synchronize()
+    assert bool(cupy.isnan(out).all()) and bool(cupy.isnan(lse).all()), "a failed check leaves NaN outputs"
+    flashrt.synchronize()  # reported once
+    flashrt.forward(q, q, q, block_ids_q=ids, block_ids_k=bad)
+    cupy.cuda.Device().synchronize()
+    with pytest.raises(ValueError, match=r"block_ids_k must be non-decreasing"):  # at the next call, any call
+        flashrt.forward(q, q, q)
+    good, _ = flashrt.forward(q, q, q, block_ids_q=ids, block_ids_k=ids, validate="sync")
+    assert bool(cupy.isfinite(good).all())
+    dout = cupy.ones_like(q)
+    out, lse = flashrt.forward(q, q, q, block_ids_q=ids, block_ids_k=ids)
+    grads = flashrt.backward(dout, q, q, q, out, lse, block_ids_q=bad, block_ids_k=ids)
+    with pytest.raises(ValueError, match=r"block_ids_q must be non-decreasing.*earlier flashrt backward call"):
+        flashrt.synchronize()
+    assert all(bool(cupy.isnan(g).all()) for g in grads)
+
+    def raises(match, *args, **kw):
+        with pytest.raises(ValueError, match=match):
+            flashrt.forward(*args, validate="sync", **kw)
+
+    raises(r"seqlens_k must lie in \[0, 64\] .*got 65 for batch entry 1", q, q, q, seqlens_k=_i32(cupy, [64, 65]))
+    raises(r"seqlens_q must lie in \[0, 64\]", q, q, q, seqlens_q=_i32(cupy, [-1, 3]))
+    packed = cupy.ones((100, 2, 64), dtype=cupy.float16)
+    cu = _i32(cupy, [0, 50, 100])
+    raises(r"cu_seqlens_q must start at 0.*it starts at 1", packed, packed, packed,
+           cu_seqlens_q=_i32(cupy, [1, 50, 100]), cu_seqlens_k=cu)
+    raises(r"cu_seqlens_k must start at 0, be non-decreasing and end at most at the packed length; entry 2 \(50\) is "
+           r"below entry 1 \(60\)", packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=_i32(cupy, [0, 60, 50]))
+    raises(r"cu_seqlens_q must start at 0.*packed length \(100\); it ends at 101", packed, packed, packed,
+           cu_seqlens_q=_i32(cupy, [0, 50, 101]), cu_seqlens_k=cu)
+    raises(r"max_seqlen_k=40 is below the length of sequence 0 in cu_seqlens_k \(50\)", packed, packed, packed,
+           cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=50, max_seqlen_k=40)
+    seq_ids = cupy.zeros(100, dtype=cupy.int32)
+    seq_ids[50:] = 7
+    seq_ids[60] = 3
+    raises(r"segment_ids_k must be non-decreasing.*decreases in sequence 1 at position 10 \(3 after 7\)", packed,
+           packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu, segment_ids_q=cupy.sort(seq_ids), segment_ids_k=seq_ids)
+    seq_ids[60] = 7
+    seq_ids[50] = 0  # a sequence may start lower than the previous one ended
+    flashrt.forward(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu, segment_ids_q=seq_ids,
+                    segment_ids_k=seq_ids, validate="sync")
+    with pytest.raises(ValueError, match=r"validate must be True, False or 'sync'"):
+        flashrt.forward(q, q, q, validate="yes")
     with pytest.raises(ValueError, match=r"impl='fused' with deterministic=True"):
         out, lse = flashrt.forward(q, q, q, segment_ids_q=ids, segment_ids_k=ids)
         flashrt.backward(q, q, q, q, out, lse, segment_ids_q=ids, segment_ids_k=ids, impl="fused")
@@ -333,10 +373,12 @@ def _mod_window(rng, B, Sq, Sk):  # a pure expression: its plan keeps its tile l
                                   _both(_padding, _mod_sink), "varlen"],
                          ids=["padding", "segments", "blocks", "mod-window", "mod-heads", "mod-docs-tensors",
                               "mod-padding", "varlen"])
-def test_reused_plan_reads_each_calls_mask_data(cupy, poison, make):  # noqa: F811
+@pytest.mark.parametrize("validate", [True, False], ids=["validated", "unchecked"])
+def test_reused_plan_reads_each_calls_mask_data(cupy, poison, make, validate):  # noqa: F811
     """A second call of the same signature runs the first call's plan (no new plan is made) and reads
     its own arrays: new lengths, ids, mask_mod tensors and inputs, not the first call's (a mask_mod
-    over tensors or arrays classifies its tiles again; over neither it keeps the first call's lists)."""
+    over tensors or arrays classifies its tiles again; over neither it keeps the first call's lists).
+    validate=True (the device check) reuses plans too."""
     from flashrt import api
     B, Sq, Sk, H, Hkv, D = 3, 200, 300, 4, 2, 64
     lens = ([120, 30, 150], [150, 90, 60])  # same total: the packed tensors keep their shape
@@ -353,8 +395,8 @@ def test_reused_plan_reads_each_calls_mask_data(cupy, poison, make):  # noqa: F8
             kw, rkw = make(rng, B, Sq, Sk)
             kw = _on_device(kw)
         before = set(api._PLANS)
-        out, lse = flashrt.forward(q, k, v, causal=True, validate=False, **kw)
-        dq, dk, dv = flashrt.backward(do, q, k, v, out, lse, causal=True, validate=False, **kw)
+        out, lse = flashrt.forward(q, k, v, causal=True, validate=validate, **kw)
+        dq, dk, dv = flashrt.backward(do, q, k, v, out, lse, causal=True, validate=validate, **kw)
         new_plans.append(len(set(api._PLANS) - before))
         if make == "varlen":
             for b in range(B):
@@ -370,3 +412,35 @@ def test_reused_plan_reads_each_calls_mask_data(cupy, poison, make):  # noqa: F8
         for name, x, ref in (("out", out, ro), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
             _check(cupy, f"call {call} {name}", x, ref, TOL["bf16"])
     assert new_plans == [2, 0], f"plans made by the two calls (forward + backward each): {new_plans}, expected [2, 0]"
+
+
+def test_no_array_data_reaches_outside_the_tensors(cupy):
+    """validate=False with arrays that break every rule: lengths past the tensor or negative, cu_seqlens
+    out of range, decreasing, or longer than max_seqlen, ids in any order. The kernels stay inside their
+    tensors (mask.cuh clamps; scripts/sanitize_workload.py runs the same under compute-sanitizer memcheck),
+    and every impl finishes."""
+    rng = np.random.default_rng(5)
+    q = cupy.asarray(rng.standard_normal((2, 96, 4, 64)), dtype=cupy.float16)
+    kv = cupy.asarray(rng.standard_normal((2, 80, 2, 64)), dtype=cupy.float16)
+    packed_q, packed_k = q.reshape(192, 4, 64), kv.reshape(160, 2, 64)
+    shuffled = _i32(cupy, rng.integers(-5, 5, (2, 96)))
+    cases = [
+        (q, kv, dict(seqlens_q=_i32(cupy, [1000, -7]), seqlens_k=_i32(cupy, [-1, 2**30]))),
+        (q, kv, dict(block_ids_q=shuffled, block_ids_k=shuffled[:, :80].copy(), window=(3, 5))),
+        (q, kv, dict(segment_ids_q=shuffled, segment_ids_k=_i32(cupy, rng.integers(-5, 5, (2, 80))),
+                     seqlens_k=_i32(cupy, [80, 10**6]))),
+        (packed_q, packed_k, dict(cu_seqlens_q=_i32(cupy, [0, 10**6, -50]),
+                                  cu_seqlens_k=_i32(cupy, [-10, 5, 2**31 - 1]), max_seqlen_q=300, max_seqlen_k=40)),
+        (packed_q, packed_k, dict(cu_seqlens_q=_i32(cupy, [150, 20, 192]), cu_seqlens_k=_i32(cupy, [0, 160, 100]),
+                                  max_seqlen_q=64, max_seqlen_k=200, block_ids_q=_i32(cupy, rng.integers(0, 9, 192)),
+                                  block_ids_k=_i32(cupy, rng.integers(0, 9, 160)))),
+    ]
+    for q_, kv_, kw in cases:
+        for causal in (False, True):
+            out, lse = flashrt.forward(q_, kv_, kv_, causal=causal, validate=False, **kw)
+            for impl, det in (("split", True), ("fused", True), ("fused", False)):
+                if impl == "fused" and det and "segment_ids_q" in kw:
+                    continue
+                flashrt.backward(q_, q_, kv_, kv_, out, lse, causal=causal, impl=impl, deterministic=det,
+                                 validate=False, **kw)
+            cupy.cuda.Device().synchronize()  # (an access outside memory would fail here)

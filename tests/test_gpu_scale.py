@@ -3,6 +3,7 @@ fp16 logits beyond fp16's range, tensors past 2^31 elements, and a 128k-token se
 
 Run on a GPU machine with `pytest -m gpu`; they skip elsewhere.
 """
+import itertools
 import math
 import random
 
@@ -41,7 +42,41 @@ def _layout(torch, shape, dtype, kind, gen):
     return torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=gen)
 
 
+def _random_masks(rng, B, Sq, Sk):
+    """Half the configurations get masks: (flashrt keyword arguments, reference.visible's, packed varlen or not),
+    drawn from lengths, a window, block or segment ids (sorted random), causal alignments, packed varlen."""
+    import numpy as np
+    if rng.random() < 0.5:
+        return {}, None, False
+    kw = {}
+    nrng = np.random.default_rng(rng.randrange(2**32))
+    varlen = rng.random() < 0.3
+    if varlen or rng.random() < 0.4:
+        kw["seqlens_q"] = nrng.integers(0, Sq + 1, B).astype(np.int32)
+        kw["seqlens_k"] = nrng.integers(0, Sk + 1, B).astype(np.int32)
+    if rng.random() < 0.3:
+        kw["window"] = (rng.choice([-1, rng.randint(0, 64)]), rng.choice([-1, rng.randint(0, 64)]))
+    ids = rng.choice([None, "block_ids", "segment_ids"])
+    if ids:
+        n = rng.randint(1, 6)
+        kw[f"{ids}_q"] = np.sort(nrng.integers(0, n, (B, Sq)), axis=1).astype(np.int32)
+        kw[f"{ids}_k"] = np.sort(nrng.integers(0, n, (B, Sk)), axis=1).astype(np.int32)
+    causal = rng.choice([False, True, "top_left"])
+    ref = dict(kw, causal=bool(causal), align="top_left" if causal == "top_left" else "bottom_right")
+    ref["window"] = ref.get("window", (-1, -1))
+    return dict(kw, causal=causal), ref, varlen
+
+
+def _packed(torch, x, lengths):
+    """The rows [0, lengths[b]) of each batch entry of x (B, S, ...), one after another."""
+    return torch.cat([x[b, :int(n)] for b, n in enumerate(lengths)])
+
+
 def test_fuzz_random_configurations_match_float64(torch):
+    """200 random valid configurations (shapes, GQA, head dims, dtypes, layouts, backward impls, and in half of
+    them masks: lengths, windows, ids, both causal alignments, packed varlen), every output and gradient
+    against float64, the mask arrays checked on the device (validate=True, reported by flashrt.synchronize)."""
+    import cupy
     rng = random.Random(20261122)
     gen = torch.Generator(device="cuda").manual_seed(20261122)
     failures = []
@@ -57,16 +92,42 @@ def test_fuzz_random_configurations_match_float64(torch):
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         q, k, v, do = (_layout(torch, shape, dt, kind, gen) for shape, kind in
                        zip(((B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, H, D)), kinds))
-        out, lse = flashrt.forward(q, k, v, causal=causal)
-        grads = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, deterministic=deterministic)
-        ref = reference.attention(f64(q), f64(k), f64(v), causal=causal, dout=f64(do))
+        mask, ref_mask, varlen = _random_masks(rng, B, Sq, Sk)
+        if mask:
+            causal = mask.pop("causal")
+            if "segment_ids_q" in mask and impl == "fused" and deterministic:
+                impl = "split"  # (the ordered fused dQ takes no segment ids)
+            keep = reference.visible(B, Sq, Sk, xp=cupy, **{n: cupy.asarray(x) if hasattr(x, "shape") else x
+                                                           for n, x in ref_mask.items()})
+            ref = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+        else:
+            ref = reference.attention(f64(q), f64(k), f64(v), causal=causal, dout=f64(do))
+        ref = (ref[0], *ref[2:])
+        lq, lk = mask.get("seqlens_q"), mask.get("seqlens_k")
+        if varlen:  # the same sequences packed: (total, H, D), lengths as cu_seqlens
+            q, k, v, do = (_packed(torch, x, n).contiguous() for x, n in ((q, lq), (k, lk), (v, lk), (do, lq)))
+            ref = tuple(cupy.concatenate([r[b, :int(n)] for b, n in enumerate(lens)])[None]
+                        for r, lens in zip(ref, (lq, lq, lk, lk)))
+            cu = {n: torch.tensor([0, *itertools.accumulate(int(x) for x in lens)], dtype=torch.int32, device="cuda")
+                  for n, lens in (("cu_seqlens_q", mask.pop("seqlens_q")), ("cu_seqlens_k", mask.pop("seqlens_k")))}
+            for side, cu_name, lens in (("q", "cu_seqlens_q", lq), ("k", "cu_seqlens_k", lk)):
+                for ids in ("block_ids", "segment_ids"):
+                    if f"{ids}_{side}" in mask:
+                        mask[f"{ids}_{side}"] = _packed(torch, torch.as_tensor(mask[f"{ids}_{side}"]), lens)
+            mask.update(cu, max_seqlen_q=Sq, max_seqlen_k=Sk)
+        mask = {n: torch.as_tensor(x).cuda() if hasattr(x, "shape") else x for n, x in mask.items()}
+        out, lse = flashrt.forward(q, k, v, causal=causal, **mask)
+        grads = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, deterministic=deterministic,
+                                 **mask)
+        flashrt.synchronize()  # a device check's report (none: the arrays are valid)
         bound = {"bf16": 2e-2, "fp16": 4e-3}[dtype]
         typical = 0.05 * float(do.float().norm())
-        for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:])):
-            err = _error(x, r, typical)
+        for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
+            err = _error(x[None] if varlen else x, r, typical)
             if not err <= bound:
                 failures.append(f"#{i} B={B} Sq={Sq} Sk={Sk} H={H} Hkv={Hkv} D={D} causal={causal} {dtype} "
-                                f"impl={impl} det={deterministic} layouts={kinds}: {name} rel err {err:.2e}")
+                                f"impl={impl} det={deterministic} layouts={kinds} masks={sorted(mask)}: "
+                                f"{name} rel err {err:.2e}")
     assert not failures, "\n".join(failures)
 
 

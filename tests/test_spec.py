@@ -5,9 +5,9 @@ import re
 import numpy as np
 import pytest
 
-from flashrt import cache, launch, params, tiles
+from flashrt import cache, launch, masks, params, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import CLASSIFY, FAMILIES, HEAD_DIMS, MASK_BITS, KernelSpec
+from flashrt.spec import FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, KernelSpec
 
 
 def spec(**kw):
@@ -41,7 +41,7 @@ def test_options_bake_every_parameter():
 def test_tilings_for_several_blocks_per_sm_fit_their_shared_memory():
     """A tiling asking for min_blocks per SM must leave room for them in an SM's shared memory (H100 / H200:
     228 KiB, 1 KiB of it reserved per block); registers are capped by the kernel's launch bounds."""
-    for family in set(FAMILIES) - set(CLASSIFY):
+    for family in set(FAMILIES) - set(NO_INPUTS):
         for d in HEAD_DIMS:
             for mask in (0, MASK_BITS["lengths"] | MASK_BITS["window"], MASK_BITS["mod"]):
                 try:
@@ -75,7 +75,7 @@ def test_smem_formula():
 @pytest.mark.parametrize("arch,limit", [("sm_80", SMEM_OPTIN[80]), ("sm_86", SMEM_OPTIN[86]),
                                         ("sm_90a", SMEM_OPTIN[90]), ("sm_90a", 64 * 1024)])
 def test_pick_nw_fits_every_head_dim(arch, limit):
-    for family in set(FAMILIES) - set(CLASSIFY):
+    for family in set(FAMILIES) - set(NO_INPUTS):
         for d in HEAD_DIMS:
             if family in ("fwd_sm90", "fwd_sm90_ws") and family not in (
                     tiles.forward_family(d, arch, limit), tiles.forward_family(d, arch, limit, MASK_BITS["window"])):
@@ -183,7 +183,8 @@ def _header_fields(struct: str) -> list[tuple[str, type]]:
     return fields
 
 
-@pytest.mark.parametrize("struct,dtype", [("FwdParams", params.FWD), ("BwdParams", params.BWD)])
+@pytest.mark.parametrize("struct,dtype", [("FwdParams", params.FWD), ("BwdParams", params.BWD),
+                                          ("CheckParams", params.CHECK)])
 def test_param_structs_match_header(struct, dtype):
     fields = _header_fields(struct)
     assert [n for n, _ in fields] == list(dtype.names)
@@ -214,7 +215,7 @@ def test_reduce_grid_covers_every_chunk():
     assert launch.grid(red, B=2, H=8, Hkv=1, Sq=9, Sk=1000, sm_count=132) == (125, 1, 1)  # 2 * 1000 rows * 16 chunks / 256 threads
 
 
-@pytest.mark.parametrize("dtype", [params.FWD, params.BWD])
+@pytest.mark.parametrize("dtype", [params.FWD, params.BWD, params.CHECK])
 def test_pack_lays_fields_out_as_the_struct(dtype):
     values = {}
     for i, name in enumerate(dtype.names):
@@ -283,9 +284,9 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
     assert tiles.split_families(64, "sm_90a", SMEM_OPTIN[90]) == wgmma
     assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90]) == wgmma
     assert tiles.split_families(192, "sm_90a", SMEM_OPTIN[90], MASK_BITS["window"]) == wgmma
-    # the head_dim 256 wgmma dQ spills with id arrays: bwd_dq.cu's dQ beside the wgmma dK/dV
+    # every mask at every wgmma head_dim (the seed's block ids at 256 included: tests/test_compile.py checks spills)
     for bit in ("block_ids", "segments"):
-        assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], MASK_BITS[bit]) == ("bwd_dq", "bwd_dkdv_sm90")
+        assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], MASK_BITS[bit]) == wgmma
     masks = MASK_BITS["lengths"] | MASK_BITS["window"] | MASK_BITS["mod"]
     assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], masks) == wgmma
     assert tiles.split_families(96, "sm_90a", SMEM_OPTIN[90]) == mma
@@ -323,3 +324,26 @@ def test_wgmma_backward_geometry():
                 dict(family="bwd_dq_sm90", head_dim=128, block_m=128, block_n=64, arch="sm_90")):
         with pytest.raises(ValueError, match="invalid tiling"):
             KernelSpec(**{"dtype": "bf16", "warps": 8, "causal": False, "arch": "sm_90a", **bad})
+
+
+def test_check_report_layout_matches_the_kernel():
+    """masks.REPORT_WORDS and the failure codes are kernels_cu/mask_check.cu's enums, in order."""
+    text = (cache.kernels_dir() / "mask_check.cu").read_text()
+    words = re.search(r"enum : int \{ (REPORT_CODE.*?) \};", text).group(1).split(", ")
+    assert [w.lower() for w in words] == [f"report_{n}" for n in masks.REPORT_WORDS] + ["report_words"]
+    assert len(words) - 1 <= launch.REPORT_LEN
+    codes = re.search(r"enum : int \{ (BAD_LENGTH = 1.*?) \};", text).group(1).split(", ")
+    assert [c.split(" = ")[0] for c in codes] == ["BAD_LENGTH", "BAD_CU_START", "BAD_CU_ORDER", "BAD_CU_END",
+                                                   "BAD_CU_LONGEST", "BAD_IDS_ORDER"]
+    assert [getattr(masks, c.split(" = ")[0]) for c in codes] == list(range(1, 7))
+
+
+def test_check_report_messages_name_the_argument():
+    report = dict(zip(masks.REPORT_WORDS, (masks.BAD_IDS_ORDER, 5, 1, 10, -1, 0, 0)))
+    text = masks.report_message(report)
+    assert text.startswith("block_ids_k must be non-decreasing") and "batch 1 at position 10 (-1 after 0)" in text
+    assert "earlier flashrt forward call" in text and "validate='sync'" in text
+    report.update(code=masks.BAD_CU_LONGEST, arg=2, seq=3, value=70, limit=64, call=3)
+    assert masks.report_message(report).startswith("max_seqlen_q=64 is below the length of sequence 3 in "
+                                                   "cu_seqlens_q (70)")
+    assert "earlier flashrt backward call" in masks.report_message(report)

@@ -256,6 +256,39 @@ def test_cuda_graph_captures_forward_and_backward():
 
 
 @gpu
+def test_cuda_graph_captures_the_mask_check():
+    """Masked calls at default settings (validate=True) read no array data on the host, so they capture; each
+    replay checks the arrays' current data on the GPU, and a bad replay is reported at flashrt.synchronize()."""
+    q, k, v, do = make_inputs(2, 256, 256, 8, 1, 256, BF16, seed=14)
+    ql, kl, vl = leaves(q, k, v)
+    ids = torch.cat([torch.zeros(192, dtype=torch.int32), torch.ones(64, dtype=torch.int32)]).cuda().repeat(2, 1)
+
+    def step():
+        out = flashrt.attention(ql, kl, vl, block_ids_q=ids, block_ids_k=ids)
+        return (out, *torch.autograd.grad(out, (ql, kl, vl), do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a host copy of ids (the old validation) would fail the capture
+        static = step()
+    graph.replay()
+    expected = step()
+    flashrt.synchronize()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), static, expected):
+        assert torch.equal(a, b), f"{name} of the replayed graph differs from eager"
+    ids[1, 100] = -1
+    graph.replay()
+    with pytest.raises(ValueError, match=r"block_ids_q must be non-decreasing.*batch 1 at position 100"):
+        flashrt.synchronize()
+    assert static[0].isnan().all()
+
+
+@gpu
 def test_capture_before_the_kernels_are_loaded_raises_a_clear_error(monkeypatch):
     monkeypatch.setattr(launch, "_functions", {})  # as in a fresh process: no kernel loaded yet
     q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 64, BF16, seed=12)
@@ -428,6 +461,33 @@ def test_mixed_streams_with_events():
     torch.cuda.synchronize()
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         assert torch.equal(a, b), f"{name} differs across streams"
+
+
+@gpu
+def test_calls_from_a_thread_that_made_no_cuda_call():
+    """A thread whose tensors all come from torch's cache makes no CUDA runtime call of its own, so no context is
+    current on it (autograd's backward thread is one): flashrt's launches must still run there."""
+    import threading
+    q, k, v, do = make_inputs(2, 128, 128, 4, 2, 64, BF16, seed=15)
+    out, lse = flashrt.forward(q, k, v)
+    expected = flashrt.backward(do, q, k, v, out, lse)  # plans made, blocks in torch's cache
+    torch.cuda.synchronize()
+    got, errors = [], []
+
+    def worker():
+        try:
+            got.append(flashrt.backward(do, q, k, v, out, lse))
+            got.append(flashrt.forward(q, k, v)[0])
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    torch.cuda.synchronize()
+    for a, b in zip(got[0], expected):
+        assert torch.equal(a, b)
+    assert torch.equal(got[1], out)
 
 
 @gpu
