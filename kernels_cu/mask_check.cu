@@ -36,8 +36,8 @@ FRT_DEVICE CheckFailure check_element(const CheckParams& p, int arg, const int* 
             f = {BAD_CU_ORDER, (int)i, -1, x[i], x[i - 1]};
         else if (i == p.B && x[i] > total)
             f = {BAD_CU_END, (int)i, -1, x[i], total};
-        else if (i > 0 && x[i] - x[i - 1] > longest)
-            f = {BAD_CU_LONGEST, (int)i - 1, -1, x[i] - x[i - 1], longest};
+        else if (i > 0 && (i64)x[i] - x[i - 1] > longest)  // (64-bit: offsets of opposite signs)
+            f = {BAD_CU_LONGEST, (int)i - 1, -1, (int)min((i64)x[i] - x[i - 1], (i64)0x7fffffff), longest};
     } else if (i > 0 && x[i] < x[i - 1]) {  // block / segment ids: non-decreasing along each sequence
         int seq, start;
         if (p.cu_q) {  // packed: the sequence that holds row i, if any
