@@ -87,7 +87,7 @@ class Masking:
     @property
     def checked(self) -> bool:
         """Some id / length / offset array is given: the device check has data to read."""
-        return any(f in self.fields for f in ARRAY_FIELDS.values())
+        return not _ARRAY_FIELD_SET.isdisjoint(self.fields)
 
     def check_fields(self, backward: bool) -> dict:
         """params.CHECK's fields (kernels_cu/mask_check.cu) but the outputs and the report."""

@@ -56,7 +56,7 @@ BWD = np.dtype(
 )
 
 # kernels_cu/mask_check.cu's: the mask arrays (named as in FWD / BWD), the outputs it sets to NaN on a failure
-# (linked to the call's outputs: api._check_launch) and their sizes, the report's address and the extents.
+# (linked to the call's outputs: api._add_check) and their sizes, the report's address and the extents.
 CHECK = np.dtype(
     _MASK_PTRS
     + [(f"poison{i}", _PTR) for i in range(3)] + [(f"poison_bytes{i}", _I64) for i in range(3)]
