@@ -471,6 +471,7 @@ class _Plan:
 
 _PLANS: dict = {}
 _MAX_PLANS = 256
+_ARRAY_ARGS = frozenset(masks.ARRAY_ARGS)
 
 
 def _signatures(tensors: tuple) -> tuple | None:
@@ -510,15 +511,16 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: 
     """
     rest = ()
     if mask_args:
-        arrays = [n for n in masks.ARRAY_ARGS if mask_args.get(n) is not None]
-        mod = mask_args.get("mask_tensors") or {}
-        if "cu_seqlens_q" in arrays and (mask_args.get("max_seqlen_q") is None or mask_args.get("max_seqlen_k") is None):
+        if mask_args.get("cu_seqlens_q") is not None and (mask_args.get("max_seqlen_q") is None
+                                                         or mask_args.get("max_seqlen_k") is None):
             return None
-        if not isinstance(mod, dict):
+        mod = mask_args.get("mask_tensors")
+        if mod is not None and not isinstance(mod, dict):
             return None  # the build path says what is wrong with it
-        rest = tuple(sorted((n, tuple(a) if isinstance(a, list) else a) for n, a in mask_args.items()
-                            if n not in masks.ARRAY_ARGS and n != "mask_tensors")) + (tuple(arrays), tuple(mod))
-        if mask_args.get("mask_mod") is not None and not arrays and not mod:
+        # (an array: whether it is given, its layout being in the tensors' signatures; mask_tensors: the names)
+        rest = tuple([(n, a is not None) if n in _ARRAY_ARGS else (n, tuple(a) if isinstance(a, (list, dict)) else a)
+                      for n, a in mask_args.items()])
+        if mask_args.get("mask_mod") is not None and not mod and all(mask_args.get(n) is None for n in _ARRAY_ARGS):
             rest += (interop.stream(tensors[0]),)
     sig = _signatures(tensors)
     return None if sig is None else (kind, sig, options, rest, mode if mask_args else 0, _env.no_sm90(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import sys
 import threading
 from functools import lru_cache
 
@@ -268,7 +269,8 @@ class Sequence:
         if mine is None:
             structs = [(ctypes.c_char * len(t)).from_buffer_copy(t) for t in self.templates]
             pointers = [_ONE_POINTER(ctypes.addressof(s)) for s in structs]  # kernelParams: one pointer each
-            calls = [(function(spec, self.dev).ptr, grid_dims, spec, ctypes.addressof(pointers[i]))
+            calls = [(function(spec, self.dev).ptr, grid_dims, spec, ctypes.addressof(pointers[i]),
+                      _dependent_config(spec, grid_dims) if spec.programmatic else None)
                      for spec, grid_dims, i in self.launches]
             mine = self._local.mine = (structs, pointers, calls)
         return mine[0]
@@ -296,12 +298,62 @@ class Sequence:
 
 
 def _enqueue(calls: list, stream: int, driver) -> None:
-    for fn, (gx, gy, gz), spec, kernel_params in calls:
+    for fn, (gx, gy, gz), spec, kernel_params, config in calls:
         try:
-            driver.launchKernel(fn, gx, gy, gz, spec.threads, 1, 1, spec.smem_bytes, stream, kernel_params, 0)
+            if config is None:
+                driver.launchKernel(fn, gx, gy, gz, spec.threads, 1, 1, spec.smem_bytes, stream, kernel_params, 0)
+            else:
+                config.stream = stream
+                status = _launch_kernel_ex()(ctypes.addressof(config), fn, kernel_params, None)
+                if status:
+                    raise LaunchError(f"cuLaunchKernelEx returned CUresult {status}")
         except Exception as exc:
             raise LaunchError(f"launch of {spec.name} failed (grid={(gx, gy, gz)}, block={spec.threads}, "
                               f"dynamic smem={spec.smem_bytes} B): {exc}") from exc
+
+
+@lru_cache(maxsize=None)
+def driver_library() -> ctypes.CDLL:
+    """The CUDA driver library, for the calls that neither CuPy nor torch exposes (tma.py's map encoding,
+    the programmatic launch below)."""
+    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise LaunchError(f"cannot load the CUDA driver library ({' or '.join(names)})")
+
+
+class _LaunchAttribute(ctypes.Structure):  # cuda.h: CUlaunchAttribute (an id padded to 8 bytes, a 64-byte union)
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_int32 * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h: CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3), ("smem", ctypes.c_uint32),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("n_attrs", ctypes.c_uint32)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h: CUlaunchAttributeID
+
+
+def _dependent_config(spec: KernelSpec, grid_dims: tuple) -> _LaunchConfig:
+    """A launch config (this thread's: _enqueue writes the stream into it) that lets `spec` start before the
+    kernel ahead of it in the stream ends (spec.KernelSpec.programmatic)."""
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = _LaunchConfig(grid=(ctypes.c_uint32 * 3)(*grid_dims), block=(ctypes.c_uint32 * 3)(spec.threads, 1, 1),
+                           smem=spec.smem_bytes, attrs=ctypes.pointer(attr), n_attrs=1)
+    config._attr = attr  # (kept alive with the config)
+    return config
+
+
+@lru_cache(maxsize=None)
+def _launch_kernel_ex():
+    fn = driver_library().cuLaunchKernelEx
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 _ONE_POINTER = ctypes.c_void_p * 1

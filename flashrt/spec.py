@@ -158,6 +158,13 @@ class KernelSpec:
     def threads(self) -> int:
         return self.warps * 32
 
+    @property
+    def programmatic(self) -> bool:
+        """Launched as a programmatic dependent of the kernel before it (launch.Sequence): it may start while that
+        kernel runs, and waits for it where it must (kernels_cu/common.cuh: wait_previous_grid). The device check,
+        from sm_90 on (docs/perf-notes.md: Masks at the seed shape)."""
+        return self.family == "mask_check" and int(ARCH_RE.fullmatch(self.arch).group(1)) >= 90
+
     # -- geometry (mirrors the traits structs in kernels_cu/*.cu) ------------------
     def layout_problem(self) -> str | None:
         """Why the kernel's static_asserts would reject this tiling, or None."""

@@ -8,11 +8,10 @@ last few addresses' maps.
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
 from functools import lru_cache
 
-from .launch import LaunchError
+from .launch import LaunchError, driver_library
 
 # cuda.h's enum values (CUtensorMapDataType, ...Interleave, ...Swizzle, ...L2promotion, ...FloatOOBfill)
 _UINT16 = 1         # bf16 and fp16 move as 16-bit words
@@ -27,16 +26,10 @@ _REMEMBERED = 8     # maps kept per TileMap, by address
 
 @lru_cache(maxsize=None)
 def _encode_tiled():
-    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    else:
-        raise LaunchError(f"cannot load the CUDA driver library ({' or '.join(names)}) for TMA tensor maps; "
-                          f"set FLASHRT_NO_TMA=1 to load tiles without them")
+    try:
+        lib = driver_library()
+    except LaunchError as exc:
+        raise LaunchError(f"{exc} for TMA tensor maps; set FLASHRT_NO_TMA=1 to load tiles without them") from exc
     fn = lib.cuTensorMapEncodeTiled
     u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,

@@ -355,6 +355,22 @@ FRT_DEVICE void st_release(int* at, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(at), "r"(v) : "memory");
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before it). Every kernel lets a launch made as its
+// programmatic dependent start once all its blocks have begun (FRT_ENTRY); such a dependent (the device
+// check, spec.KernelSpec.programmatic) waits for the whole previous grid, its memory visible, before it
+// touches that grid's outputs and before it ends. (A kernel launched the ordinary way waits for everything
+// before it in the stream, the dependent included.)
+FRT_DEVICE void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+FRT_DEVICE void wait_previous_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Fire-and-forget fp32 atomic add of four adjacent floats (16-byte aligned address).
 FRT_DEVICE void red_add4(float* at, float x, float y, float z, float w) {
 #if __CUDA_ARCH__ >= 900

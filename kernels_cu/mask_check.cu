@@ -2,7 +2,8 @@
 // no host copy and no synchronisation, so masked calls cost what unmasked ones do and can be captured
 // into CUDA graphs. flashrt/masks.py holds the rules' wording (the messages) and reads the report.
 //
-// One block scans each array given, in the order of CheckParams' pointers (masks.ARRAY_ARGS). The
+// One block scans each array given, in the order of CheckParams' pointers (masks.ARRAY_ARGS), on sm_90
+// while the call's last kernel runs (a programmatic dependent launch: common.cuh, launch_dependents). The
 // first failure, by argument and then by index, is written to `report` (host-mapped memory: the host
 // reads it without a copy at its next call, masks.raise_reported) unless an unread report is there,
 // and the call's outputs are overwritten with NaN (every byte 0xff is a NaN in bf16, fp16 and fp32),
@@ -121,6 +122,10 @@ __device__ void mask_check(const CheckParams& p) {
                     mine = min(mine, ((u64)(a + 4) << 40) | (u64)i);
             }
     }
+    // On sm_90 this launch is the call's last kernel's programmatic dependent (launch.Sequence): the scan
+    // above ran beside that kernel. From here on it has finished and its outputs are visible, so they can be
+    // overwritten, and the kernels after this one find them done.
+    wait_previous_grid();
     __shared__ u64 first;
     if (threadIdx.x == 0) first = ~0ull;
     __syncthreads();

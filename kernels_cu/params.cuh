@@ -498,9 +498,11 @@ struct KeyTile {
 // blocks per SM in the launch bounds, is 1 unless a tiling asks for more (tiles.py):
 // left to itself ptxas capped registers to raise occupancy, and spilled. The params are
 // __grid_constant__, so that a kernel can take a field's address (fwd_sm90_ws's TMA maps) without a copy.
+// Every kernel first lets its programmatic dependent, if any, start (common.cuh: launch_dependents).
 #define FRT_ENTRY(TRAITS, BODY, PARAMS)                                                              \
     typedef frt::TRAITS<FRT_HEAD_DIM, FRT_BLOCK_M, FRT_BLOCK_N, FRT_WARPS, FRT_BF16, FRT_CAUSAL> FrtTraits; \
     static_assert(FrtTraits::SMEM == FRT_SMEM_BYTES, "launcher and kernel disagree on dynamic shared memory"); \
     extern "C" __global__ void __launch_bounds__(FRT_WARPS * 32, FRT_MIN_BLOCKS) FRT_KERNEL_NAME(const __grid_constant__ frt::PARAMS p) {  \
+        frt::launch_dependents();                                                                     \
         frt::BODY<FrtTraits>(p);                                                                      \
     }

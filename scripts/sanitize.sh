@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # Run every kernel family under compute-sanitizer (memcheck, racecheck, synccheck, initcheck) at small sizes.
-# Kernels are compiled first, outside the sanitizer, so only flashrt's kernels are checked.
+# Kernels are compiled first, outside the sanitizer, so only flashrt's kernels are checked. The four tools run
+# at once, one process each on the one GPU (each instruments only its own process); logs in $OUT/sanitize-<tool>.log.
 set -u
 cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/flashrt-out}
+mkdir -p "$OUT"
 python3 scripts/sanitize_workload.py >/dev/null || exit 1
-status=0
-for tool in memcheck racecheck synccheck initcheck; do
+tools=(memcheck racecheck synccheck initcheck)
+for tool in "${tools[@]}"; do
     # initcheck must see the writes of torch's kernels that fill the inputs, so it checks every kernel.
     filter=(--kernel-name kns=flashrt_)
     [ "$tool" = initcheck ] && filter=()
-    log=$(compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 99 \
-          python3 scripts/sanitize_workload.py 2>&1)
+    compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 99 \
+        python3 scripts/sanitize_workload.py > "$OUT/sanitize-$tool.log" 2>&1 &
+    pids+=($!)
+done
+status=0
+for i in "${!tools[@]}"; do
+    wait "${pids[$i]}"
     rc=$?
-    summary=$(echo "$log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY" | tail -1)
-    echo "$tool: exit $rc; ${summary:-no summary}"
-    [ $rc -eq 0 ] || { status=1; echo "$log" | head -40; }
+    log="$OUT/sanitize-${tools[$i]}.log"
+    summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1)
+    echo "${tools[$i]}: exit $rc; ${summary:-no summary}"
+    [ $rc -eq 0 ] || { status=1; head -40 "$log"; }
 done
 exit $status
