@@ -143,18 +143,20 @@ class _Eager(torch.autograd.Function):
     Dispatching the torch.library custom ops from Python cost 0.1-0.2 ms per forward+backward
     on the H100 host (scripts/host_overhead.py: 1233 us per call before, 1024-1145 after),
     as much as the kernels at small shapes; the ops are only needed where torch traces
-    (torch.compile), so eager calls come here. The options travel as one tuple (_call) and the
-    mask tensors after it, only those given: each argument of apply and each saved tensor costs
-    host time on every call (docs/perf-notes.md, session 4).
+    (torch.compile), so eager calls come here. The options and the mask arguments travel as one
+    tuple, the mask tensors inside it and on ctx, not as arguments of apply or saved tensors: each of
+    those costs host time on every call (docs/perf-notes.md: Host time per call). Their versions are
+    kept instead, so that one modified in place before the backward raises, as a saved tensor would.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, call, *tensors):
-        causal, softmax_scale, _, _, validate, *_ = call
-        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, validate=validate,
-                               **_call_masks(call, tensors))
-        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    def forward(ctx, q, k, v, call):
+        causal, softmax_scale, _, _, validate, mask = call
+        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, validate=validate, **mask)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
+        if mask:
+            ctx.versions = _versions(mask)
         # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled lse gradient per backward (an allocation and a fill)
@@ -162,26 +164,28 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        call = ctx.call
         if dout is None:  # out took no part in the loss
-            return (None,) * (4 + len(call[6]) + len(call[7]))
-        q, k, v, out, lse, *tensors = ctx.saved_tensors
-        causal, softmax_scale, impl, deterministic, *_ = call
+            return None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, softmax_scale, impl, deterministic, _, mask = ctx.call
+        if mask and _versions(mask) != ctx.versions:
+            raise RuntimeError("a mask tensor given to flashrt attention was modified in place after the forward; "
+                               "the backward needs the values the forward used (pass a copy, or modify a clone)")
         dq, dk, dv = api.backward(_kernel_ready(dout), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                   impl=impl, deterministic=deterministic, validate=False,  # the forward validated
-                                  **_call_masks(call, tensors))
-        return (dq, dk, dv, None) + (None,) * len(tensors)
+                                  **mask)
+        return dq, dk, dv, None
 
 
-def _call_masks(call: tuple, tensors: tuple) -> dict:
-    """The mask keyword arguments of an _Eager call: its non-tensor ones, then its tensors by name."""
-    static, arrays, mod = call[5:]
-    if not tensors:
-        return static
-    kw = dict(static, **dict(zip(arrays, tensors)))
-    if mod:
-        kw["mask_tensors"] = dict(zip(mod, tensors[len(arrays):]))
-    return kw
+def _versions(mask: dict) -> tuple:
+    """The in-place version counters of a call's mask tensors (the arrays and mask_tensors' values)."""
+    found = []
+    for a in mask.values():
+        if isinstance(a, torch.Tensor):
+            found.append(a._version)
+        elif isinstance(a, dict):
+            found += [t._version for t in a.values() if isinstance(t, torch.Tensor)]
+    return tuple(found)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, return_lse: bool = False,
@@ -207,18 +211,7 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
 
 
 def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args):
-    static, arrays, tensors = {}, [], []
-    for name, a in mask_args.items():
-        if name in masks.ARRAY_ARGS:
-            if a is not None:
-                arrays.append(name)
-                tensors.append(a)
-        elif name != "mask_tensors" or not isinstance(a, dict):  # not a dict: api.forward says what is wrong
-            static[name] = a
-    mod = mask_args.get("mask_tensors")
-    mod = mod if isinstance(mod, dict) else {}
-    call = (causal, scale, impl, bool(deterministic), validate, static, tuple(arrays), tuple(mod))
-    return _Eager.apply(q, k, v, call, *tensors, *mod.values())
+    return _Eager.apply(q, k, v, (causal, scale, impl, bool(deterministic), validate, mask_args))
 
 
 def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args):

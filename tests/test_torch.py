@@ -508,3 +508,24 @@ def test_eager_autograd_carries_mask_arguments():
     assert torch.equal(out, ref_out)
     for got, want in zip((ql.grad, kl.grad, vl.grad), ref):
         assert torch.equal(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("which", ["block_ids_k", "mask_tensors"])
+def test_mask_tensor_modified_in_place_before_the_backward_raises(which):
+    """The eager path keeps the mask tensors on ctx, not as saved tensors: their versions stand in for
+    save_for_backward's check, so a backward never runs on values the forward did not use."""
+    B, S, H, D = 1, 96, 2, 64
+    q, k, v, do = make_inputs(B, S, S, H, H, D, BF16, seed=3)
+    ids = torch.cat([torch.zeros(40, dtype=torch.int32), torch.ones(56, dtype=torch.int32)]).cuda().expand(B, S)
+    sel = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    mask = dict(block_ids_q=ids.contiguous(), block_ids_k=ids.contiguous(), mask_mod="sel[(q + k) % 2] >= 0",
+                mask_tensors={"sel": sel})
+    ql, kl, vl = leaves(q, k, v)
+    out = flashrt.attention(ql, kl, vl, **mask)
+    target = mask["block_ids_k"] if which == "block_ids_k" else sel
+    target.add_(0)  # a version bump without a change of value still counts, as for saved tensors
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        out.backward(do)
+    unchanged = flashrt.attention(*leaves(q, k, v), **mask)  # and a fresh call after it runs
+    unchanged.backward(do)
