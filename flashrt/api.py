@@ -110,16 +110,17 @@ def _as_batch(a: Array) -> Array:
     return dataclasses.replace(a, shape=(1, *a.shape), strides=(0, *a.strides)) if len(a.shape) == 3 else a
 
 
-def _pick(family: str, D: int, Q: Array, m: masks.Masking, dev):
-    return launch.pick(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors)
+def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev):
+    """tiles.kernel_for with this call's dtype and mask."""
+    return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors)
 
 
 def _classify(p: dict, m: masks.Masking, H: int, dev, *needs) -> tuple:
     """mask_mod: how to make the tile lists that each (consumer kernel, "mask_rows" | "mask_cols") in
     `needs` walks, as plan pieces: (one _Alloc for the maps, lists and counts; params structs; launches
-    of kernels_cu/mask_classify.cu, indexing those structs). One map per tiling (the expression on
+    of kernels_cu/helpers/mask_classify.cu, indexing those structs). One map per tiling (the expression on
     every pair), then the lists; a rows list whose row of key tiles one map block holds comes from that
-    block (launch.map_slots), without a launch of its own. The lists' pointers are the _Alloc's parts,
+    block (tiles.map_slots), without a launch of its own. The lists' pointers are the _Alloc's parts,
     named like their fields; a map launch's struct gets a list's pointer only when it writes that list.
     """
     heads, batches = m.mod_lists(H)
@@ -130,7 +131,7 @@ def _classify(p: dict, m: masks.Masking, H: int, dev, *needs) -> tuple:
     parts, structs, launches = [], [], []
     for k, ((bm, bn), users) in enumerate(by_tiling.items()):
         tiles_mn = (-(-m.Sq // bm), -(-m.Sk // bn))
-        mapper = users[0][0].classifier("mask_map")
+        mapper = tiles.classifier_spec(users[0][0], "mask_map")
         try:  # the map kernel is the smallest with the expression in it: its compile checks it
             launch.function(mapper, dev)
         except nvrtc.CompileError as exc:
@@ -150,7 +151,7 @@ def _classify(p: dict, m: masks.Masking, H: int, dev, *needs) -> tuple:
             parts += [(lists, batches * heads * tiles_mn[0] * tiles_mn[1]), (lists + "_count", batches * heads * outer)]
             if family == "mask_rows" and rows_by_map:
                 continue
-            spec = consumer.classifier(family)
+            spec = tiles.classifier_spec(consumer, family)
             structs.append((params.FWD, p, {"mod_map": name}))
             launches.append((spec, launch.grid(spec, batches, heads, 0, m.Sq, m.Sk), len(structs) - 1))
     return _Alloc.parts(parts, "i32"), structs, launches
@@ -238,11 +239,11 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict) ->
     if empty:
         return _Plan([], (), allocs, [], None)
     dev = launch.device(Q.device)
-    spec = _pick(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev)
+    spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     if spec.family in ("fwd_sm90", "fwd_sm90_ws"):
-        p["sched_pairs"] = launch.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
+        p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
     maps, counter = [], None
     if spec.family == "fwd_sm90_ws":  # its work-item counter (launch.sched_counter); its TMA maps of q, k, v
         counter = (0, "sched")
@@ -263,7 +264,7 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict) ->
 
 
 def _add_check(structs: list, launches: list, m: masks.Masking, dev, backward: bool, outputs: tuple) -> None:
-    """validate: kernels_cu/mask_check.cu after the call's kernels, on its mask arrays; on a failure it writes
+    """validate: kernels_cu/helpers/mask_check.cu after the call's kernels, on its mask arrays; on a failure it writes
     launch.report_words and sets the call's `outputs` ((alloc field, shape, itemsize) each, at most 3) to NaN."""
     values, links = dict(m.check_fields(backward), report=launch.report_words(dev)), {}
     for i, (field, shape, itemsize) in enumerate(outputs):
@@ -332,13 +333,13 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
     if impl == "auto":
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90")
-    main = _pick("bwd_fused" if impl == "fused" else dkdv_family, D, Q, m, dev)
+    main = _kernel_for("bwd_fused" if impl == "fused" else dkdv_family, D, Q, m, dev)
     # Varlen: one split (a block past its sequence's end has no partials to write).
-    splits = 1 if m.varlen else launch.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
+    splits = 1 if m.varlen else tiles.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
-    if m.causal:  # the causal blocks' order (kernels_cu/params.cuh: query_block, key_block)
-        p["sched_pairs"] = launch.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
-        p["sched_key_pairs"] = launch.key_item_chunk(dev, m.B, m.Sq, D, H, Hkv, splits)
+    if m.causal:  # the causal blocks' order (kernels_cu/attention/params.cuh: query_block, key_block)
+        p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
+        p["sched_key_pairs"] = tiles.key_item_chunk(dev, m.B, m.Sq, D, H, Hkv, splits)
     if splits > 1:
         scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * D))
     if impl == "fused":
@@ -356,7 +357,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     rowwise = m.elementwise_fields(H)
     launches = []
     for family in families:
-        spec = _pick(family, D, Q, m, dev)
+        spec = _kernel_for(family, D, Q, m, dev)
         if family in ELEMENTWISE:
             dims = (rowwise.get("B", m.B), H, Hkv, rowwise.get("Sq", m.Sq), rowwise.get("Sk", m.Sk))
             launches.append((spec, launch.grid(spec, *dims, dev.sm_count, splits), 1 if rowwise else 0))
@@ -366,7 +367,9 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     # The row-wise families read their own copy of the struct (masks.Masking.elementwise_fields).
     structs, keep = [(params.BWD, p, {})] + ([(params.BWD, {**p, **rowwise}, {})] if rowwise else []), ()
     if m.mask_mod:
-        needs = [(main, "mask_cols")] + ([] if impl == "fused" else [(_pick(dq_family, D, Q, m, dev), "mask_rows")])
+        needs = [(main, "mask_cols")]
+        if impl != "fused":
+            needs.append((_kernel_for(dq_family, D, Q, m, dev), "mask_rows"))
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, *needs))
     if mode and m.checked:

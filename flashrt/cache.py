@@ -4,9 +4,11 @@ Location: FLASHRT_CACHE_DIR, else the platformdirs user cache dir.
 
 An entry is one file, `<variant name>-<key prefix>.cubin`: a magic line, a JSON
 header line (key, payload sha256 and size, NVRTC version, options, timing) and
-the cubin. The key hashes the flashrt version, every file in kernels_cu/, the
+the cubin. The key hashes the flashrt version, the kernel text the variant compiles
+(its family's file with every include expanded, and its translation unit), the
 variant's parameters, the NVRTC options, the NVRTC version and the arch, so any
-change to any of them is a miss, never a stale hit.
+change to any of them is a miss, never a stale hit; an edit to one file misses
+only the variants that include it.
 
 Life cycle of a lookup (as FlashInfer's JIT does it): memory -> disk -> lock ->
 disk again -> compile -> atomic write (temp file in the same folder, then
@@ -32,7 +34,7 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
-from . import _env, nvrtc
+from . import _env, nvrtc, params
 from ._version import __version__
 from .spec import KernelSpec
 
@@ -66,24 +68,26 @@ def kernels_dir() -> Path:
     """kernels_cu/ inside the installed package, or beside it in a source checkout."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
-        if (candidate / "common.cuh").is_file():
+        if (candidate / "attention" / "params.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"flashrt's kernel sources (kernels_cu/) are missing next to {here}; reinstall flashrt")
 
 
 @lru_cache(maxsize=None)
 def kernel_sources() -> dict[str, str]:
-    """Every kernel source file by name; passed to NVRTC as in-memory headers."""
+    """Every kernel source file by its path under kernels_cu/ ("attention/params.cuh": the name an #include
+    gives), and the generated params.TABLES_HEADER; passed to NVRTC as in-memory headers."""
     d = kernels_dir()
-    return {p.name: p.read_text() for p in sorted(d.iterdir()) if p.suffix in (".cu", ".cuh")}
+    files = {p.relative_to(d).as_posix(): p.read_text() for p in sorted(d.rglob("*")) if p.suffix in (".cu", ".cuh")}
+    return {**files, params.TABLES_HEADER: params.tables_header()}
 
 
 @lru_cache(maxsize=None)
-def sources_hash() -> str:
-    h = hashlib.sha256()
-    for name, text in kernel_sources().items():
-        h.update(name.encode() + b"\0" + text.encode() + b"\0")
-    return h.hexdigest()
+def source_hash(source_file: str) -> str:
+    """sha256 of a family's source file with its includes expanded (nvrtc.full_source): exactly the kernel text a
+    variant of it compiles, so that editing one file misses only the variants that include it."""
+    text = nvrtc.full_source(f'#include "{source_file}"\n', "key", [], kernel_sources())
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------
@@ -100,7 +104,8 @@ def cache_dir() -> Path:
 def entry_key(spec: KernelSpec) -> str:
     fields = {
         "flashrt": __version__,
-        "sources": sources_hash(),
+        "sources": source_hash(spec.source_file),
+        "unit": spec.translation_unit(),  # the include, the params layout's asserts, a mask_mod expression
         "spec": spec.key_fields(),
         "options": spec.options(),
         "nvrtc": list(nvrtc.version()),

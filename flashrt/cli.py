@@ -49,7 +49,7 @@ def _target(arch: str | None) -> tuple[str, int]:
 
 def matrix(arch: str, smem_limit: int, head_dims, dtypes) -> list[KernelSpec]:
     """Every kernel the forward and backward passes may launch for these head_dims and dtypes."""
-    specs = {tiles.pick_nw(f, d, t, c, arch, smem_limit)  # (mask_mod's classifiers need an expression)
+    specs = {tiles.tiling(f, d, t, c, arch, smem_limit)  # (mask_mod's classifiers need an expression)
              for f in set(FAMILIES) - set(NO_INPUTS) for d in head_dims for t in dtypes for c in (False, True)
              if tiles.applies(f, d, arch)}
     specs.add(tiles.check_spec(arch))

@@ -31,7 +31,7 @@ class Device:
     arch: str          # the arch flashrt compiles for: sm_90a on Hopper, else sm_<major><minor>
     sm_count: int
     smem_optin: int    # max dynamic + static shared memory per block after opting in
-    l2_bytes: int      # L2 cache size (fwd_sm90 orders its work items by it: item_chunk)
+    l2_bytes: int      # L2 cache size (fwd_sm90 orders its work items by it: tiles.item_chunk)
 
 
 def arch_for(major: int, minor: int) -> str:
@@ -60,12 +60,6 @@ def device(index: int) -> Device:
                   props["sharedMemPerBlockOptin"], props["l2CacheSize"])
 
 
-@lru_cache(maxsize=None)
-def pick(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0, mask_mod: str = "",
-         mod_tensors: tuple = ()) -> KernelSpec:
-    return tiles.pick_nw(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask, mask_mod, mod_tensors)
-
-
 # ---------------------------------------------------------------------------
 # Grids
 # ---------------------------------------------------------------------------
@@ -76,20 +70,20 @@ def _cdiv(a: int, b: int) -> int:
 def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132,
          splits: int = 1) -> tuple[int, int, int]:
     """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu (fwd_sm90: a 1-D grid
-    of work items, kernels_cu/params.cuh: work_item)."""
+    of work items, kernels_cu/attention/params.cuh: work_item)."""
     if spec.family == "fwd_sm90":
         g = (_cdiv(Sq, spec.block_m) * H * B, 1, 1)
     elif spec.family == "fwd_sm90_ws":  # persistent: one block per SM, at most one per work item
         g = (min(_cdiv(Sq, spec.block_m) * H * B, sm_count), 1, 1)
     elif spec.family in QUERY_PARALLEL:
         g = (_cdiv(Sq, spec.block_m), H, B)
-    elif spec.family in CLASSIFY:  # kernels_cu/mask_classify.cu; B, H: the lists' batch entries and heads
+    elif spec.family in CLASSIFY:  # kernels_cu/helpers/mask_classify.cu; B, H: the lists' batch entries and heads
         m_tiles, n_tiles, nw = _cdiv(Sq, spec.block_m), _cdiv(Sk, spec.block_n), spec.warps
-        g = {"mask_map": (_cdiv(n_tiles, map_slots(spec)), m_tiles, B * H),
+        g = {"mask_map": (_cdiv(n_tiles, tiles.map_slots(spec)), m_tiles, B * H),
              "mask_rows": (_cdiv(B * H * m_tiles, nw), 1, 1), "mask_cols": (_cdiv(B * H * n_tiles, nw), 1, 1)}[spec.family]
     elif spec.family in KEY_PARALLEL:
         g = (_cdiv(Sk, spec.block_n), Hkv * splits, B)
-    elif spec.family == "mask_check":  # one block (kernels_cu/mask_check.cu)
+    elif spec.family == "mask_check":  # one block (kernels_cu/helpers/mask_check.cu)
         g = (1, 1, 1)
     elif spec.family in ELEMENTWISE:  # grid-stride loops: enough blocks for the work, at most 32 per SM
         work = {"bwd_preprocess": (B * H * Sq, spec.warps),  # one warp per (b, h, query) row
@@ -108,65 +102,6 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
     return g
 
 
-def map_slots(spec: KernelSpec) -> int:
-    """Key tiles per block of mask_map (kernels_cu/mask_classify.cu: SLOTS): its warps over the warps per tile
-    (SPLIT: four, or fewer where a tile has fewer rounds of R rows, R = 32 lanes' pairs over the columns a lane
-    owns). A row of key tiles that fits in one block gets its list from that block (api._classify)."""
-    cols = _cdiv(spec.block_n, 32)
-    rows_per_round = 1 if cols >= 32 else 32 // cols
-    return spec.warps // min(4, spec.block_m // rows_per_round)
-
-
-def item_chunk(dev: Device, B: int, Sk: int, head_dim: int, H: int, Hkv: int) -> int:
-    """(batch entry, head) pairs per chunk of fwd_sm90's work items (kernels_cu/params.cuh: work_item): at most as
-    many as have their K and V (bf16 / fp16) in half of the L2 cache, whole KV-head groups, at most all B * H (so a
-    chunk's items fit the kernel's int arithmetic as the grid does); the chunks that takes, equal in size, so that
-    the last is not a small remainder whose heaviest items start last (causal at S=1k: 2.6% faster,
-    docs/perf-notes.md, session 11)."""
-    group, pairs = H // Hkv, B * H
-    kv_heads = max(1, dev.l2_bytes // 2 // (4 * max(Sk, 1) * head_dim))
-    even = _equal_chunks(pairs, min(kv_heads * group, pairs))
-    return min(_cdiv(even, group) * group, pairs)
-
-
-def key_item_chunk(dev: Device, B: int, Sq: int, head_dim: int, H: int, Hkv: int, splits: int) -> int:
-    """(batch entry, grid row) pairs per chunk of a causal key-parallel launch's blocks (kernels_cu/params.cuh:
-    key_block; a grid row is a KV head and split): at most as many as have the query rows they read (q and
-    dout of the KV head's group, bf16 / fp16) in half of the L2 cache, in chunks of equal size (item_chunk's
-    rule, with the roles of queries and keys swapped)."""
-    pairs = B * Hkv * splits
-    per_pair = max(1, 4 * max(Sq, 1) * head_dim * (H // Hkv) // splits)
-    return _equal_chunks(pairs, min(max(1, dev.l2_bytes // 2 // per_pair), pairs))
-
-
-def _equal_chunks(pairs: int, most: int) -> int:
-    """The size of the fewest chunks of at most `most` that cover `pairs`, as equal as whole numbers allow (so
-    that the last chunk is not a small remainder)."""
-    return _cdiv(pairs, _cdiv(pairs, most))
-
-
-# fp32 dK/dV partials of a split dK/dV pass are bounded by this many bytes.
-DKDV_PARTIAL_LIMIT = 256 * 2**20
-
-
-def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int) -> int:
-    """How many blocks share each key tile of the dK/dV pass.
-
-    One (no partials) when the key tiles alone fill the GPU. Otherwise as many as
-    still fit in one wave (MQA/GQA at small batch: the grid is Sk/BN * Hkv * B):
-    a second, partial wave would cost a whole block's time for a few blocks
-    (docs/perf-notes.md: 5 splits vs 4 at the seed shape). Capped by
-    the (query head, query tile) pairs there are to share and by
-    DKDV_PARTIAL_LIMIT bytes of fp32 partials (2 * splits * B * Hkv * Sk * D * 4).
-    """
-    blocks = _cdiv(Sk, spec.block_n) * Hkv * B
-    if 2 * blocks > sm_count:
-        return 1
-    pairs = (H // Hkv) * _cdiv(Sq, spec.block_m)
-    by_memory = DKDV_PARTIAL_LIMIT // (8 * B * Hkv * Sk * spec.head_dim)
-    return max(1, min(sm_count // blocks, pairs, by_memory))
-
-
 # ---------------------------------------------------------------------------
 # Loading and launching
 # ---------------------------------------------------------------------------
@@ -178,7 +113,7 @@ def check_fits(spec: KernelSpec, dev: Device) -> None:
     if spec.smem_bytes > dev.smem_optin:
         raise LaunchError(f"{spec.name} needs {spec.smem_bytes} bytes of shared memory per block but "
                           f"{dev.name} allows at most {dev.smem_optin}; use a smaller tiling "
-                          f"(tiles.pick_nw chooses one that fits)")
+                          f"(tiles.tiling chooses one that fits)")
 
 
 def _capturing(dev: Device) -> bool:
@@ -359,12 +294,12 @@ def _launch_kernel_ex():
 _ONE_POINTER = ctypes.c_void_p * 1
 
 REPORT = None  # report_words' int32 array, once made (masks.raise_reported reads it at every call)
-REPORT_LEN = 8  # int32 words (kernels_cu/mask_check.cu: REPORT_WORDS, rounded up)
+REPORT_LEN = 8  # int32 words (params.REPORT_WORDS, rounded up)
 _checked_devices: set = set()
 
 
 def report_words(dev: Device) -> int:
-    """The address of the device checks' report (kernels_cu/mask_check.cu), for kernels on `dev`: REPORT_LEN int32
+    """The address of the device checks' report (kernels_cu/helpers/mask_check.cu), for kernels on `dev`: REPORT_LEN int32
     words of pinned host memory, mapped into every device's address space (portable, mapped: under unified
     addressing its host address is its device address), all zero until a check fails. The host reads it with a
     plain load, no copy and no synchronisation (masks.raise_reported). Made once per process, never freed."""
@@ -392,7 +327,7 @@ _SCHED: dict = {}  # (device index, raw stream handle) -> address of fwd_sm90_ws
 
 
 def sched_counter(dev: Device, stream: int) -> int | None:
-    """The work-item counter of fwd_sm90_ws's launches on `stream` (kernels_cu/fwd_sm90_ws.cu): 4 bytes of device
+    """The work-item counter of fwd_sm90_ws's launches on `stream` (kernels_cu/sm90/fwd_sm90_ws.cu): 4 bytes of device
     memory of this module's, zeroed once in the stream's order and never freed. Each launch's last claim sets it
     back to zero, and launches on one stream run one after another, so no launch needs a fill of its own (a fill
     kernel and its gap cost ~2.5 us a call). (A destroyed stream's handle is released only after its work is

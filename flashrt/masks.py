@@ -1,12 +1,12 @@
 """Mask and batching arguments of flashrt.forward / backward: checks and kernel fields.
 
-kernels_cu/mask.cuh applies them; flashrt/reference.py: visible() is their
+kernels_cu/attention/mask.cuh applies them; flashrt/reference.py: visible() is their
 specification. `Masking.parse` checks every argument it can without reading device
 data (a clear error naming it), and `Masking` carries what the launcher needs: the
-compile-time feature bits (spec.MASK_BITS), the kernels' run-time fields, and the
+compile-time feature bits (params.MASK_BITS), the kernels' run-time fields, and the
 problem's geometry (for packed varlen: number of sequences, longest lengths, total rows).
 The arrays' data (ids, lengths, offsets) are checked on the device, after the call's
-kernels (kernels_cu/mask_check.cu: no host copy, no synchronisation); a failure is
+kernels (kernels_cu/helpers/mask_check.cu: no host copy, no synchronisation); a failure is
 reported by `raise_reported` at the next call (or flashrt.synchronize()), in the words below.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from . import interop, launch
 from .interop import Array
+from .params import CHECK_FAILURES, REPORT_WORDS
 from .spec import MASK_BITS, MAX_MOD_TENSORS, MOD_VARIABLES
 
 CAUSAL_MODES = (False, True, "bottom_right", "top_left")
@@ -73,11 +74,11 @@ class Masking:
 
     @property
     def ordered_dq_ok(self) -> bool:
-        """The fused backward can add dQ in a fixed order (kernels_cu/mask.cuh: first_key_tile_of)."""
+        """The fused backward can add dQ in a fixed order (kernels_cu/attention/mask.cuh: first_key_tile_of)."""
         return not self.bits & (MASK_BITS["segments"] | MASK_BITS["mod"])
 
     def mod_lists(self, H: int) -> tuple[int, int]:
-        """(heads, batch entries) with a tile list of their own (kernels_cu/mask.cuh: ModLists)."""
+        """(heads, batch entries) with a tile list of their own (kernels_cu/attention/mask.cuh: ModLists)."""
         return (H if self.mod_per_head else 1), (self.B if self.mod_per_batch else 1)
 
     def stat_strides(self, H: int) -> dict:
@@ -90,7 +91,7 @@ class Masking:
         return not _ARRAY_FIELD_SET.isdisjoint(self.fields)
 
     def check_fields(self, backward: bool) -> dict:
-        """params.CHECK's fields (kernels_cu/mask_check.cu) but the outputs and the report."""
+        """params.CHECK's fields (kernels_cu/helpers/mask_check.cu) but the outputs and the report."""
         return {**{f: p for f, p in self.fields.items() if f in _ARRAY_FIELD_SET}, "B": self.B, "Sq": self.Sq,
                 "Sk": self.Sk, "total_q": self.total_q, "total_k": self.total_k,
                 "call": int(backward) | 2 * self.varlen}
@@ -257,10 +258,6 @@ def mask_mod_error(expr: str, tensors: tuple, log: str) -> ValueError:
                       "\n  ".join(ln for ln in lines if ln.strip()) + f"\n(the expression: {expr!r})")
 
 
-# kernels_cu/mask_check.cu's report: its int32 words in order, and its failure codes (tests/test_spec.py
-# compares both with the kernel's enums).
-REPORT_WORDS = ("code", "arg", "seq", "pos", "value", "limit", "call")
-BAD_LENGTH, BAD_CU_START, BAD_CU_ORDER, BAD_CU_END, BAD_CU_LONGEST, BAD_IDS_ORDER = range(1, 7)
 
 
 def raise_reported() -> None:
@@ -275,19 +272,19 @@ def raise_reported() -> None:
 
 def report_message(r: dict) -> str:
     """The error for a device check's report: the rule, where the data break it, and when it was found."""
-    name, code = ARRAY_ARGS[r["arg"]], r["code"]
+    name, failure = ARRAY_ARGS[r["arg"]], CHECK_FAILURES[r["code"] - 1]
     side = name[-1]
     cu_rule = f"{name} must start at 0, be non-decreasing and end at most at the packed length"
-    if code == BAD_LENGTH:
+    if failure == "length":
         text = (f"{name} must lie in [0, {r['limit']}] (the tensor's seqlen axis), got {r['value']} for batch "
                 f"entry {r['seq']}")
-    elif code == BAD_CU_START:
+    elif failure == "cu_start":
         text = f"{cu_rule}; it starts at {r['value']}"
-    elif code == BAD_CU_ORDER:
+    elif failure == "cu_order":
         text = f"{cu_rule}; entry {r['seq']} ({r['value']}) is below entry {r['seq'] - 1} ({r['limit']})"
-    elif code == BAD_CU_END:
+    elif failure == "cu_end":
         text = f"{cu_rule} ({r['limit']}); it ends at {r['value']}"
-    elif code == BAD_CU_LONGEST:
+    elif failure == "cu_longest":
         text = (f"max_seqlen_{side}={r['limit']} is below the length of sequence {r['seq']} in {name} ({r['value']}); "
                 f"pass the longest length, or leave max_seqlen_{side} out")
     else:

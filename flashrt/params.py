@@ -1,4 +1,5 @@
-"""Host mirrors of the kernel argument structs in kernels_cu/params.cuh.
+"""What the host and the kernels share: the argument structs of kernels_cu/attention/params.cuh, and the
+tables that tables_header() gives the kernels as compile-time constants (one definition of each).
 
 A struct is passed to a kernel by value as a one-element numpy structured
 array. Every compiled variant includes `static_asserts`, a check of the
@@ -15,11 +16,36 @@ _PTR, _I64, _I32, _F32 = np.uint64, np.int64, np.int32, np.float32
 _MAP = np.dtype((np.void, 128))  # a CUtensorMap (flashrt/tma.py), 64-byte aligned in the struct
 
 
+# Compile-time mask features: the bits of FRT_MASK (spec.KernelSpec.mask; kernels_cu/attention/mask.cuh: MASK_*).
+MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16}
+# The device check's report (kernels_cu/helpers/mask_check.cu; masks.raise_reported reads it): its int32 words in
+# order, and its failures, whose codes are 1, 2, ... in this order (0: none).
+REPORT_WORDS = ("code", "arg", "seq", "pos", "value", "limit", "call")
+CHECK_FAILURES = ("length", "cu_start", "cu_order", "cu_end", "cu_longest", "ids_order")
+TABLES_HEADER = "flashrt_tables.cuh"
+
+
+def tables_header() -> str:
+    """The in-memory header TABLES_HEADER (cache.kernel_sources: in every compile and every cache key): the tables
+    above as macros and enums of namespace frt, so that no kernel keeps a copy of its own."""
+    def enum(names):
+        return "enum : int { " + ", ".join(names) + " };"
+    return "\n".join([
+        "// Generated from flashrt/params.py (tables_header): the tables the host and the kernels share.",
+        "#pragma once",
+        *(f"#define FRT_MASK_{name.upper()} {bit}" for name, bit in MASK_BITS.items()),  # for #if
+        "namespace frt {",
+        enum(f"MASK_{name.upper()} = {bit}" for name, bit in MASK_BITS.items()),
+        enum([f"REPORT_{w.upper()}" for w in REPORT_WORDS] + ["REPORT_WORDS"]),
+        enum(f"BAD_{name.upper()} = {code}" for code, name in enumerate(CHECK_FAILURES, 1)),
+        "}  // namespace frt", ""])
+
+
 def _strides(*tensors: str) -> list[tuple[str, type]]:
     return [(f"{t}_{axis}", _I64) for t in tensors for axis in ("sb", "ss", "sh")]
 
 
-# kernels_cu/mask.cuh's run-time inputs, in both structs.
+# kernels_cu/attention/mask.cuh's run-time inputs, in both structs.
 _MASK_PTRS = [(n, _PTR) for n in ("seqlens_q", "seqlens_k", "cu_q", "cu_k", "block_q", "block_k", "seg_q", "seg_k")]
 _STATS = [("st_sb", _I64), ("st_sh", _I64)]
 _DIMS = [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk", "win_left", "win_right", "top_left", "total_q", "total_k")]
@@ -55,7 +81,7 @@ BWD = np.dtype(
     align=True,
 )
 
-# kernels_cu/mask_check.cu's: the mask arrays (named as in FWD / BWD), the outputs it sets to NaN on a failure
+# kernels_cu/helpers/mask_check.cu's: the mask arrays (named as in FWD / BWD), the outputs it sets to NaN on a failure
 # (linked to the call's outputs: api._add_check) and their sizes, the report's address and the extents.
 CHECK = np.dtype(
     _MASK_PTRS

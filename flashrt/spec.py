@@ -18,25 +18,25 @@ from . import params
 
 FAMILIES = {
     # family: (source file, params struct, extra defines)
-    "fwd": ("fwd.cu", params.FWD, {}),
-    "fwd_sm90": ("fwd_sm90.cu", params.FWD, {}),  # the forward with wgmma (sm_90a, head_dim a multiple of 64)
-    "fwd_sm90_ws": ("fwd_sm90_ws.cu", params.FWD, {}),  # ... warp-specialised and persistent (FWD_WS_NO_MASKS)
-    "bwd_preprocess": ("bwd_preprocess.cu", params.BWD, {}),
-    "bwd_dq": ("bwd_dq.cu", params.BWD, {}),
-    "bwd_dkdv": ("bwd_dkdv.cu", params.BWD, {}),
+    "fwd": ("sm80/fwd.cu", params.FWD, {}),
+    "fwd_sm90": ("sm90/fwd_sm90.cu", params.FWD, {}),  # the forward with wgmma (sm_90a, head_dim a multiple of 64)
+    "fwd_sm90_ws": ("sm90/fwd_sm90_ws.cu", params.FWD, {}),  # ... warp-specialised and persistent (FWD_WS_NO_MASKS)
+    "bwd_preprocess": ("helpers/bwd_preprocess.cu", params.BWD, {}),
+    "bwd_dq": ("sm80/bwd_dq.cu", params.BWD, {}),
+    "bwd_dkdv": ("sm80/bwd_dkdv.cu", params.BWD, {}),
     # the split backward with wgmma (sm_90a, head_dim 64, 128, 192, 256): tiles.split_families
-    "bwd_dq_sm90": ("bwd_dq_sm90.cu", params.BWD, {}),
-    "bwd_dkdv_sm90": ("bwd_dkdv_sm90.cu", params.BWD, {}),
-    "bwd_dkdv_reduce": ("bwd_dkdv_reduce.cu", params.BWD, {}),
-    "bwd_fused": ("bwd_dkdv.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # dK/dV + atomic dQ
-    "bwd_dq_convert": ("bwd_dq_convert.cu", params.BWD, {}),
+    "bwd_dq_sm90": ("sm90/bwd_dq_sm90.cu", params.BWD, {}),
+    "bwd_dkdv_sm90": ("sm90/bwd_dkdv_sm90.cu", params.BWD, {}),
+    "bwd_dkdv_reduce": ("helpers/bwd_dkdv_reduce.cu", params.BWD, {}),
+    "bwd_fused": ("sm80/bwd_dkdv.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # dK/dV + atomic dQ
+    "bwd_dq_convert": ("helpers/bwd_dq_convert.cu", params.BWD, {}),
     # mask_mod: the tile map (the expression evaluated per pair), then the tile lists (ModLists) made
     # from it, per query tile (fwd, bwd_dq) and per key tile (bwd_dkdv, bwd_fused)
-    "mask_map": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 0}),
-    "mask_rows": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 1}),
-    "mask_cols": ("mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 2}),
+    "mask_map": ("helpers/mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 0}),
+    "mask_rows": ("helpers/mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 1}),
+    "mask_cols": ("helpers/mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 2}),
     # validate=True: the mask arrays checked on the device after the attention kernels (no host copy)
-    "mask_check": ("mask_check.cu", params.CHECK, {}),
+    "mask_check": ("helpers/mask_check.cu", params.CHECK, {}),
 }
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
 ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
@@ -44,27 +44,25 @@ ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
 KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90")
 # Query-parallel families: grid over query tiles (QueryTile in params.cuh).
 QUERY_PARALLEL = ("fwd", "fwd_sm90", "fwd_sm90_ws", "bwd_dq", "bwd_dq_sm90")
-# wgmma families (sm_90a only; kernels_cu/wgmma.cuh) and the head_dims each has a kernel for.
+# wgmma families (sm_90a only; kernels_cu/common/wgmma.cuh) and the head_dims each has a variant at (layout_problem
+# rejects the others; tiles.applies chooses among them).
 SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128), "bwd_dq_sm90": (64, 128, 192, 256),
                   "bwd_dkdv_sm90": (64, 128, 192, 256)}
 # mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
-# (KernelSpec.classifier); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
+# (tiles.classifier_spec); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
 # The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
 CLASSIFY = ("mask_map", "mask_rows", "mask_cols")
-# The map evaluates the expression with four warps per tile and 32 per block (mask_classify.cu); a list
-# maker is a warp per list.
-CLASSIFY_WARPS = {"mask_map": 32, "mask_rows": 8, "mask_cols": 8}
 # Families that read no q, k or v: one compiled kernel serves every head_dim and dtype (fixed at 64 and bf16,
-# not in the name; tiles.check_spec, KernelSpec.classifier).
+# not in the name; tiles.check_spec, tiles.classifier_spec).
 NO_INPUTS = CLASSIFY + ("mask_check",)
 DTYPES = ("bf16", "fp16")
-# Compile-time mask features (kernels_cu/mask.cuh: MASK_*), name tag of each in the variant name.
-MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16}
+MASK_BITS = params.MASK_BITS  # compile-time mask features; the name tag of each in the variant name:
 _MASK_TAGS = {1: "len", 2: "win", 4: "blk", 8: "seg", 16: "mod"}
-# Mask combinations fwd_sm90_ws has no variant for (each: a mask holding all of its bits): block or segment ids
-# with mask_mod spill its registers (tiles.py: _SM90_MASK_LIMITS); fwd_sm90 has them.
+# Mask combinations fwd_sm90_ws has no variant for (each: a mask holding all of its bits; layout_problem rejects
+# them, as the kernel's static_assert does): block or segment ids with mask_mod spill its registers (tiles.py:
+# _SM90_MASK_LIMITS); fwd_sm90 has them.
 FWD_WS_NO_MASKS = (MASK_BITS["block_ids"] | MASK_BITS["mod"], MASK_BITS["segments"] | MASK_BITS["mod"])
-# What a mask_mod expression sees besides its tensors (kernels_cu/mask.cuh: flashrt_mask_mod).
+# What a mask_mod expression sees besides its tensors (kernels_cu/attention/mask.cuh: flashrt_mask_mod).
 MOD_VARIABLES = ("b", "h", "q", "k", "Lq", "Lk")
 MAX_MOD_TENSORS = 4
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
@@ -77,7 +75,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def gemm_warps_m(nw: int, m: int, n: int, max_mt: int = 1 << 30) -> int:
-    """Warps along M of an M x N warp GEMM (kernels_cu/bwd_dkdv.cu: gemm_warps_m); 0 if none divides."""
+    """Warps along M of an M x N warp GEMM (kernels_cu/sm80/bwd_dkdv.cu: gemm_warps_m); 0 if none divides."""
     best, best_cost = 0, None
     for wm in range(1, nw + 1):
         wn = nw // wm
@@ -147,13 +145,6 @@ class KernelSpec:
         occupancy = f"b{self.min_blocks}" if self.min_blocks > 1 else ""
         return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}{occupancy}_{self.arch}"
 
-    def classifier(self, family: str) -> "KernelSpec":
-        """A mask_mod classification kernel (CLASSIFY) for this kernel's tiles."""
-        fixed = dict(family=family, head_dim=64, dtype="bf16", warps=CLASSIFY_WARPS[family], min_blocks=1)
-        if family != "mask_map":
-            fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
-        return dataclasses.replace(self, **fixed)
-
     @property
     def threads(self) -> int:
         return self.warps * 32
@@ -161,8 +152,8 @@ class KernelSpec:
     @property
     def programmatic(self) -> bool:
         """Launched as a programmatic dependent of the kernel before it (launch.Sequence): it may start while that
-        kernel runs, and waits for it where it must (kernels_cu/common.cuh: wait_previous_grid). The device check,
-        from sm_90 on (docs/perf-notes.md: Masks at the seed shape)."""
+        kernel runs, and waits for it where it must (kernels_cu/common/common.cuh: wait_previous_grid). The device check,
+        from sm_90 on (docs/perf-notes.md: Device check of mask arrays)."""
         return self.family == "mask_check" and int(ARCH_RE.fullmatch(self.arch).group(1)) >= 90
 
     # -- geometry (mirrors the traits structs in kernels_cu/*.cu) ------------------
@@ -264,7 +255,7 @@ MOD_END_FILE = "flashrt_mask_mod_end"  # ... and what follows it
 
 
 def mask_mod_source(expr: str, tensors: tuple) -> str:
-    """The definition of kernels_cu/mask.cuh's flashrt_mask_mod around a user's expression.
+    """The definition of kernels_cu/attention/mask.cuh's flashrt_mask_mod around a user's expression.
 
     At global scope (the expression sees its variables, CUDA's built-ins and macros, the same in
     every kernel); `#line` makes NVRTC report errors in the expression as `mask_mod(LINE): error:

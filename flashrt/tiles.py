@@ -1,21 +1,122 @@
-"""The one place that chooses tile sizes and warps for a kernel variant.
+"""The one place that chooses: which kernel family runs, its tiles and warps, and the launch shape.
 
-`pick_nw` walks a preference list for (family, head_dim) and returns the first
-tiling whose dynamic shared memory fits the device's opt-in limit. The lists
-come from the register/shared-memory budget of each kernel (no register spills
-with NVRTC 12.9 and 13.0, checked by tests) and from `scripts/tune.py` on an H100:
-for each bucket the first entry is the fastest spill-free tiling measured there
-(docs/perf-notes.md has the numbers); later entries are for smaller shared memory.
+spec.py says what a variant is (name, options, shared memory) and which tilings are valid; launch.py loads and
+launches what this module chooses. Sections, in order:
+
+  Families      applies, forward_family, split_families, backward_impl: which kernels run a call.
+  Tilings       kernel_for (a device's kernel; what api.py calls), tiling (the same for an arch and a
+                shared-memory limit), candidates: the tiles and warps of one kernel. tiling walks a
+                preference list for (family, head_dim, mask) and returns the first tiling whose dynamic
+                shared memory fits the limit. The lists come from the register/shared-memory budget of each
+                kernel (no register spills with NVRTC 12.9 and 13.0, checked by tests) and from
+                `scripts/tune.py` on an H100: for each bucket the first entry is the fastest spill-free tiling
+                measured there (docs/perf-notes.md has the numbers, a section per kernel family); later entries are for smaller shared memory.
+  Helper kernels  classifier_spec (mask_mod's tile maps and lists), check_spec (the device check of mask arrays).
+  Launch shapes   map_slots, item_chunk, key_item_chunk, dkdv_splits: how a launch's work is chunked and split.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 from . import _env
 from .spec import ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SM90_HEAD_DIMS, KernelSpec
 
-# family -> [(max head_dim, [(block_m, block_n, warps[, min_blocks]), ...] in order of preference)];
-# min_blocks (default 1): blocks per SM the kernel's registers must allow (spec.KernelSpec.min_blocks)
+if TYPE_CHECKING:
+    from .launch import Device
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------
+# Families: which kernels run a call
+# ---------------------------------------------------------------------------
+# Masks the wgmma kernels are not chosen for: family -> rules (lo, hi, MASK_BITS): no kernel for a
+# mask that holds all of those bits at lo < head_dim <= hi. The warp-specialised forward takes every mask but ids
+# with mask_mod (spec.FWD_WS_NO_MASKS: 4-8 bytes of spills in its producer or consumers, whatever the register
+# split, NVRTC 12.9), which take fwd_sm90. (The wgmma dQ has every mask at every head_dim since its ids became a
+# key interval per row: 225-253 registers at head_dim 192 / 256, no spills; docs/perf-notes.md, "Masks at the
+# seed shape".)
+_SM90_MASK_LIMITS = {
+    "fwd_sm90_ws": tuple((0, 256, c) for c in FWD_WS_NO_MASKS),
+}
+
+
+def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
+    """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS); wgmma families: sm_90a,
+    spec.SM90_HEAD_DIMS (the head_dims they have a variant at, which KernelSpec checks), _SM90_MASK_LIMITS."""
+    if family not in SM90_HEAD_DIMS:
+        return True
+    rules = _SM90_MASK_LIMITS.get(family, ())
+    return (arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family]
+            and not any(lo < head_dim <= hi and mask & bits == bits for lo, hi, bits in rules))
+
+
+def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> str:
+    """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never);
+    its warp-specialised form where that has a variant for `mask` (MASK_BITS; _SM90_MASK_LIMITS) and fits.
+
+    H200, B=2 S=8192 H=16 bf16 (scripts/probes/probe_sm90.py, docs/perf-notes.md: Forward: wgmma (fwd_sm90)): head_dim 128 422 TFLOP/s
+    against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised ("Forward: warp-specialised persistent (fwd_sm90_ws)") 564 at head_dim 128.
+    """
+    no_sm90 = _env.no_sm90()
+    if _sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90, mask):
+        return "fwd_sm90_ws"
+    return "fwd_sm90" if _sm90_fits("fwd_sm90", head_dim, arch, smem_limit, no_sm90) else "fwd"
+
+
+def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> tuple[str, str]:
+    """The split backward's (dQ, dK/dV) kernel families: each the wgmma one on Hopper where it exists (for
+    this `mask`, MASK_BITS) and fits, else the mma.sync one.
+
+    FLASHRT_NO_SM90=1: the mma.sync pair everywhere. Measurements: docs/perf-notes.md, Backward: wgmma split (bwd_dq_sm90, bwd_dkdv_sm90).
+    """
+    no_sm90 = _env.no_sm90()
+    return tuple(sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, no_sm90, mask) else mma
+                 for sm90, mma in (("bwd_dq_sm90", "bwd_dq"), ("bwd_dkdv_sm90", "bwd_dkdv")))
+
+
+@functools.cache
+def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: bool, mask: int = 0) -> bool:
+    """The wgmma `family` has a kernel here (applies) whose smallest tiling fits `smem_limit`."""
+    if no_sm90 or not applies(family, head_dim, arch, mask):
+        return False
+    return min(KernelSpec(family, head_dim, "bf16", bm, bn, nw, False, arch, min_blocks=mb).smem_bytes
+               for bm, bn, nw, mb in candidates(family, head_dim)) <= smem_limit
+
+
+def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False) -> str:
+    """The faster backward for a head_dim: "fused" or "split" (flashrt.backward's impl="auto").
+
+    `wgmma_split`: the split pair is the wgmma one (split_families): split, whose two kernels
+    outrun the mma.sync fused kernel (H200 measurements in docs/perf-notes.md: Backward: impl choice and determinism).
+    Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and scripts/kernel_times.py):
+    unordered, the fused kernel's five matmuls beat the split pair's seven up to head_dim
+    128; at 256 its dQ atomics (64-key tiles, the most the dK/dV registers allow) cost what
+    the recomputation saves. Ordered (deterministic), the key tiles' wait for each other
+    costs 15-22%, which leaves fused ahead only where its lead was largest, head_dim 65-128.
+    `ordered_ok`: whether the mask lets the fused kernel order its dQ additions (masks.Masking).
+    """
+    if wgmma_split:
+        return "split"
+    if deterministic:
+        if not ordered_ok:
+            return "split"
+        return "fused" if 64 < head_dim <= 128 else "split"
+    return "fused" if head_dim <= 128 else "split"
+
+
+# ---------------------------------------------------------------------------
+# Tilings: the tiles and warps of one kernel
+# ---------------------------------------------------------------------------
+# Tilings of every kernel: family -> [(max head_dim, [(block_m, block_n, warps[, min_blocks]), ...] in order of
+# preference)], the first bucket whose max head_dim is at least the head_dim; min_blocks (default 1): blocks per SM
+# the kernel's registers must allow (spec.KernelSpec.min_blocks). Chosen by scripts/tune.py (H100) and the wgmma
+# sweeps (H200) cited per entry: the first entry of a bucket is the fastest spill-free tiling measured there, later
+# ones fit smaller shared memory; spills: tests/test_compile.py.
 _PREFERENCES = {
     "fwd": [
         (64, [(128, 64, 4), (128, 64, 8)]),
@@ -32,11 +133,11 @@ _PREFERENCES = {
     # wgmma (sm_90a): two warpgroups of 64 query rows; head_dim 64, 128, 192, 256 (forward_family);
     # 128-key tiles do not fit in shared memory above 128. At head_dim 64, 64-key tiles at two blocks
     # per SM (one block's softmax runs under the other's wgmmas; capped at 128 registers, 118-122 used)
-    # beat 128-key tiles (193 registers, one block): H200, 1.13-1.36x at S 512-8k (docs/perf-notes.md,
-    # session 6).
+    # beat 128-key tiles (193 registers, one block): H200, 1.13-1.36x at S 512-8k (docs/perf-notes.md:
+    # Forward: wgmma (fwd_sm90)).
     "fwd_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # warp-specialised (two consumer warpgroups + a producer warpgroup), persistent (its masks: _SM90_MASK_LIMITS);
-    # head_dim 192 spills at every register split between them, 256 does not fit two Q slots (perf-notes s10)
+    # head_dim 192 spills at every register split between them, 256 does not fit two Q slots (docs/perf-notes.md: Forward: wgmma (fwd_sm90))
     "fwd_sm90_ws": [(128, [(128, 128, 12)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
@@ -67,37 +168,35 @@ _PREFERENCES = {
     "bwd_dkdv_reduce": [(256, [(0, 0, 8)])],
     "bwd_dq_convert": [(256, [(0, 0, 8)])],
 }
-# With element masks beyond lengths (window, block / segment ids), the mask predicate's
-# registers make some preferred tilings spill (NVRTC 12.9, tests/test_compile.py); these
-# replace them for masked variants.
+# Tilings with element masks beyond lengths (window, block / segment ids): family -> buckets as in _PREFERENCES,
+# replacing that family's for such masks. Chosen by spills: the mask predicate's registers make some preferred
+# tilings spill (NVRTC 12.9, tests/test_compile.py); these replace them for masked variants.
 _MASKED_PREFERENCES = {
     "fwd": [(192, [(128, 64, 8), (64, 64, 4)]), (256, [(64, 32, 4)])],
     # (the head_dim 64 dQ at two blocks per SM spills 8-156 bytes with window, block or segment ids)
     "bwd_dq_sm90": [(64, [(128, 128, 8)]), (256, [(128, 64, 8)])],
     "bwd_fused": [(256, [(64, 64, 8), (64, 32, 8)])],
 }
-# With a mask_mod expression as well, the fused backward at head_dim > 128 spills at 64x64 (12 bytes with
-# every built-in mask and a tensor-reading expression, NVRTC 12.9).
+# Tilings with a mask_mod expression (MASK_BITS["mod"]): family -> buckets as in _PREFERENCES, replacing both
+# tables above for it. Chosen by spills and the timings cited: with an expression as well, the fused backward at
+# head_dim > 128 spills at 64x64 (12 bytes with every built-in mask and a tensor-reading expression, NVRTC 12.9).
 _MOD_PREFERENCES = {
     "bwd_fused": [(128, [(64, 64, 8), (64, 32, 8)]), (256, [(64, 32, 8)])],
     # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression, no
-    # spills; against 64-key tiles it is 1.12x faster on documents-mod at 8k, H200, docs/perf-notes.md s9)
+    # spills; against 64-key tiles it is 1.12x faster on documents-mod at 8k, H200, docs/perf-notes.md: Forward: wgmma (fwd_sm90))
     "fwd_sm90": [(64, [(128, 64, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # (the wgmma dQ at head_dim 64 with 128-key tiles spills 32 bytes with an expression alone, NVRTC 12.9)
     "bwd_dq_sm90": [(256, [(128, 64, 8)])],
 }
-# Measured exceptions to "no register spills": (family, head_dim, min_blocks) -> bytes of local memory a
-# variant may use. The head_dim 64 dQ at two blocks per SM (128 registers) spills 20-24 bytes in its causal
-# and lengths variants and still runs 1-9% faster than at one block (H200, docs/perf-notes.md, session 6).
+# Spills allowed: measured exceptions to "no register spills": (family, head_dim, min_blocks) -> bytes of local
+# memory a variant may use (tests/test_compile.py, tests/test_gpu.py check the rest). The head_dim 64 dQ at two
+# blocks per SM (128 registers) spills 20-24 bytes in its causal and lengths variants and still runs 1-9% faster
+# than at one block (H200, docs/perf-notes.md: head_dim 64 backward).
 SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32}
 
 
-def spill_allowance(spec: KernelSpec) -> int:
-    """Bytes of local memory (register spills) `spec` may use: 0 unless SPILL_ALLOWANCE says otherwise."""
-    return SPILL_ALLOWANCE.get((spec.family, spec.head_dim, spec.min_blocks), 0)
-
-
-# Smaller tilings, tried in order when none of the preferred ones fits.
+# Smaller tilings of each family, tried in order after its preferred ones (candidates) when none of those fits the
+# device's shared memory; not timed, only valid layouts (spec.KernelSpec.layout_problem) of decreasing size.
 _FALLBACKS = {
     "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "fwd_sm90": [],
@@ -113,58 +212,9 @@ _FALLBACKS = {
 }
 
 
-# wgmma kernels without a variant for some mask features: family -> rules (lo, hi, MASK_BITS): no kernel for a
-# mask that holds all of those bits at lo < head_dim <= hi. The warp-specialised forward takes every mask but ids
-# with mask_mod (spec.FWD_WS_NO_MASKS: 4-8 bytes of spills in its producer or consumers, whatever the register
-# split, NVRTC 12.9), which take fwd_sm90. (The wgmma dQ has every mask at every head_dim since its ids became a
-# key interval per row: 225-253 registers at head_dim 192 / 256, no spills; docs/perf-notes.md, "Masks at the
-# seed shape".)
-_SM90_MASK_LIMITS = {
-    "fwd_sm90_ws": tuple((0, 256, c) for c in FWD_WS_NO_MASKS),
-}
-
-
-def applies(family: str, head_dim: int, arch: str, mask: int = 0) -> bool:
-    """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS); wgmma families: sm_90a,
-    spec.SM90_HEAD_DIMS, _SM90_MASK_LIMITS."""
-    if family not in SM90_HEAD_DIMS:
-        return True
-    rules = _SM90_MASK_LIMITS.get(family, ())
-    return (arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family]
-            and not any(lo < head_dim <= hi and mask & bits == bits for lo, hi, bits in rules))
-
-
-def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> str:
-    """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never);
-    its warp-specialised form where that has a variant for `mask` (MASK_BITS; _SM90_MASK_LIMITS) and fits.
-
-    H200, B=2 S=8192 H=16 bf16 (scripts/probe_sm90.py, docs/perf-notes.md): head_dim 128 422 TFLOP/s
-    against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised (session 10) 564 at head_dim 128.
-    """
-    no_sm90 = _env.no_sm90()
-    if _sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90, mask):
-        return "fwd_sm90_ws"
-    return "fwd_sm90" if _sm90_fits("fwd_sm90", head_dim, arch, smem_limit, no_sm90) else "fwd"
-
-
-def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> tuple[str, str]:
-    """The split backward's (dQ, dK/dV) kernel families: each the wgmma one on Hopper where it exists (for
-    this `mask`, MASK_BITS) and fits, else the mma.sync one.
-
-    FLASHRT_NO_SM90=1: the mma.sync pair everywhere. Measurements: docs/perf-notes.md.
-    """
-    no_sm90 = _env.no_sm90()
-    return tuple(sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, no_sm90, mask) else mma
-                 for sm90, mma in (("bwd_dq_sm90", "bwd_dq"), ("bwd_dkdv_sm90", "bwd_dkdv")))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: bool, mask: int = 0) -> bool:
-    """The wgmma `family` has a kernel here (applies) whose smallest tiling fits `smem_limit`."""
-    if no_sm90 or not applies(family, head_dim, arch, mask):
-        return False
-    return min(KernelSpec(family, head_dim, "bf16", bm, bn, nw, False, arch, min_blocks=mb).smem_bytes
-               for bm, bn, nw, mb in candidates(family, head_dim)) <= smem_limit
+def spill_allowance(spec: KernelSpec) -> int:
+    """Bytes of local memory (register spills) `spec` may use: 0 unless SPILL_ALLOWANCE says otherwise."""
+    return SPILL_ALLOWANCE.get((spec.family, spec.head_dim, spec.min_blocks), 0)
 
 
 class TilingError(RuntimeError):
@@ -184,12 +234,14 @@ def candidates(family: str, head_dim: int, mask: int = 0) -> list[tuple[int, int
     raise ValueError(f"head_dim must be at most 256, got {head_dim}")
 
 
-def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int,
-            mask: int = 0, mask_mod: str = "", mod_tensors: tuple = ()) -> KernelSpec:
-    """Tiles and warps for one kernel: the first preferred tiling that fits `smem_limit` bytes.
+def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int,
+           mask: int = 0, mask_mod: str = "", mod_tensors: tuple = ()) -> KernelSpec:
+    """The kernel of `family` for an arch and a shared-memory limit: the first of its candidates (tiles and
+    warps) that is valid at this head_dim and fits `smem_limit` bytes; TilingError if none does.
 
-    `mask` (spec.MASK_BITS): element masks beyond lengths take _MASKED_PREFERENCES where a family has them;
-    `mask_mod`, `mod_tensors`: a user's expression (spec.KernelSpec).
+    `mask` (spec.MASK_BITS): element masks beyond lengths take _MASKED_PREFERENCES where a family has them,
+    mask_mod _MOD_PREFERENCES; `mask_mod`, `mod_tensors`: a user's expression (spec.KernelSpec).
+    kernel_for is this for a device (what a call runs); this form serves prewarm and tests, with no GPU.
     """
     elementwise = family in ELEMENTWISE
     tried = []
@@ -208,30 +260,99 @@ def pick_nw(family: str, head_dim: int, dtype: str, causal: bool, arch: str, sme
                       f"{smem_limit} bytes per block; required: " + ", ".join(tried))
 
 
+@functools.cache
+def kernel_for(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0, mask_mod: str = "",
+               mod_tensors: tuple = ()) -> KernelSpec:
+    """The kernel of `family` that runs on the device `dev` (launch.Device): tiling for its arch and opt-in
+    shared-memory limit, cached."""
+    return tiling(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask, mask_mod, mod_tensors)
+
+
+# ---------------------------------------------------------------------------
+# Helper kernels: mask_mod's classification, the device check of mask arrays
+# ---------------------------------------------------------------------------
+# Warps of mask_mod's classification kernels (spec.CLASSIFY), family -> warps: fixed by their layout, not timed.
+# The map evaluates the expression with four warps per tile and 32 per block (mask_classify.cu); a list
+# maker is a warp per list.
+CLASSIFY_WARPS = {"mask_map": 32, "mask_rows": 8, "mask_cols": 8}
+
+
+def classifier_spec(consumer: KernelSpec, family: str) -> KernelSpec:
+    """The mask_mod classification kernel `family` (spec.CLASSIFY) for the tiles of `consumer`, the kernel that
+    reads its map or lists: head_dim and dtype fixed (it reads no q/k/v), CLASSIFY_WARPS; the list makers read
+    only the map, so they take no mask bits and no expression (one compile serves every mask_mod)."""
+    fixed = {"family": family, "head_dim": 64, "dtype": "bf16", "warps": CLASSIFY_WARPS[family], "min_blocks": 1}
+    if family != "mask_map":
+        fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
+    return dataclasses.replace(consumer, **fixed)
+
+
 CHECK_WARPS = 16  # mask_check.cu: one block; its arrays are a few ints per token
 
 
 def check_spec(arch: str) -> KernelSpec:
-    """The kernel that checks a call's mask arrays on the device (kernels_cu/mask_check.cu)."""
+    """The kernel that checks a call's mask arrays on the device (kernels_cu/helpers/mask_check.cu)."""
     return KernelSpec("mask_check", 64, "bf16", 0, 0, CHECK_WARPS, False, arch)
 
 
-def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False) -> str:
-    """The faster backward for a head_dim: "fused" or "split" (flashrt.backward's impl="auto").
+# ---------------------------------------------------------------------------
+# Launch shapes: how a launch's work is chunked and split
+# ---------------------------------------------------------------------------
+def map_slots(spec: KernelSpec) -> int:
+    """Key tiles per block of mask_map (kernels_cu/helpers/mask_classify.cu: SLOTS): its warps over the warps per
+    tile (SPLIT: four, or fewer where a tile has fewer rounds of R rows, R = 32 lanes' pairs over the columns a lane
+    owns). A row of key tiles that fits in one block gets its list from that block (api._classify)."""
+    cols = _cdiv(spec.block_n, 32)
+    rows_per_round = 1 if cols >= 32 else 32 // cols
+    return spec.warps // min(4, spec.block_m // rows_per_round)
 
-    `wgmma_split`: the split pair is the wgmma one (split_families): split, whose two kernels
-    outrun the mma.sync fused kernel (H200 measurements in docs/perf-notes.md).
-    Else, measured on the H100 (docs/perf-notes.md: scripts/tune.py and scripts/kernel_times.py):
-    unordered, the fused kernel's five matmuls beat the split pair's seven up to head_dim
-    128; at 256 its dQ atomics (64-key tiles, the most the dK/dV registers allow) cost what
-    the recomputation saves. Ordered (deterministic), the key tiles' wait for each other
-    costs 15-22%, which leaves fused ahead only where its lead was largest, head_dim 65-128.
-    `ordered_ok`: whether the mask lets the fused kernel order its dQ additions (masks.Masking).
+
+def item_chunk(dev: Device, B: int, Sk: int, head_dim: int, H: int, Hkv: int) -> int:
+    """(batch entry, head) pairs per chunk of fwd_sm90's work items (kernels_cu/attention/params.cuh: work_item):
+    at most as many as have their K and V (bf16 / fp16) in half of the L2 cache, whole KV-head groups, at most all
+    B * H (so a chunk's items fit the kernel's int arithmetic as the grid does); the chunks that takes, equal in
+    size, so that the last is not a small remainder whose heaviest items start last (causal at S=1k: 2.6% faster,
+    docs/perf-notes.md: Work-item order)."""
+    group, pairs = H // Hkv, B * H
+    kv_heads = max(1, dev.l2_bytes // 2 // (4 * max(Sk, 1) * head_dim))
+    even = _equal_chunks(pairs, min(kv_heads * group, pairs))
+    return min(_cdiv(even, group) * group, pairs)
+
+
+def key_item_chunk(dev: Device, B: int, Sq: int, head_dim: int, H: int, Hkv: int, splits: int) -> int:
+    """(batch entry, grid row) pairs per chunk of a causal key-parallel launch's blocks
+    (kernels_cu/attention/params.cuh: key_block; a grid row is a KV head and split): at most as many as have the
+    query rows they read (q and dout of the KV head's group, bf16 / fp16) in half of the L2 cache, in chunks of
+    equal size (item_chunk's rule, with the roles of queries and keys swapped)."""
+    pairs = B * Hkv * splits
+    per_pair = max(1, 4 * max(Sq, 1) * head_dim * (H // Hkv) // splits)
+    return _equal_chunks(pairs, min(max(1, dev.l2_bytes // 2 // per_pair), pairs))
+
+
+def _equal_chunks(pairs: int, most: int) -> int:
+    """The size of the fewest chunks of at most `most` that cover `pairs`, as equal as whole numbers allow (so
+    that the last chunk is not a small remainder)."""
+    return _cdiv(pairs, _cdiv(pairs, most))
+
+
+# Bytes of fp32 dK/dV partials a split dK/dV pass may use (dkdv_splits caps its splits by it): a memory bound,
+# not timed.
+DKDV_PARTIAL_LIMIT = 256 * 2**20
+
+
+def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int) -> int:
+    """How many blocks share each key tile of the dK/dV pass.
+
+    One (no partials) when the key tiles alone fill the GPU. Otherwise as many as
+    still fit in one wave (MQA/GQA at small batch: the grid is Sk/BN * Hkv * B):
+    a second, partial wave would cost a whole block's time for a few blocks
+    (docs/perf-notes.md: Backward: split pair (bwd_dq, bwd_dkdv), 5 splits vs 4 at the seed shape). Capped by
+    the (query head, query tile) pairs there are to share and by
+    DKDV_PARTIAL_LIMIT bytes of fp32 partials (2 * splits * B * Hkv * Sk * D * 4).
     """
-    if wgmma_split:
-        return "split"
-    if deterministic:
-        if not ordered_ok:
-            return "split"
-        return "fused" if 64 < head_dim <= 128 else "split"
-    return "fused" if head_dim <= 128 else "split"
+    blocks = _cdiv(Sk, spec.block_n) * Hkv * B
+    if 2 * blocks > sm_count:
+        return 1
+    pairs = (H // Hkv) * _cdiv(Sq, spec.block_m)
+    by_memory = DKDV_PARTIAL_LIMIT // (8 * B * Hkv * Sk * spec.head_dim)
+    return max(1, min(sm_count // blocks, pairs, by_memory))

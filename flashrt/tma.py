@@ -1,4 +1,4 @@
-"""TMA tensor maps (CUtensorMap) of q, k and v for fwd_sm90_ws's loads (kernels_cu/wgmma.cuh: load_tile_tma).
+"""TMA tensor maps (CUtensorMap) of q, k and v for fwd_sm90_ws's loads (kernels_cu/common/wgmma.cuh: load_tile_tma).
 
 A map is encoded by the CUDA driver's cuTensorMapEncodeTiled, called through ctypes (neither CuPy
 nor torch exposes it), and holds the tensor's address: a reused plan writes its maps into the params
@@ -16,7 +16,7 @@ from .launch import LaunchError, driver_library
 # cuda.h's enum values (CUtensorMapDataType, ...Interleave, ...Swizzle, ...L2promotion, ...FloatOOBfill)
 _UINT16 = 1         # bf16 and fp16 move as 16-bit words
 _NO_INTERLEAVE = 0
-_SWIZZLE_128B = 3   # the sw128 layout of kernels_cu/wgmma.cuh
+_SWIZZLE_128B = 3   # the sw128 layout of kernels_cu/common/wgmma.cuh
 _L2_256B = 3
 _OOB_ZEROS = 0      # (the kernel loads by TMA only tiles whose rows all exist)
 _BOX_COLS = 64      # one 128-byte swizzle row of 16-bit elements

@@ -617,7 +617,7 @@ def density_rounds(kw: dict, q, k, v, do, rounds: int = DENSITY_ROUNDS) -> dict:
     """flashrt-auto with the mask arguments kw against flashrt-auto without a mask, on the same inputs, timed
     in turn (dense fwd, masked fwd, dense fwd+bwd, masked fwd+bwd) for `rounds` rounds: the per-round time
     ratios. The ratio table shows their median: two single timings minutes apart drift with the card's
-    clocks and power (one kernel pair read 0.57-0.73 across rounds in session 17, docs/perf-notes.md), and
+    clocks and power (one kernel pair read 0.57-0.73 across rounds, docs/perf-notes.md: Devices, ceilings and noise), and
     timings side by side cancel most of that drift."""
     options = MASK_FLASHRT["flashrt-auto"]
     pair = {"dense": flashrt_masked({}, options), "masked": flashrt_masked(kw, options)}

@@ -50,7 +50,7 @@ for B, Sq, Sk, H, Hkv, D, causal, dt in CASES:
     v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
     run(q, k, v, causal)
 
-# Masks (kernels_cu/mask.cuh): padding + window + block ids, segments, top-left causal, packed varlen.
+# Masks (kernels_cu/attention/mask.cuh): padding + window + block ids, segments, top-left causal, packed varlen.
 q, k, v = (torch.randn(2, 150, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 run(q, k, v, False, seqlens_q=torch.tensor([150, 33], dtype=torch.int32, device="cuda"),
     seqlens_k=torch.tensor([0, 140], dtype=torch.int32, device="cuda"), window=(20, 40),
@@ -88,7 +88,7 @@ runs = torch.randint(0, 40, (2, 600), dtype=torch.int32, device="cuda").sort(-1)
 run(qi, ki, vi, True, block_ids_q=runs, block_ids_k=runs, segment_ids_q=runs // 8, segment_ids_k=runs // 8,
     seqlens_q=torch.tensor([600, 413], dtype=torch.int32, device="cuda"))
 # Arrays that break every rule, with validate=False: the kernels stay inside their tensors whatever the arrays
-# hold (kernels_cu/mask.cuh clamps lengths and offsets); at head_dim 64 (the warp-specialised forward, TMA) and 256.
+# hold (kernels_cu/attention/mask.cuh clamps lengths and offsets); at head_dim 64 (the warp-specialised forward, TMA) and 256.
 def i32(values):
     return torch.tensor(values, dtype=torch.int32, device="cuda")
 
@@ -110,7 +110,7 @@ for qx, kx, vx in ((q, k, v), (q256, k256, v256)):
                   max_seqlen_q=300, max_seqlen_k=40)
     run_unchecked(px, pkx, pvx, True, cu_seqlens_q=i32([140, 20, 150]), cu_seqlens_k=i32([0, 150, 100]),
                   max_seqlen_q=64, max_seqlen_k=200, block_ids_q=shuffled[0].sort().values, block_ids_k=shuffled[1])
-# The device check on bad data (kernels_cu/mask_check.cu): it reports and sets the outputs to NaN.
+# The device check on bad data (kernels_cu/helpers/mask_check.cu): it reports and sets the outputs to NaN.
 out, lse = flashrt.forward(q, k, v, block_ids_q=shuffled, block_ids_k=shuffled)
 try:
     flashrt.synchronize()

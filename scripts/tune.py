@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import flashrt  # noqa: E402
-from flashrt import cache, launch  # noqa: E402
+from flashrt import cache, launch, tiles  # noqa: E402
 from flashrt.spec import KernelSpec  # noqa: E402
 
 CANDIDATES = {
@@ -43,18 +43,19 @@ def shapes(D: int) -> list[tuple[int, int, int, int]]:
     return [(16, 1024, 2048 // D, 2048 // D), (4, 4096, 2048 // D, 2048 // D)]
 
 
-_override: dict[str, KernelSpec] = {}
-_pick = launch.pick
+_override: dict[str, KernelSpec] = {}  # family -> the tiling under test (every call's kernel of that family)
+_kernel_for = tiles.kernel_for
 
 
-def _patched_pick(family, head_dim, dtype, causal, dev):
-    return _override.get(family) or _pick(family, head_dim, dtype, causal, dev)
+def _kernel_for_with_override(family, *args):
+    return _override.get(family) or _kernel_for(family, *args)
 
 
-launch.pick = _patched_pick
+tiles.kernel_for = _kernel_for_with_override
 
 
-def candidates(family: str, D: int, causal: bool, dev) -> list[KernelSpec]:
+def measured_tilings(family: str, D: int, causal: bool, dev) -> list[KernelSpec]:
+    """The CANDIDATES of `family` that are valid at head_dim D and fit dev's shared memory."""
     out = []
     for bm, bn, nw in CANDIDATES[family]:
         try:
@@ -75,7 +76,7 @@ def main() -> None:
     dev = launch.device(0)
     head_dims = [int(x) for x in args.head_dims.split(",")]
     families = args.families.split(",")
-    todo = [s for fam in families for D in head_dims for c in (False, True) for s in candidates(fam, D, c, dev)]
+    todo = [s for fam in families for D in head_dims for c in (False, True) for s in measured_tilings(fam, D, c, dev)]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
         list(pool.map(cache.lookup, todo))
     rows = []
@@ -92,7 +93,7 @@ def main() -> None:
                 grads0 = flashrt.backward(do, q, k, v, out0, lse0, causal=causal)
                 fl = 4 * B * H * S * S * D / (2 if causal else 1)
                 for family in families:
-                    for spec in candidates(family, D, causal, dev):
+                    for spec in measured_tilings(family, D, causal, dev):
                         _override.clear()
                         _override[family] = spec
                         attrs = launch.function_attributes(spec, dev)

@@ -153,9 +153,9 @@ def test_mask_mod_sees_the_same_names_in_every_kernel():
     TILE_FULL, namespace frt) are not visible, so the map kernel's compile check speaks for all."""
     from flashrt import cache, nvrtc, tiles
     for family in ("fwd", "bwd_dkdv"):
-        spec = tiles.pick_nw(family, 64, "bf16", False, "sm_80", 160 * 1024, MASK_BITS["mod"],
-                             "k <= q || TILE_FULL == 2")
-        for s in (spec, spec.classifier("mask_map")):
+        spec = tiles.tiling(family, 64, "bf16", False, "sm_80", 160 * 1024, MASK_BITS["mod"],
+                            "k <= q || TILE_FULL == 2")
+        for s in (spec, tiles.classifier_spec(spec, "mask_map")):
             with pytest.raises(nvrtc.CompileError, match='identifier "TILE_FULL" is undefined'):
                 nvrtc.compile_cubin(s.translation_unit(), s.name, s.options(), cache.kernel_sources())
 
@@ -163,7 +163,8 @@ def test_mask_mod_sees_the_same_names_in_every_kernel():
 def test_mask_mod_compile_error_shows_the_expression():
     from flashrt import cache, nvrtc, tiles
     expr = "k <= q && kk > 1"
-    spec = tiles.pick_nw("fwd", 64, "bf16", False, "sm_80", 160 * 1024, MASK_BITS["mod"], expr).classifier("mask_map")
+    spec = tiles.classifier_spec(tiles.tiling("fwd", 64, "bf16", False, "sm_80", 160 * 1024, MASK_BITS["mod"], expr),
+                                 "mask_map")
     with pytest.raises(nvrtc.CompileError) as info:
         nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options(), cache.kernel_sources())
     msg = str(masks.mask_mod_error(expr, ("doc",), info.value.log))

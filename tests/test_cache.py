@@ -64,11 +64,29 @@ def test_key_covers_version_sources_options_and_nvrtc(cache_dir, monkeypatch):
     assert cache.entry_key(SPEC) == base
     assert cache.entry_key(THIRD) != base
     assert cache.entry_key(KernelSpec("fwd", 64, "bf16", 64, 64, 4, False, "sm_90a")) != base
-    for module, name, value in [(cache, "__version__", "0.0.0-other"), (cache, "sources_hash", lambda: "0" * 64),
+    for module, name, value in [(cache, "__version__", "0.0.0-other"), (cache, "source_hash", lambda f: "0" * 64),
                                 (nvrtc, "version", lambda: (99, 0))]:
         with monkeypatch.context() as m:
             m.setattr(module, name, value)
             assert cache.entry_key(SPEC) != base, name
+
+
+def test_key_hashes_only_the_files_a_variant_compiles(monkeypatch):
+    """An edit to one kernel file misses the variants that include it, and only those."""
+    check, fwd = KernelSpec("mask_check", 64, "bf16", 0, 0, 16, False, "sm_90a"), SPEC
+    assert check.source_file == "helpers/mask_check.cu" and fwd.source_file != check.source_file
+    before = cache.entry_key(check), cache.entry_key(fwd)
+    for edited in ("helpers/mask_check.cu", "attention/params.cuh"):
+        sources = dict(cache.kernel_sources())
+        sources[edited] += "\n// an edit\n"
+        with monkeypatch.context() as m:
+            m.setattr(cache, "kernel_sources", lambda: sources)
+            cache.source_hash.cache_clear()
+            after = cache.entry_key(check), cache.entry_key(fwd)
+        cache.source_hash.cache_clear()
+        assert after[0] != before[0], edited
+        assert (after[1] != before[1]) == (edited == "attention/params.cuh"), edited  # fwd includes params.cuh
+    assert (cache.entry_key(check), cache.entry_key(fwd)) == before
 
 
 def _corrupt_truncate(raw: bytes) -> bytes:

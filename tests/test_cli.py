@@ -44,7 +44,7 @@ def test_prewarm_rejects_bad_arguments(tmp_path):
 
 def test_no_compile_names_the_prewarm_command(tmp_path):
     code = ("from flashrt import cache, tiles; "
-            "cache.lookup(tiles.pick_nw('fwd', 64, 'bf16', True, 'sm_90a', 232448))")
+            "cache.lookup(tiles.tiling('fwd', 64, 'bf16', True, 'sm_90a', 232448))")
     env = {**os.environ, "FLASHRT_CACHE_DIR": str(tmp_path), "FLASHRT_NO_COMPILE": "1",
            "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

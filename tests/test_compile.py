@@ -25,8 +25,8 @@ def _variants():
             for d in (d for d in HEAD_DIMS if tiles.applies(family, d, arch)):
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
-                        out.add(tiles.pick_nw(family, d, dtype, causal, arch, limit))
-    # Masked variants (kernels_cu/mask.cuh): every feature at once, lengths alone (padding / varlen),
+                        out.add(tiles.tiling(family, d, dtype, causal, arch, limit))
+    # Masked variants (kernels_cu/attention/mask.cuh): every feature at once, lengths alone (padding / varlen),
     # lengths with a window (Visibility::visible's branch-free form, taken without id arrays), and
     # segment ids alone (documents: before TileIntervals, two of these spilled where every feature did not).
     for family in set(FAMILIES) - set(ELEMENTWISE) - set(NO_INPUTS):
@@ -35,21 +35,21 @@ def _variants():
                 for mask in (sum(MASK_BITS.values()) & ~MASK_BITS["mod"], MASK_BITS["lengths"],
                              MASK_BITS["lengths"] | MASK_BITS["window"], MASK_BITS["segments"]):
                     if tiles.applies(family, d, "sm_90a", mask):
-                        out.add(tiles.pick_nw(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
+                        out.add(tiles.tiling(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
     # mask_mod variants (an expression that reads a tensor and names every variable) with every
-    # built-in feature and alone, and their classifiers (kernels_cu/mask_classify.cu).
+    # built-in feature and alone, and their classifiers (kernels_cu/helpers/mask_classify.cu).
     for family in set(FAMILIES) - set(ELEMENTWISE) - set(NO_INPUTS):
         for d in (64, 128, 256):
             for mask in (m for m in (sum(MASK_BITS.values()), MASK_BITS["mod"]) if tiles.applies(family, d, "sm_90a", m)):
-                spec = tiles.pick_nw(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
-                out.update([spec, spec.classifier("mask_map"),
-                            spec.classifier("mask_rows" if family in QUERY_PARALLEL else "mask_cols")])
-    out.update(tiles.check_spec(arch) for arch in ARCHS)  # kernels_cu/mask_check.cu
+                spec = tiles.tiling(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
+                out.update([spec, tiles.classifier_spec(spec, "mask_map"),
+                            tiles.classifier_spec(spec, "mask_rows" if family in QUERY_PARALLEL else "mask_cols")])
+    out.update(tiles.check_spec(arch) for arch in ARCHS)  # kernels_cu/helpers/mask_check.cu
     # The forward with mask_mod, lengths and a window, not causal: fwd_sm90_ws's fenced element mask beside
     # the length tests (it spilled 128 bytes at head_dim 128 before the sequence's ends took the rolled loop).
     mask = MASK_BITS["mod"] | MASK_BITS["lengths"] | MASK_BITS["window"]
     for d in (64, 128):
-        out.add(tiles.pick_nw("fwd_sm90_ws", d, "bf16", False, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",)))
+        out.add(tiles.tiling("fwd_sm90_ws", d, "bf16", False, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",)))
     return sorted(out, key=lambda s: s.name)
 
 
@@ -108,7 +108,7 @@ def test_no_serialised_wgmma(compiled):
 
 
 def test_smem_mismatch_is_a_compile_error():
-    spec = tiles.pick_nw("fwd", 64, "bf16", False, "sm_80", SMEM_OPTIN[80])
+    spec = tiles.tiling("fwd", 64, "bf16", False, "sm_80", SMEM_OPTIN[80])
     options = [o if not o.startswith("-DFRT_SMEM_BYTES=") else "-DFRT_SMEM_BYTES=1234" for o in spec.options()]
     with pytest.raises(nvrtc.CompileError) as info:
         nvrtc.compile_cubin(spec.translation_unit(), spec.name, options, cache.kernel_sources())

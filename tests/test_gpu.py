@@ -153,7 +153,7 @@ def test_forward_over_several_l2_chunks(torch, poison, D, causal):
     import cupy
     B, Sq, Sk, H, Hkv = 2, 300, 8192, 8, 4
     dev = launch.device(torch.cuda.current_device())
-    assert launch.item_chunk(dev, B, Sk, D, H, Hkv) < B * H, "the case must span more than one chunk"
+    assert tiles.item_chunk(dev, B, Sk, D, H, Hkv) < B * H, "the case must span more than one chunk"
     q, k, v, _ = make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D + causal)
     out, lse = flashrt.forward(*(cupy.from_dlpack(x) for x in (q, k, v)), causal=causal)
     ro, rlse = reference.attention(f64(q), f64(k), f64(v), causal=causal)
@@ -311,7 +311,7 @@ def test_wgmma_split_backward_matches_mma_split(torch, poison, monkeypatch, D, c
     out, lse = flashrt.forward(q, k, v, causal=causal, **mask)
     monkeypatch.setenv("FLASHRT_NO_SM90", "0")
     families = tiles.split_families(D, dev.arch, dev.smem_optin, MASK_BITS["window"] | MASK_BITS["lengths"] if mask else 0)
-    assert families == ("bwd_dq_sm90", "bwd_dkdv_sm90")  # (windows at head_dim 256 too, since session 13)
+    assert families == ("bwd_dq_sm90", "bwd_dkdv_sm90")  # (windows at head_dim 256 too: docs/perf-notes.md, The dQ kernel)
     grads = {}
     for name, flag in (("wgmma", "0"), ("mma", "1")):
         monkeypatch.setenv("FLASHRT_NO_SM90", flag)
@@ -389,7 +389,7 @@ def test_dynamic_smem_attribute_matches_spec(torch):
     dev = launch.device(torch.cuda.current_device())
     sm90 = ("fwd_sm90", "fwd_sm90_ws", "bwd_dq_sm90", "bwd_dkdv_sm90") if dev.arch == "sm_90a" else ()
     for family in ("fwd", "bwd_dq", "bwd_dkdv", *sm90):
-        spec = launch.pick(family, 128, "bf16", False, dev)
+        spec = tiles.kernel_for(family, 128, "bf16", False, dev)
         attrs = launch.function_attributes(spec, dev)
         if spec.smem_bytes > 48 * 1024:
             assert attrs["max_dynamic_shared_size_bytes"] == spec.smem_bytes

@@ -43,16 +43,16 @@ def test_unsupported_nvrtc_major_names_the_pip_extra(monkeypatch, reload_nvrtc):
 
 
 def _broken_sources() -> tuple[dict, int]:
-    """Kernel sources with an #error in common.cuh, and that line's number."""
+    """Kernel sources with an #error in common/common.cuh, and that line's number."""
     sources = dict(cache.kernel_sources())
-    lines = sources["common.cuh"].splitlines()
+    lines = sources["common/common.cuh"].splitlines()
     at = lines.index("#pragma once") + 1
-    sources["common.cuh"] = "\n".join(lines[:at] + [ERROR] + lines[at:]) + "\n"
+    sources["common/common.cuh"] = "\n".join(lines[:at] + [ERROR] + lines[at:]) + "\n"
     return sources, at + 1
 
 
 def test_compile_error_carries_name_options_log_and_dump(cache_dir, monkeypatch):
-    cache.sources_hash()  # hash the real sources before they are swapped
+    cache.entry_key(SPEC)  # hash the real sources before they are swapped
     sources, line = _broken_sources()
     monkeypatch.setattr(cache, "kernel_sources", lambda: sources)
 
@@ -60,7 +60,7 @@ def test_compile_error_carries_name_options_log_and_dump(cache_dir, monkeypatch)
         cache.lookup(SPEC)
     err = info.value
     assert err.name == SPEC.name and err.options == SPEC.options()
-    assert f"common.cuh({line})" in err.log and "broken on purpose" in err.log
+    assert f"common/common.cuh({line})" in err.log and "broken on purpose" in err.log
     msg = str(err)
     assert SPEC.name in msg and "-DFRT_HEAD_DIM=64" in msg and err.log.strip() in msg
     assert "set FLASHRT_DUMP_SOURCE=1" in msg

@@ -74,7 +74,7 @@ def test_smem_formula():
 
 @pytest.mark.parametrize("arch,limit", [("sm_80", SMEM_OPTIN[80]), ("sm_86", SMEM_OPTIN[86]),
                                         ("sm_90a", SMEM_OPTIN[90]), ("sm_90a", 64 * 1024)])
-def test_pick_nw_fits_every_head_dim(arch, limit):
+def test_tiling_fits_every_head_dim(arch, limit):
     for family in set(FAMILIES) - set(NO_INPUTS):
         for d in HEAD_DIMS:
             if family in ("fwd_sm90", "fwd_sm90_ws") and family not in (
@@ -82,22 +82,22 @@ def test_pick_nw_fits_every_head_dim(arch, limit):
                 continue  # the forward is another family there (for every mask)
             if family in ("bwd_dq_sm90", "bwd_dkdv_sm90") and family not in tiles.split_families(d, arch, limit):
                 continue  # the split backward is bwd_dq.cu / bwd_dkdv.cu there
-            s = tiles.pick_nw(family, d, "bf16", True, arch, limit)
+            s = tiles.tiling(family, d, "bf16", True, arch, limit)
             assert s.smem_bytes <= limit and s.head_dim == d and s.arch == arch
             assert s.layout_problem() is None
 
 
-def test_pick_nw_prefers_large_tiles_when_they_fit():
-    big = tiles.pick_nw("fwd", 128, "bf16", False, "sm_90a", SMEM_OPTIN[90])
-    small = tiles.pick_nw("fwd", 128, "bf16", False, "sm_86", 48 * 1024)
+def test_tiling_prefers_large_tiles_when_they_fit():
+    big = tiles.tiling("fwd", 128, "bf16", False, "sm_90a", SMEM_OPTIN[90])
+    small = tiles.tiling("fwd", 128, "bf16", False, "sm_86", 48 * 1024)
     assert (big.block_m, big.block_n, big.warps, big.min_blocks) == tiles.candidates("fwd", 128)[0]
     assert big.smem_bytes > 48 * 1024
     assert small.smem_bytes <= 48 * 1024 and small.block_m * small.block_n < big.block_m * big.block_n
 
 
-def test_pick_nw_error_names_required_and_limit():
+def test_tiling_error_names_required_and_limit():
     with pytest.raises(tiles.TilingError, match=r"limit of 1000 bytes.*required: flashrt_fwd_hd256"):
-        tiles.pick_nw("fwd", 256, "bf16", False, "sm_80", 1000)
+        tiles.tiling("fwd", 256, "bf16", False, "sm_80", 1000)
 
 
 def test_grids():
@@ -115,7 +115,7 @@ def test_grids():
 
 
 def test_wgmma_forward_grid_is_one_dimensional():
-    """fwd_sm90: a 1-D grid of work items (kernels_cu/params.cuh: work_item), one per query tile: no y/z limit."""
+    """fwd_sm90: a 1-D grid of work items (kernels_cu/attention/params.cuh: work_item), one per query tile: no y/z limit."""
     f128 = KernelSpec("fwd_sm90", 128, "bf16", 128, 128, 8, True, "sm_90a")
     assert f128.smem_bytes == (128 + 4 * 128) * 128 * 2 + 1024
     assert launch.grid(f128, B=16, H=16, Hkv=16, Sq=1000, Sk=1000) == (8 * 16 * 16, 1, 1)
@@ -135,28 +135,28 @@ def test_mask_map_grid_holds_slots_key_tiles_per_block():
     64 keys too (rounds of 16 rows); two per 16-row tile (rounds of 8 rows: two rounds). A query tile's row
     of key tiles in one block (x == 1) gets its list there (api._classify)."""
     ws = KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 128, 12, False, "sm_90a", mask=MASK_BITS["mod"], mask_mod="k <= q")
-    mapper = ws.classifier("mask_map")
+    mapper = tiles.classifier_spec(ws, "mask_map")
     assert (mapper.warps, mapper.min_blocks, mapper.layout_problem()) == (32, 1, None)
-    assert launch.map_slots(mapper) == 8
+    assert tiles.map_slots(mapper) == 8
     assert launch.grid(mapper, B=16, H=1, Hkv=0, Sq=1024, Sk=1024) == (1, 8, 16)
     assert launch.grid(mapper, B=2, H=16, Hkv=0, Sq=8192, Sk=1025) == (2, 64, 32)
-    assert launch.map_slots(dataclasses.replace(mapper, block_m=64, block_n=64)) == 8
-    assert launch.map_slots(dataclasses.replace(mapper, block_m=16, block_n=128)) == 16
-    assert ws.classifier("mask_rows").warps == 8
+    assert tiles.map_slots(dataclasses.replace(mapper, block_m=64, block_n=64)) == 8
+    assert tiles.map_slots(dataclasses.replace(mapper, block_m=16, block_n=128)) == 16
+    assert tiles.classifier_spec(ws, "mask_rows").warps == 8
 
 
 def test_item_chunk_fits_half_the_l2_in_equal_chunks():
     dev = launch.Device(0, "H100", "sm_90a", 132, SMEM_OPTIN[90], 50 * 2**20)
     # 50 (b, h) pairs' K and V fit half of L2: 256 pairs take 6 chunks, 43 each (the last 41), not 5 x 50 + 6
-    assert launch.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=16) == 43
+    assert tiles.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=16) == 43
     # 4 query heads per KV head: at most 200 pairs (50 KV heads), 2 chunks of 128 (whole groups)
-    assert launch.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=4) == 128
+    assert tiles.item_chunk(dev, B=16, Sk=1024, head_dim=128, H=16, Hkv=4) == 128
     # Sk=10240: 5 KV heads fit. 84 pairs in groups of 7: at most 35 a chunk, so 3 chunks of 28
-    assert launch.item_chunk(dev, B=3, Sk=10240, head_dim=128, H=28, Hkv=4) == 28
+    assert tiles.item_chunk(dev, B=3, Sk=10240, head_dim=128, H=28, Hkv=4) == 28
     # 63 pairs in groups of 7: 2 chunks; 32 rounds up to whole groups, 35 (and 28)
-    assert launch.item_chunk(dev, B=1, Sk=10240, head_dim=128, H=63, Hkv=9) == 35
-    assert launch.item_chunk(dev, B=1, Sk=2**20, head_dim=256, H=8, Hkv=8) == 1
-    assert launch.item_chunk(dev, B=2, Sk=8, head_dim=8, H=4, Hkv=4) == 8  # never more than B * H
+    assert tiles.item_chunk(dev, B=1, Sk=10240, head_dim=128, H=63, Hkv=9) == 35
+    assert tiles.item_chunk(dev, B=1, Sk=2**20, head_dim=256, H=8, Hkv=8) == 1
+    assert tiles.item_chunk(dev, B=2, Sk=8, head_dim=8, H=4, Hkv=4) == 8  # never more than B * H
 
 
 def test_arch_for():
@@ -171,7 +171,7 @@ _C_TYPES = {"u8*": np.uint64, "const u16*": np.uint64, "u16*": np.uint64, "const
 
 
 def _header_fields(struct: str) -> list[tuple[str, type]]:
-    text = (cache.kernels_dir() / "params.cuh").read_text()
+    text = (cache.kernels_dir() / "attention" / "params.cuh").read_text()
     body = re.search(r"struct %s \{(.*?)\};" % struct, text, re.S).group(1)
     fields = []
     for line in body.splitlines():
@@ -195,18 +195,18 @@ def test_param_structs_match_header(struct, dtype):
 def test_dkdv_splits_fill_the_gpu_within_bounds():
     dkdv = spec(family="bwd_dkdv", block_m=64, block_n=64, warps=8, head_dim=256)
     # FA grid point: 16 key tiles x 8 heads x 16 batch = 2048 blocks: no split, no partials.
-    assert launch.dkdv_splits(dkdv, B=16, H=8, Hkv=8, Sq=1024, Sk=1024, sm_count=132) == 1
+    assert tiles.dkdv_splits(dkdv, B=16, H=8, Hkv=8, Sq=1024, Sk=1024, sm_count=132) == 1
     # The seed's MQA shape: 16 key tiles x 1 KV head x 2 batch = 32 blocks -> 4 per key tile (one wave).
-    assert launch.dkdv_splits(dkdv, B=2, H=8, Hkv=1, Sq=1024, Sk=1024, sm_count=132) == 4
+    assert tiles.dkdv_splits(dkdv, B=2, H=8, Hkv=1, Sq=1024, Sk=1024, sm_count=132) == 4
     assert launch.grid(dkdv, B=2, H=8, Hkv=1, Sq=1024, Sk=1024, splits=4) == (16, 4, 2)
     # 100 blocks: a second split would not fit in one wave.
-    assert launch.dkdv_splits(dkdv, B=1, H=8, Hkv=1, Sq=6400, Sk=6400, sm_count=132) == 1
+    assert tiles.dkdv_splits(dkdv, B=1, H=8, Hkv=1, Sq=6400, Sk=6400, sm_count=132) == 1
     # No more splits than (query head, query tile) pairs to share.
-    assert launch.dkdv_splits(dkdv, B=1, H=1, Hkv=1, Sq=64, Sk=64, sm_count=132) == 1
-    assert launch.dkdv_splits(dkdv, B=1, H=2, Hkv=1, Sq=128, Sk=64, sm_count=132) == 4
+    assert tiles.dkdv_splits(dkdv, B=1, H=1, Hkv=1, Sq=64, Sk=64, sm_count=132) == 1
+    assert tiles.dkdv_splits(dkdv, B=1, H=2, Hkv=1, Sq=128, Sk=64, sm_count=132) == 4
     # fp32 partials stay under DKDV_PARTIAL_LIMIT.
-    s = launch.dkdv_splits(dkdv, B=1, H=64, Hkv=1, Sq=65536, Sk=65536, sm_count=132)
-    assert 1 <= s and 8 * s * 65536 * 256 <= launch.DKDV_PARTIAL_LIMIT
+    s = tiles.dkdv_splits(dkdv, B=1, H=64, Hkv=1, Sq=65536, Sk=65536, sm_count=132)
+    assert 1 <= s and 8 * s * 65536 * 256 <= tiles.DKDV_PARTIAL_LIMIT
 
 
 def test_reduce_grid_covers_every_chunk():
@@ -326,24 +326,28 @@ def test_wgmma_backward_geometry():
             KernelSpec(**{"dtype": "bf16", "warps": 8, "causal": False, "arch": "sm_90a", **bad})
 
 
-def test_check_report_layout_matches_the_kernel():
-    """masks.REPORT_WORDS and the failure codes are kernels_cu/mask_check.cu's enums, in order."""
-    text = (cache.kernels_dir() / "mask_check.cu").read_text()
-    words = re.search(r"enum : int \{ (REPORT_CODE.*?) \};", text).group(1).split(", ")
-    assert [w.lower() for w in words] == [f"report_{n}" for n in masks.REPORT_WORDS] + ["report_words"]
-    assert len(words) - 1 <= launch.REPORT_LEN
-    codes = re.search(r"enum : int \{ (BAD_LENGTH = 1.*?) \};", text).group(1).split(", ")
-    assert [c.split(" = ")[0] for c in codes] == ["BAD_LENGTH", "BAD_CU_START", "BAD_CU_ORDER", "BAD_CU_END",
-                                                   "BAD_CU_LONGEST", "BAD_IDS_ORDER"]
-    assert [getattr(masks, c.split(" = ")[0]) for c in codes] == list(range(1, 7))
+def test_shared_tables_reach_the_kernels_from_one_definition():
+    """params' tables are the kernels' constants (flashrt_tables.cuh, generated), and no kernel file keeps its own."""
+    text = params.tables_header()
+    assert "enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8, MASK_MOD = 16 };" in text
+    assert "enum : int { REPORT_CODE, REPORT_ARG, REPORT_SEQ, REPORT_POS, REPORT_VALUE, REPORT_LIMIT, REPORT_CALL, " \
+           "REPORT_WORDS };" in text
+    assert "BAD_LENGTH = 1" in text and f"BAD_IDS_ORDER = {len(params.CHECK_FAILURES)}" in text
+    assert len(params.REPORT_WORDS) <= launch.REPORT_LEN
+    sources = cache.kernel_sources()
+    assert sources[params.TABLES_HEADER] == text
+    for name, source in sources.items():
+        if name != params.TABLES_HEADER:
+            assert not re.search(r"enum[^{]*\{[^}]*\b(MASK_LENGTHS|REPORT_CODE|BAD_LENGTH)\b", source), name
+            assert not re.search(r"FRT_MASK\s*&\s*\d", source), name  # the bits by name (FRT_MASK_*), not by value
 
 
 def test_check_report_messages_name_the_argument():
-    report = dict(zip(masks.REPORT_WORDS, (masks.BAD_IDS_ORDER, 5, 1, 10, -1, 0, 0)))
+    report = dict(zip(params.REPORT_WORDS, (params.CHECK_FAILURES.index("ids_order") + 1, 5, 1, 10, -1, 0, 0)))
     text = masks.report_message(report)
     assert text.startswith("block_ids_k must be non-decreasing") and "batch 1 at position 10 (-1 after 0)" in text
     assert "earlier flashrt forward call" in text and "validate='sync'" in text
-    report.update(code=masks.BAD_CU_LONGEST, arg=2, seq=3, value=70, limit=64, call=3)
+    report.update(code=params.CHECK_FAILURES.index("cu_longest") + 1, arg=2, seq=3, value=70, limit=64, call=3)
     assert masks.report_message(report).startswith("max_seqlen_q=64 is below the length of sequence 3 in "
                                                    "cu_seqlens_q (70)")
     assert "earlier flashrt backward call" in masks.report_message(report)

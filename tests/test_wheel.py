@@ -25,7 +25,9 @@ def test_wheel_contains_kernel_sources(tmp_path):
     subprocess.run(cmd, check=True, cwd=tmp_path, timeout=600)
     wheel = next(tmp_path.glob("flashrt-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {p.name for p in (REPO / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh")}
-    assert {f"flashrt/kernels_cu/{n}" for n in sources} <= names
+    root = REPO / "kernels_cu"
+    sources = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in (".cu", ".cuh")}
+    assert len(sources) > 10 and {f"flashrt/kernels_cu/{n}" for n in sources} <= names
+    assert not any("probe" in n for n in names), "the probes are not the library's"
     assert "flashrt/cache.py" in names and "flashrt/cli.py" in names
     assert any(n.endswith("entry_points.txt") for n in names)

@@ -13,7 +13,7 @@
 // pair of the two tiles is visible, ~j when the element mask must run. Grid
 // (ceil(lists / NW)). These read only the map, so they carry no expression and one
 // compiled pair serves every mask_mod.
-#include "params.cuh"
+#include "attention/params.cuh"
 
 #ifndef FRT_CLASSIFY
 #define FRT_CLASSIFY 0
@@ -56,7 +56,7 @@ FRT_DEVICE void mask_map(const FwdParams& p) {
     // them), the query-side ones are the same across the warp, and a round's 32 pairs per lane are in
     // flight together (voting after every pair made each pair wait for the previous vote). SPLIT warps
     // share a tile's rounds (one warp per tile: 8 warps per SM at S=1k, latency-bound:
-    // docs/perf-notes.md, session 15). flashrt/launch.py: map_slots mirrors SPLIT and SLOTS.
+    // docs/perf-notes.md: mask_mod tile map and lists). flashrt/launch.py: map_slots mirrors SPLIT and SLOTS.
     constexpr int COLS = (BN + 31) / 32, R = COLS >= 32 ? 1 : 32 / COLS;
     constexpr int SPLIT = BM / R >= 4 ? 4 : BM / R, SLOTS = T::NW / SPLIT, ROWS = BM / SPLIT;
     static_assert(BM % (R * SPLIT) == 0 && T::NW % SPLIT == 0, "whole rounds, whole tiles per block");

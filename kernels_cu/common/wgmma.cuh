@@ -39,7 +39,7 @@
 // The chunk swizzle also makes the 16-byte cp.async writes (8 consecutive chunks of a row per
 // 8 lanes) and the epilogue's staging stores conflict-free.
 #pragma once
-#include "common.cuh"
+#include "common/common.cuh"
 
 namespace frt {
 namespace sm90 {
@@ -73,7 +73,7 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
         // A thread's chunks share one column and one swizzle phase, RSTEP rows apart: one shared
         // and one global address, stepped. (With the general form below the wgmma forward ran 247
         // instructions between a key tile's barrier and its first wgmma, 187 with this one:
-        // docs/perf-notes.md, session 8.)
+        // docs/perf-notes.md: Forward: wgmma (fwd_sm90).)
         constexpr int RSTEP = NTHREADS / CPR;
         const u32 ut = (u32)tid;
         const int c = (int)(ut % CPR), r0 = (int)(ut / CPR);
@@ -265,6 +265,23 @@ FRT_DEVICE void mbar_wait(u32 bar, u32 parity) {
         "@!done bra WAIT;\n"
         "}\n" :: "r"(bar), "r"(parity) : "memory");
 }
+
+// A position in a ring of STAGES buffers, each guarded by mbarriers (a "full" one the consumers wait on, an
+// "empty" one the producers wait on): fill n (n = count) uses slot n % STAGES, in phase n / STAGES of that
+// slot's barriers. Consumers wait for a fill with parity(); producers wait for its slot with free_parity(),
+// which the first pass over the ring finds free (the barriers start in phase 0).
+template <int STAGES>
+struct Ring {
+    u32 count = 0;
+    FRT_DEVICE u32 slot() const { return count % STAGES; }
+    FRT_DEVICE u32 parity() const { return (count / STAGES) & 1; }
+    FRT_DEVICE u32 free_parity() const { return parity() ^ 1; }
+    FRT_DEVICE Ring prev() const { return Ring{count - 1}; }  // the fill before this one (count > 0)
+    FRT_DEVICE Ring& operator++() {
+        ++count;
+        return *this;
+    }
+};
 
 // ---------------------------------------------------------------------------------------
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16, N = 64 or 128.
@@ -460,9 +477,9 @@ FRT_DEVICE void acc_to_sw128(u32 s_rows, const float (&d)[N / 2], float scale, i
 // columns; s_rows: its first row) to global memory (row stride `stride` elements), 16 bytes per
 // store; wtid is the thread's index in the warpgroup. The stores are .cs (streaming: first out of
 // L2): a kernel never reads its outputs, and in the forward they evicted the K / V that other blocks
-// were about to read (docs/perf-notes.md, session 10).
+// were about to read (docs/perf-notes.md: Per-item fixed cost).
 // The shared loads go in batches of up to 8 before their stores (all 64 rows are staged: the rows past
-// rows_valid are read and not stored): one at a time, each store waited for its load (session 16).
+// rows_valid are read and not stored): one at a time, each store waited for its load (docs/perf-notes.md: Per-item fixed cost).
 template <int ROWS, int COLS>
 FRT_DEVICE void sw128_rows_to_global(u16* g, i64 stride, u32 s_rows, int rows_valid, int wtid) {
     constexpr int CPR = COLS / 8, N = 64 * CPR / 128, BATCH = 8;

@@ -12,8 +12,8 @@
 // warpgroups' dP wgmmas are done (dP is issued before S for that), while S, P, dS and dQ += dS K of
 // the same tile run. Each block also computes its rows' delta and lse2 (bwd_preprocess.cu's work:
 // row_stats) and writes them for the dK/dV pass, launched after it.
-#include "params.cuh"
-#include "wgmma.cuh"
+#include "attention/params.cuh"
+#include "common/wgmma.cuh"
 
 namespace frt {
 
@@ -23,14 +23,14 @@ struct DqSm90Traits {
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32;
     // Masked tiles test each row's key interval (QueryTile::INTERVALS) with masks, and causal alone at head_dim
-    // 64; causal alone at 128 ran 1-3% slower so (H200, docs/perf-notes.md, session 13).
+    // 64; causal alone at 128 ran 1-3% slower so (H200, docs/perf-notes.md: Tile skipping and element tests).
     static constexpr bool INTERVALS = MASK != 0 || D <= 64;
     static_assert(D == 64 || D == 128 || D == 192 || D == 256, "bwd_dq_sm90: head_dim 64, 128, 192 or 256");
     static_assert(BM == 128 && NW == 8, "bwd_dq_sm90: 128 query rows, two warpgroups");
     static_assert(BN == 64 || (BN == 128 && D <= 128), "bwd_dq_sm90: key tiles of 64, or 128 up to head_dim 128");
     static constexpr bool ONE_V = D > 192;  // one V buffer (see the top of the file)
     // Warpgroups skip key tiles their rows do not see; not with ONE_V (a block barrier follows the
-    // dP wgmmas), nor at head_dim 64 (two blocks per SM: 12% slower dense, docs/perf-notes.md s11).
+    // dP wgmmas), nor at head_dim 64 (two blocks per SM: 12% slower dense, docs/perf-notes.md: The dQ kernel).
     static constexpr bool SKIP = !ONE_V && D > 64;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;  // Q or dO; one K or one V tile
     static constexpr int STAGE_BYTES = 2 * KV_BYTES;                     // K, then V
@@ -43,7 +43,7 @@ struct DqSm90Traits {
 // (+inf where lse = -inf: the row saw no key), in registers and written out for the dK/dV pass that
 // runs next. The loads run beside the tile's cp.async copies. The separate pass, which read O and dO
 // once more, took ~6% of the backward at S = 1k; the O read costs this kernel's prologue less than
-// that, except dense at head_dim 256 (+1% of the backward; docs/perf-notes.md, session 11).
+// that, except dense at head_dim 256 (+1% of the backward; docs/perf-notes.md: The dQ kernel).
 template <int D, bool BF16, class Tile>
 FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, float (&lse2)[2], float (&delta)[2]) {
 #pragma unroll

@@ -9,11 +9,11 @@
 //     fragments read straight from global memory in the documented register layout).
 //     The unit test of the descriptors, the swizzle and the fragment layouts.
 //
-//   The kernels these probes led to: kernels_cu/fwd_sm90.cu (the forward) and bwd_dq_sm90.cu /
+//   The kernels these probes led to: kernels_cu/sm90/fwd_sm90.cu (the forward) and bwd_dq_sm90.cu /
 //   bwd_dkdv_sm90.cu (the split backward), timed by scripts/dense_ab.py, scripts/kernel_times.py
-//   and scripts/bench.py; their history in docs/perf-notes.md (the dK/dV prototype that preceded
+//   and scripts/bench.py; their measurements in docs/perf-notes.md ("Forward: wgmma (fwd_sm90)", "The dK/dV kernel") (the dK/dV prototype that preceded
 //   bwd_dkdv_sm90.cu lived here: git history).
-#include "wgmma.cuh"
+#include "common/wgmma.cuh"
 
 namespace frt {
 namespace sm90 {

@@ -3,7 +3,7 @@
 // user's mask_mod expression.
 // flashrt/reference.py: visible() is the specification this file implements.
 //
-// Mask features are compile-time bits (FRT_MASK, flashrt/spec.py: MASK_BITS), so the
+// Mask features are compile-time bits (FRT_MASK, flashrt/params.py: MASK_BITS), so the
 // plain kernels carry none of this code; their run-time parameters are fields of
 // FwdParams / BwdParams. Every kernel classifies tiles from cheap bounds, without a
 // tile map: a query tile sees a contiguous span of keys and a key tile is seen by a
@@ -18,13 +18,14 @@
 // per call and lists, for each tile, the tiles of the other axis to visit (ModLists);
 // the attention kernels walk those lists instead of the spans.
 #pragma once
-#include "common.cuh"
+#include "common/common.cuh"
+#include "flashrt_tables.cuh"  // MASK_*, FRT_MASK_* (generated from flashrt/params.py)
 
 #ifndef FRT_MASK
 #define FRT_MASK 0
 #endif
 
-#if FRT_MASK & 16
+#if FRT_MASK & FRT_MASK_MOD
 // The user's expression over the batch entry, query head, query and key positions in the
 // sequence, the sequence's lengths and up to four int32 tensors; flashrt/spec.py writes its
 // definition after the kernel source, at global scope, so that the expression sees the same
@@ -34,8 +35,6 @@ FRT_DEVICE bool flashrt_mask_mod(int b, int h, int q, int k, int Lq, int Lk, con
 #endif
 
 namespace frt {
-
-enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8, MASK_MOD = 16 };
 
 // How many elements of the non-decreasing a[0, n) are below x (< x when STRICT, else <= x).
 // The group's nthreads threads (common.cuh: WholeBlock, NamedGroup) search together: each round
@@ -192,10 +191,10 @@ struct Visibility {
     // other rules' with & : the expression runs on every pair, its positions clamped into the
     // sequence (Lq, Lk >= 1 wherever a tile holds a visible pair), so that no branch guards its
     // reads. Guarded (&&), each masked element's reads waited for the previous element's: a
-    // documents mask read through a tensor cost ~9 us per masked 128 x 128 tile (session 7).
+    // documents mask read through a tensor cost ~9 us per masked 128 x 128 tile (docs/perf-notes.md: mask_mod element mask).
     // (clamp = false: the caller knows the pair is inside.)
     FRT_DEVICE bool mod_visible(int i, int j, int h, bool clamp = true) const {
-#if FRT_MASK & 16
+#if FRT_MASK & FRT_MASK_MOD
         if constexpr (MOD) {
             if (clamp) i = max(0, min(i, Lq - 1)), j = max(0, min(j, Lk - 1));
             return flashrt_mask_mod(mod.b, h, i, j, Lq, Lk, mod.t[0], mod.t[1], mod.t[2], mod.t[3]);

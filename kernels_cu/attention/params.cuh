@@ -7,7 +7,7 @@
 // stride 0, each sequence's rows start at cu_q[b] / cu_k[b]). lse/lse2/delta
 // are contiguous fp32 (batch, heads, seq_q), or (heads, total_q) when varlen.
 #pragma once
-#include "mask.cuh"
+#include "attention/mask.cuh"
 
 namespace frt {
 
@@ -25,7 +25,7 @@ struct FwdParams {
     const u16* v;
     u16* o;
     float* lse;
-    // Masks (kernels_cu/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
+    // Masks (kernels_cu/attention/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
     // offsets, (B, S) or packed (total,) non-decreasing ids.
     const int* seqlens_q;
     const int* seqlens_k;
@@ -80,7 +80,7 @@ struct BwdParams {
     int splits;          // blocks that share one key tile's (query head, query tile) pairs
     int sched_pairs;     // causal bwd_dq: (batch entry, head) pairs per chunk of blocks (query_block); 0: none
     int sched_key_pairs; // causal key-parallel kernels: (batch entry, grid row) pairs per chunk (key_block); 0: none
-    // Masks (kernels_cu/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
+    // Masks (kernels_cu/attention/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
     // offsets, (B, S) or packed (total,) non-decreasing ids.
     const int* seqlens_q;
     const int* seqlens_k;
@@ -181,7 +181,7 @@ struct RowTraits {
 // blocks that start last are the lightest, and fewer SMs idle behind a long one at the end) in the last
 // chunk; in a causal launch's earlier chunks the pair is the outer loop, each pair's tiles heaviest first,
 // so that the blocks do not all reach the next chunk's heaviest tiles, and its new K, V and Q in DRAM, at
-// once (S=1k causal 1.6% faster: docs/perf-notes.md, session 17). (hk: the KV head of h.)
+// once (S=1k causal 1.6% faster: docs/perf-notes.md: Work-item order). (hk: the KV head of h.)
 struct WorkItem {
     int m, h, b, hk;
 };
@@ -322,7 +322,7 @@ struct QueryTile {
 
     // Causal without element-mask bits: query i sees keys [0, key_limit(i)) and no others (up to its
     // diagonal; a row or key past the sequence: none), so a masked tile needs one compare per element.
-    // (Not for dense tiles: the dense forward at S=8k ran 2.8% slower with it compiled in, session 11.)
+    // (Not for dense tiles: the dense forward at S=8k ran 2.8% slower with it compiled in: docs/perf-notes.md, Causal work items.)
     static constexpr bool ROW_LIMIT = MASK == 0 && CAUSAL;
     FRT_DEVICE int key_limit(int i) const {
         static_assert(ROW_LIMIT, "key_limit: causal, no element-mask bits");
@@ -332,7 +332,7 @@ struct QueryTile {
     // Causal, lengths and windows without mask_mod (and ids, on fwd_sm90_ws: OWN_VIS): query i sees an
     // interval of each key tile's keys (key_interval), so a masked tile needs one or two compares per
     // element instead of Visibility::visible (~8 instructions; the window at S=1k ran 26% faster:
-    // docs/perf-notes.md, session 13); one where the intervals start at the tile's first key, without a
+    // docs/perf-notes.md: Tile skipping and element tests); one where the intervals start at the tile's first key, without a
     // window or segments (KEY_LO: they may start later). (A row past the sequence gets [0, 0), empty either
     // way.) With ids, the row's interval of the whole span, from shared memory.
     static constexpr bool INTERVALS = ROW_LIMIT || (MASK != 0 && !MOD && (!IDS || OWN_VIS));
@@ -369,7 +369,7 @@ struct QueryTile {
 
     // Whether row i of the tile (of query head h) sees key j: the element mask of the tiles that
     // need it. With id arrays, an interval test (their element test was a branch and two global
-    // loads per pair, and cost a masked tile ~5x an unmasked one: docs/perf-notes.md, session 7).
+    // loads per pair, and cost a masked tile ~5x an unmasked one: docs/perf-notes.md: Tile skipping and element tests).
     FRT_DEVICE bool visible(int i, int j, int h) const {
         if constexpr (IDS) return keys->holds(i - m0, j) & vis.mod_visible(i, j, h);
         return vis.visible(i, j, h);

@@ -1,15 +1,15 @@
-"""Hopper wgmma probes: compile and check kernels_cu/probe_sm90.cu (sm_90a only).
+"""Hopper wgmma probes: compile and check scripts/probes/probe_sm90.cu (sm_90a only).
 
-    PYTHONPATH=. python scripts/probe_sm90.py            # compile all; with an sm_90 GPU, test
-    PYTHONPATH=. python scripts/probe_sm90.py --compile-only
+    PYTHONPATH=. python scripts/probes/probe_sm90.py            # compile all; with an sm_90 GPU, test
+    PYTHONPATH=. python scripts/probes/probe_sm90.py --compile-only
 
 1. Compiles every variant with flashrt.nvrtc.compile_cubin (sm_90a, -std=c++17, -Xptxas=-v) and
    prints registers / spills / stack / shared memory from ptxas's report.
 2. With a compute-capability-9.0 GPU (CuPy + torch):
    - probe_gemm for N = 64/128, B K-major / MN-major, A from shared memory / registers, against
      float64 torch.matmul on random bf16 inputs (max |err| / max |ref|): the unit test of
-     kernels_cu/wgmma.cuh's descriptors, swizzle and fragment layouts.
-Without a GPU it stops after step 1 and exits 0. The kernels built on them are kernels_cu/fwd_sm90.cu,
+     kernels_cu/common/wgmma.cuh's descriptors, swizzle and fragment layouts.
+Without a GPU it stops after step 1 and exits 0. The kernels built on them are kernels_cu/sm90/fwd_sm90.cu,
 bwd_dq_sm90.cu and bwd_dkdv_sm90.cu (tests/test_gpu*.py, scripts/dense_ab.py, scripts/bench.py); the
 dK/dV prototype that was checked and timed here until bwd_dkdv_sm90.cu replaced it is in git history.
 """
@@ -21,14 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
 from flashrt import cache, nvrtc  # noqa: E402
 
 ARCH = "sm_90a"
-SOURCE = '#include "probe_sm90.cu"\n'
+SOURCE = (Path(__file__).resolve().parent / "probe_sm90.cu").read_text()  # its includes: kernels_cu/ paths
 ATOM = 1024
 
 GEMM_K = 128  # two 64-column blocks: exercises the column-block step of the K-major descriptor
@@ -197,7 +197,7 @@ def main() -> int:
         print(f"  {name:34s} max rel err {r['rel']:.2e}  {'OK' if ok else 'FAIL'}{extra}")
         rows.append((name, f"rel err {r['rel']:.1e}", "", "OK" if ok else "FAIL"))
     if not all(res == "OK" for *_, res in rows):
-        print("  reading a failure (layouts: kernels_cu/wgmma.cuh):\n"
+        print("  reading a failure (layouts: kernels_cu/common/wgmma.cuh):\n"
               "    kB_* fail, only k-steps 4.. wrong: column-block step of desc_k_major (ROWS*128 bytes)\n"
               "    kB_* fail, k-steps 1-3 / 5-7 wrong: the 32-byte start-address step inside a swizzle row\n"
               "    every k-step wrong alone, *_ss and *_rs alike: the swizzle (sw128_offset) or the 1024-byte\n"

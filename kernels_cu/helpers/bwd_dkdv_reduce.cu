@@ -2,7 +2,7 @@
 //   dK = scale * sum_s partial_dK[s],   dV = sum_s partial_dV[s]
 // summed in split order s = 0, 1, ... (fixed, so the result is deterministic).
 // One thread per 8 consecutive head_dim elements of one (b, key, kv head) row.
-#include "params.cuh"
+#include "attention/params.cuh"
 
 namespace frt {
 

@@ -4,7 +4,7 @@
 // key tiles it can see, so every dQ element is written by exactly one thread
 // (no atomics: bitwise deterministic). P is recomputed from lse2 (see
 // bwd_preprocess.cu). K/V tiles use a two-stage cp.async pipeline.
-#include "params.cuh"
+#include "attention/params.cuh"
 
 namespace frt {
 

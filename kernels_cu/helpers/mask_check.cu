@@ -10,13 +10,11 @@
 // so that a bad input never leaves a plausible answer behind. (The attention kernels stay inside their
 // tensors whatever the arrays hold: mask.cuh clamps lengths and offsets; what a bad array breaks is
 // the answer, which this check catches.)
-#include "params.cuh"
+#include "attention/params.cuh"
 
 namespace frt {
 
-// The report's int32 words and failure codes (flashrt/masks.py mirrors them; tests/test_spec.py compares).
-enum : int { REPORT_CODE, REPORT_ARG, REPORT_SEQ, REPORT_POS, REPORT_VALUE, REPORT_LIMIT, REPORT_CALL, REPORT_WORDS };
-enum : int { BAD_LENGTH = 1, BAD_CU_START, BAD_CU_ORDER, BAD_CU_END, BAD_CU_LONGEST, BAD_IDS_ORDER };
+// The report's int32 words (REPORT_*) and failure codes (BAD_*): flashrt/params.py's tables (flashrt_tables.cuh).
 
 struct CheckFailure {
     int code, seq, pos, value, limit;

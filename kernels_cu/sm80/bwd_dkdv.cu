@@ -28,8 +28,8 @@
 // waits on a lower key tile of its (KV head, batch): with one split, a block of
 // lower linear index, dispatched earlier (as FlashAttention-3's deterministic
 // mode also relies on); with splits > 1 the grid fits in one wave
-// (launch.dkdv_splits), so every block it waits on is resident.
-#include "params.cuh"
+// (tiles.dkdv_splits), so every block it waits on is resident.
+#include "attention/params.cuh"
 
 #ifndef FRT_FUSED_DQ
 #define FRT_FUSED_DQ 0

@@ -5,8 +5,9 @@
 // A thread holds rows 16 w + g (hh = 0) and 16 w + g + 8 (hh = 1) of its warpgroup's rows; its
 // accumulator element [4 j + 2 hh + e] is column 8 j + 2 t + e (wgmma.cuh: the accumulator layout).
 #pragma once
-#include "params.cuh"
-#include "wgmma.cuh"
+#include "attention/params.cuh"
+#include "attention/softmax.cuh"
+#include "common/wgmma.cuh"
 
 namespace frt {
 namespace sm90 {
@@ -30,7 +31,7 @@ struct FwdRows {
 
     // O's rescale and P's packing, once the P V wgmma issued last iteration is done. (At the top of
     // an iteration: written at its end, the wait was hoisted by ptxas above the softmax, whatever
-    // kept P's registers live: docs/perf-notes.md, session 9.)
+    // kept P's registers live: docs/perf-notes.md: Forward: wgmma (fwd_sm90).)
     FRT_DEVICE void retire_pv() {
         wgmma_wait<0>();
         fence_operand(o);
@@ -50,7 +51,7 @@ struct FwdRows {
     // into bits in a rolled loop, then applied (fenced, with groups of 1, 2, 4 or 8 jj, that spilled 128
     // bytes with a window and lengths at head_dim 128, NVRTC 12.9). Bits everywhere cost documents-mod at
     // S=1k 212-214 us against 185-190 fenced: their packing and unpacking were ~3 of ~7 instructions per
-    // element (docs/perf-notes.md, session 15).
+    // element (docs/perf-notes.md: mask_mod element mask).
     template <class Tile>
     FRT_DEVICE void mod_mask(const Tile& tile, int n0, int row_base, int t) {
         const auto& vis = tile.vis;
@@ -156,26 +157,10 @@ struct FwdRows {
     FRT_DEVICE void online(float scale_log2) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            float mx = -FRT_INF;
-#pragma unroll
-            for (int jj = 0; jj < JHI; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * hh], s[4 * jj + 2 * hh + 1]));
-            const float m_new = fmaxf(row_max[hh], warp_max4(mx) * scale_log2);
-            // A row that has seen only masked keys keeps m = -inf; subtract 0 then.
-            const float base = m_new == -FRT_INF ? 0.f : m_new;
-            alpha[hh] = fast_exp2(row_max[hh] - base);
-            row_max[hh] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int jj = 0; jj < JHI; ++jj)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float& x = s[4 * jj + 2 * hh + e];
-                    x = fast_exp2(fmaf(x, scale_log2, -base));
-                    sum += x;
-                }
+            alpha[hh] = online_row<JHI>(row_max[hh], row_sum[hh], scale_log2,
+                                        [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; });
 #pragma unroll
             for (int jj = JHI; jj < BN / 8; ++jj) s[4 * jj + 2 * hh] = s[4 * jj + 2 * hh + 1] = 0.f;
-            row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
         }
     }
 

@@ -10,20 +10,20 @@
 // and causal balance): block k starts with item k, and the producer claims each later item from a
 // counter in global memory (p.sched: zero at the launch, set back to zero by its last claim) once it
 // has issued the current item's last K / V tile, so that blocks take items greedily in that order, as
-// the hardware hands out blocks (a static round-robin was 6% slower at 2k causal: docs/perf-notes.md,
-// session 10; every earlier claim measured slower, sessions 11, 16 and 17). The producer decodes each
+// the hardware hands out blocks (a static round-robin was 6% slower at 2k causal, and every earlier claim measured slower:
+// docs/perf-notes.md: Per-item fixed cost). The producer decodes each
 // item (WorkItem) for the consumers, beside the item in shared memory.
 //
 // The producer issues every load into a ring of two Q slots, two K stages and two V stages of
 // 128-byte-swizzled tiles (wgmma.cuh): a tile whose rows all lie inside the sequence by TMA (one thread
-// issues, the mbarrier completes on the bytes: session 18, 6-7% faster than cp.async), a ragged one by
+// issues, the mbarrier completes on the bytes: 6-7% faster than cp.async, docs/perf-notes.md: The producer, the ring and the epilogue), a ragged one by
 // cp.async (its 128 threads' `cp.async.mbarrier.arrive.noinc`). The consumers hand a buffer back by
 // arriving on its "empty" mbarrier. The producer runs up to two key tiles ahead, and into the next item: its Q
 // lands in the other slot while the consumers finish the current one.
 // Each consumer warpgroup runs fwd_sm90.cu's loop (S = Q K^T of tile it and O += P V of tile
 // it - 1 issued together, tile it's softmax under the P V wgmma), and the two warpgroups issue
 // their wgmmas in turn (named barriers 4 and 5): one's softmax runs under the other's wgmmas.
-#include "fwd_sm90.cuh"
+#include "sm90/fwd_sm90.cuh"
 
 namespace frt {
 
@@ -73,7 +73,7 @@ FRT_DEVICE WorkItem ld_shared_item(u32 at) {
 
 // The it-th key tile an item visits: causal without mask bits first to last, so that the diagonal tile
 // comes last and its mask and softmax run under the other warpgroup's wgmmas (S=8k causal 6% faster than
-// last to first, S=1k the same: docs/perf-notes.md, session 12); otherwise last to first, as the other
+// last to first, S=1k the same: docs/perf-notes.md: Causal work items); otherwise last to first, as the other
 // kernels.
 template <class Tile>
 FRT_DEVICE int key_tile(const Tile& tile, int it) {
@@ -135,10 +135,10 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         setmaxnreg_dec<T::PRODUCER_REGS>();
         const int ptid = tid - T::CONSUMERS;
         int item = blockIdx.x;
-        u32 qc = 0, kc = 0;  // Q slots and key tiles filled so far (slot / stage: & 1; phase: >> 1 & 1)
-        for (;; ++qc) {
-            const u32 qs = qc & 1;
-            mbar_wait(bar(T::Q_EMPTY, qs), ((qc >> 1) & 1) ^ 1);
+        Ring<2> qr, kr;  // the Q slots' and the K / V stages' fills so far (common/wgmma.cuh: Ring)
+        for (;; ++qr) {
+            const u32 qs = qr.slot();
+            mbar_wait(bar(T::Q_EMPTY, qs), qr.free_parity());
             if (item >= n_items) {  // no work left: tell the consumers
                 if (ptid == 0) {
                     st_shared_s32(slots + T::SLOT_BYTES * qs, -1);
@@ -162,9 +162,9 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             }
             const u16* gk = p.k + tile.b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
             const u16* gv = p.v + tile.b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
-            for (int it = 0; it < tile.n_blocks; ++it, ++kc) {
+            for (int it = 0; it < tile.n_blocks; ++it, ++kr) {
                 const int j = key_tile(tile, it), rows = tile.vis.Lk - j * BN;
-                const u32 s = kc & 1, empty = ((kc >> 1) & 1) ^ 1, k_full = bar(T::K_FULL, s), v_full = bar(T::V_FULL, s);
+                const u32 s = kr.slot(), empty = kr.free_parity(), k_full = bar(T::K_FULL, s), v_full = bar(T::V_FULL, s);
                 const int krow = (int)tile.vis.k_row0 + j * BN;
                 const bool by_tma = p.use_tma && rows >= BN;
                 mbar_wait(bar(T::K_EMPTY, s), empty);
@@ -209,13 +209,13 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
     };
     if (wg == 1) bar_arrive<4, 256>();
 
-    u32 qc = 0, kc = 0;  // as the producer's
-    for (;; ++qc) {
-        const u32 qs = qc & 1;
-        mbar_wait(bar(T::Q_FULL, qs), (qc >> 1) & 1);
+    Ring<2> qr, kr;  // as the producer's
+    for (;; ++qr) {
+        const u32 qs = qr.slot();
+        mbar_wait(bar(T::Q_FULL, qs), qr.parity());
         if (block_uniform(ld_shared_s32(slots + T::SLOT_BYTES * qs)) < 0) break;
         fence_proxy_async();  // the producer's cp.async writes -> visible to wgmma (async proxy)
-        // The item as the producer decoded it: its divisions took ~0.5 us of each item's start here (session 16).
+        // The item as the producer decoded it: its divisions took ~0.5 us of each item's start here (docs/perf-notes.md: Per-item fixed cost).
         const WorkItem wi = ld_shared_item(slots + T::SLOT_BYTES * qs + 16);
         const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi, tid, T::CONSUMERS, slot_keys(qs));
         const int n_blocks = tile.n_blocks;
@@ -226,11 +226,11 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         // Key tile it: S = Q K^T of it and O += P V of it - 1 issued, S complete; returns the tile (j) for the softmax.
         auto key_step = [&](int it) {
             const int j = key_tile(tile, it);
-            const u32 st = kc & 1, full = (kc >> 1) & 1;
+            const u32 st = kr.slot(), full = kr.parity();  // (the other stage: st ^ 1)
             r.retire_pv();  // P V of tile it - 2 (issued last iteration) is done: its V stage goes back
             if (it > 1) mbar_arrive(bar(T::V_EMPTY, st));
             mbar_wait(bar(T::K_FULL, st), full);
-            if (it > 0) mbar_wait(bar(T::V_FULL, st ^ 1), ((kc - 1) >> 1) & 1);
+            if (it > 0) mbar_wait(bar(T::V_FULL, st ^ 1), kr.prev().parity());
             fence_proxy_async();
 
             my_turn();
@@ -259,11 +259,11 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         // inside the sequence: the tiles before it take the softmax without a mask test, and on it each
         // warpgroup compares only its 64 keys of the diagonal (warpgroup 0's rows, the first 64, see none of the
         // last 64 keys). A loop of its own: the same tests as branches inside one loop cost 1% at S=1k
-        // (docs/perf-notes.md, session 20).
+        // (docs/perf-notes.md: Causal work items).
         if constexpr (T::CAUSAL && T::MASK == 0 && BN == BM) {
             if (n_blocks > 0 && tile.m0 + BM <= tile.vis.Lq && (tile.n_first + n_blocks) * BN <= tile.vis.Lk &&
                 tile.m0 + tile.vis.shift == (tile.n_first + n_blocks - 1) * BN) {
-                for (; it + 1 < n_blocks; ++it, ++kc) {
+                for (; it + 1 < n_blocks; ++it, ++kr) {
                     key_step(it);
                     r.online(p.scale_log2);
                 }
@@ -272,21 +272,21 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                     r.template softmax_diagonal<0, BN / 16>(tile, j, row_base, t, p.scale_log2);
                 else
                     r.template softmax_diagonal<BN / 16, BN / 8>(tile, j, row_base, t, p.scale_log2);
-                ++it, ++kc;
+                ++it, ++kr;
             }
         }
-        for (; it < n_blocks; ++it, ++kc) {
+        for (; it < n_blocks; ++it, ++kr) {
             const int j = key_step(it);
             r.softmax(tile, it, j, row_base, t, p.scale_log2);
         }
         r.retire_pv();
-        if (n_blocks > 1) mbar_arrive(bar(T::V_EMPTY, kc & 1));  // tile n_blocks - 2's
+        if (n_blocks > 1) mbar_arrive(bar(T::V_EMPTY, kr.slot()));  // tile n_blocks - 2's
         // P V of the last key tile, and the row sums and LSE while it runs. (The wait outside the branch: with
-        // finish_rows in both branches the dense forward ran 1% slower, session 16.)
+        // finish_rows in both branches the dense forward ran 1% slower: docs/perf-notes.md, Per-item fixed cost.)
         const bool last_pv = n_blocks > 0;
-        const u32 sl = (kc - 1) & 1;
+        const u32 sl = kr.slot() ^ 1;  // the last tile's stage
         if (last_pv) {
-            mbar_wait(bar(T::V_FULL, sl), ((kc - 1) >> 1) & 1);
+            mbar_wait(bar(T::V_FULL, sl), kr.prev().parity());
             fence_proxy_async();
             wgmma_fence();
             wgmma_rs_mn<D, BN, T::BF16>(r.o, r.pa, sV + sl * T::KV_BYTES);

@@ -1,7 +1,7 @@
 // Attention backward, last step of the fused variant (see bwd_dkdv.cu):
 //   dQ = scale * dq_accum, cast to 16-bit and written through dq's strides.
 // One thread per 8 consecutive head_dim elements of one (b, h, query) row.
-#include "params.cuh"
+#include "attention/params.cuh"
 
 namespace frt {
 

@@ -4,7 +4,8 @@
 // its O accumulator and softmax statistics in registers. K/V tiles stream
 // through a two-stage cp.async pipeline (the next tile loads while the current
 // one is used). Softmax runs in base 2 with the scale folded into the exponent.
-#include "params.cuh"
+#include "attention/params.cuh"
+#include "attention/softmax.cuh"
 
 namespace frt {
 
@@ -93,23 +94,8 @@ __device__ void fwd(const FwdParams& p) {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                float mx = -FRT_INF;
-#pragma unroll
-                for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
-                const float m_new = fmaxf(row_max[mt][hh], warp_max4(mx) * p.scale_log2);
-                // A row that has seen only masked keys keeps m = -inf; subtract 0 then.
-                const float base = m_new == -FRT_INF ? 0.f : m_new;
-                const float alpha = fast_exp2(row_max[mt][hh] - base);
-                row_max[mt][hh] = m_new;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-                    for (int c = 2 * hh; c < 2 * hh + 2; ++c) {
-                        s[mt][nt][c] = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -base));
-                        sum += s[mt][nt][c];
-                    }
-                row_sum[mt][hh] = row_sum[mt][hh] * alpha + sum;
+                const float alpha = online_row<NT_S>(row_max[mt][hh], row_sum[mt][hh], p.scale_log2,
+                                                     [&](int nt, int e) -> float& { return s[mt][nt][2 * hh + e]; });
 #pragma unroll
                 for (int dt = 0; dt < NT_O; ++dt) o[mt][dt][2 * hh] *= alpha, o[mt][dt][2 * hh + 1] *= alpha;
             }

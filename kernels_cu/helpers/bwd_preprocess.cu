@@ -3,7 +3,7 @@
 //   lse2  = lse * log2(e), or +inf where lse = -inf (the row saw no key, so P = 0)
 //   dq_accum row = 0 (fused backward only: bwd_dkdv.cu adds into it)
 // One warp per (b, h, i) row; each lane reads 16 bytes of O and dO.
-#include "params.cuh"
+#include "attention/params.cuh"
 
 namespace frt {
 

@@ -29,8 +29,8 @@
 // of the thread with its index in warpgroup 0, which holds the same elements), forms dS^T and
 // accumulates dK += dS^T Q. Both halves are two of the four matmuls, and warpgroup 0's dV wgmma
 // runs while warpgroup 1 forms dS^T.
-#include "params.cuh"
-#include "wgmma.cuh"
+#include "attention/params.cuh"
+#include "common/wgmma.cuh"
 
 namespace frt {
 
@@ -40,7 +40,7 @@ struct DkdvSm90Traits {
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32;
     // Partial pairs test each key's query interval (KeyTile::INTERVALS, hidden_bits) with masks, and causal
-    // alone at head_dim 64; causal alone at 128 ran 3-5% slower so (H200, docs/perf-notes.md, session 13).
+    // alone at head_dim 64; causal alone at 128 ran 3-5% slower so (H200, docs/perf-notes.md: Tile skipping and element tests).
     static constexpr bool INTERVALS = MASK != 0 || D <= 64;
     static constexpr bool ROLES = D > 128;  // one warpgroup per gradient (see the top of the file)
     static constexpr bool PIPELINED = D == 64;  // dV / dK of a pair under the next's exponentials (top)
@@ -94,7 +94,7 @@ FRT_DEVICE u32 hidden_where(int q0, int key_base, Visible visible) {
 // m-th tile) the mask hides, one bit each, evaluated before the wgmmas hold their accumulators
 // (inside the exponential loop, the predicate made the head_dim 128 variants with block / segment
 // ids spill 16-56 bytes, NVRTC 12.9). Unrolled, so that a mask_mod's reads are in flight together:
-// one at a time, a documents mask read through a tensor took 1.22x its built-in twin (session 7).
+// one at a time, a documents mask read through a tensor took 1.22x its built-in twin (docs/perf-notes.md: mask_mod element mask).
 // INTERVALS (with KeyTile::INTERVALS): from each key's query interval, two compares per pair. With mask_mod
 // and no id arrays, where the thread's keys and the query tile lie inside the sequence, without the length
 // tests and clamps (Visibility::visible_inside).

@@ -9,8 +9,8 @@
 // folded in) runs on the fp32 accumulator fragments, and O += P V is a wgmma with P from
 // registers and V as the transposed (MN-major) B operand. A key tile's softmax runs while the
 // previous tile's P V wgmma is in flight, and warpgroup 0 issues its wgmmas before warpgroup 1
-// (docs/perf-notes.md, session 9).
-#include "fwd_sm90.cuh"
+// (docs/perf-notes.md: Forward: wgmma (fwd_sm90)).
+#include "sm90/fwd_sm90.cuh"
 
 namespace frt {
 
@@ -67,7 +67,7 @@ __device__ void fwd_sm90(const FwdParams& p) {
     // and O's rescale open the next iteration (FwdRows::retire_pv).
     // Warpgroup 1 issues its wgmmas once warpgroup 0 has issued its own, so that warpgroup 0's S
     // completes first and its softmax runs under the other wgmmas: without that order, or with the
-    // order alone, the overlap measured slower than no overlap (docs/perf-notes.md, session 9).
+    // order alone, the overlap measured slower than no overlap (docs/perf-notes.md: Forward: wgmma (fwd_sm90)).
     for (int it = 0; it < n_blocks; ++it) {
         const int j = tile.key_tile(it), stage = it & 1;
         r.retire_pv();  // (nothing in flight at it = 0: alpha = 1, pa unused)

@@ -1,0 +1,35 @@
+// The forward's online softmax (base 2, the scale folded into the exponent), one definition for every
+// forward kernel (sm80/fwd.cu, sm90/fwd_sm90.cuh) whatever its accumulator layout: a query row is held by
+// the 4 threads of a quad, each with N8 pairs of its scores (columns 8 jj + 2 t + e of an m16n8 mma.sync
+// or wgmma accumulator), which the caller names through `x(jj, e)` (a float&).
+#pragma once
+#include "common/common.cuh"
+
+namespace frt {
+
+// One key tile's update of a row: its scores become P (unnormalised), row_max / row_sum take in the tile, and
+// the return value is alpha, the rescale of what the row accumulated before (O). A row that has seen only masked
+// keys keeps row_max = -inf, and subtracts 0 then.
+template <int N8, class Scores>
+FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Scores x) {
+    float mx = -FRT_INF;
+#pragma unroll
+    for (int jj = 0; jj < N8; ++jj) mx = fmaxf(mx, fmaxf(x(jj, 0), x(jj, 1)));
+    const float m_new = fmaxf(row_max, warp_max4(mx) * scale_log2);
+    const float base = m_new == -FRT_INF ? 0.f : m_new;
+    const float alpha = fast_exp2(row_max - base);
+    row_max = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < N8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float& v = x(jj, e);
+            v = fast_exp2(fmaf(v, scale_log2, -base));
+            sum += v;
+        }
+    row_sum = row_sum * alpha + sum;
+    return alpha;
+}
+
+}  // namespace frt
