@@ -75,7 +75,9 @@ def _round_up(x: int, m: int) -> int:
 
 
 def gemm_warps_m(nw: int, m: int, n: int, max_mt: int = 1 << 30) -> int:
-    """Warps along M of an M x N warp GEMM (kernels_cu/sm80/bwd_dkdv.cu: gemm_warps_m); 0 if none divides."""
+    """Warps along M of an M x N warp GEMM of nw warps (the rest go along N): the split that minimises the fragments
+    the warps read from shared memory (each A row is read by every warp along N, each B column by every warp along
+    M); ties: more warps along M; 0 if none divides. bwd_dkdv.cu takes its layouts from here (KernelSpec.gemm_warps)."""
     best, best_cost = 0, None
     for wm in range(1, nw + 1):
         wn = nw // wm
@@ -188,13 +190,30 @@ class KernelSpec:
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
         dp = _round_up(self.head_dim, 16)
-        phases = [("keys x queries", bn, bm, 1 << 30), ("keys x head_dim", bn, dp, 2)]
-        if self.family == "bwd_fused":
-            phases.append(("queries x head_dim", bm, dp, 1 << 30))
-        for what, m, n, max_mt in phases:
-            if not gemm_warps_m(nw, m, n, max_mt):
+        for what, m, n, wm in zip(("keys x queries", "keys x head_dim", "queries x head_dim"),
+                                  (bn, bn, bm), (bm, dp, dp), self.gemm_warps):
+            if not wm:
                 return f"{nw} warps do not tile the {m} x {n} ({what}) GEMM in 16 x 8 fragments"
         return None
+
+    @property
+    def map_split(self) -> int:
+        """mask_map: the warps that share a (query tile, key tile) pair's rounds, FRT_MAP_SPLIT (kernels_cu/helpers/
+        mask_classify.cu; tiles.map_slots: the tiles a block holds): four, or fewer where the tile has fewer rounds
+        of R rows (R: the 32 lanes' pairs over the columns a lane owns)."""
+        cols = -(-self.block_n // 32)
+        rows_per_round = 1 if cols >= 32 else 32 // cols
+        return min(4, self.block_m // rows_per_round)
+
+    @property
+    def gemm_warps(self) -> tuple[int, int, int]:
+        """bwd_dkdv / bwd_fused: warps along M of each of its warp GEMMs (gemm_warps_m; 0: none tiles it), the kernel's
+        FRT_GEMM_WM1..3 (kernels_cu/sm80/bwd_dkdv.cu): S^T and dP^T (keys x queries), dK and dV (keys x head_dim, at
+        most 2 m-tiles per warp: 4 at 64 x 128 w8 read fewer fragments but spilled next to the dK / dV accumulators),
+        the fused dQ (queries x head_dim; 1 when not fused)."""
+        bm, bn, nw, dp = self.block_m, self.block_n, self.warps, _round_up(self.head_dim, 16)
+        return (gemm_warps_m(nw, bn, bm), gemm_warps_m(nw, bn, dp, 2),
+                gemm_warps_m(nw, bm, dp) if self.family == "bwd_fused" else 1)
 
     @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
@@ -240,6 +259,10 @@ class KernelSpec:
             "FRT_MASK": self.mask,
             **FAMILIES[self.family][2],
         }
+        if self.family == "mask_map":
+            defines["FRT_MAP_SPLIT"] = self.map_split
+        if self.family in ("bwd_dkdv", "bwd_fused"):
+            defines.update(zip(("FRT_GEMM_WM1", "FRT_GEMM_WM2", "FRT_GEMM_WM3"), self.gemm_warps))
         return [*NVRTC_OPTIONS, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in defines.items())]
 
     def translation_unit(self) -> str:

@@ -300,11 +300,9 @@ def check_spec(arch: str) -> KernelSpec:
 # ---------------------------------------------------------------------------
 def map_slots(spec: KernelSpec) -> int:
     """Key tiles per block of mask_map (kernels_cu/helpers/mask_classify.cu: SLOTS): its warps over the warps per
-    tile (SPLIT: four, or fewer where a tile has fewer rounds of R rows, R = 32 lanes' pairs over the columns a lane
-    owns). A row of key tiles that fits in one block gets its list from that block (api._classify)."""
-    cols = _cdiv(spec.block_n, 32)
-    rows_per_round = 1 if cols >= 32 else 32 // cols
-    return spec.warps // min(4, spec.block_m // rows_per_round)
+    tile (spec.KernelSpec.map_split, which the kernel takes as FRT_MAP_SPLIT). A row of key tiles that fits in one
+    block gets its list from that block (api._classify)."""
+    return spec.warps // spec.map_split
 
 
 def item_chunk(dev: Device, B: int, Sk: int, head_dim: int, H: int, Hkv: int) -> int:

@@ -1,7 +1,8 @@
-// Hopper (sm_90a) warpgroup MMA helpers: shared-memory matrix descriptors, the 128-byte
-// swizzled tile layout they describe, and the wgmma instructions used by the prototype
-// kernels of probe_sm90.cu. Inline PTX only, like common.cuh; compiles for sm_90a alone
-// (wgmma is an arch-specific "a" feature).
+// Hopper (sm_90a) building blocks of the wgmma kernels (sm90/): shared-memory matrix descriptors, the
+// 128-byte swizzled tile layout they describe, tile loads (cp.async, TMA), the wgmma instructions,
+// warpgroup barriers, register reallocation and mbarrier rings. Inline PTX only, like common.cuh;
+// compiles for sm_90a alone (wgmma is an arch-specific "a" feature). scripts/probes/probe_sm90.cu
+// tests the descriptors and fragment layouts on their own.
 //
 // References (layouts learned from, code written here):
 //   PTX ISA 8.x, 9.7.15 "Asynchronous Warpgroup Level Matrix Multiply-Accumulate":
@@ -111,17 +112,6 @@ FRT_DEVICE void load_tile_tma(u32 s_tile, const void* map, u32 bar, int h, int r
             "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
             :: "r"(s_tile + cb * ROWS * kSwizzleBytes), "l"(map), "r"(cb * kBlockCols), "r"(h), "r"(row), "r"(b), "r"(bar)
             : "memory");
-}
-
-// A whole tile (the probes have no ragged edges).
-template <int ROWS, int COLS, int NTHREADS>
-FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int tid) {
-    load_tile_sw128<ROWS, COLS, NTHREADS>(s_tile, g, g_stride, ROWS, tid);
-}
-
-// 16-byte cp.async, always valid.
-FRT_DEVICE void cp_async16_full(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -419,13 +409,6 @@ FRT_DEVICE void wgmma_rs_wait(float (&d)[N / 2], const u32 (&a)[K_ROWS / 16][4],
     wgmma_commit();
     wgmma_wait<0>();
     fence_operand(d);
-}
-
-// bf16x2 of two floats, lo in the low half (the lower column).
-FRT_DEVICE u32 pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
 }
 
 // Accumulator columns 16kk..16kk+15 (N/2 floats per thread) as the A operand of k-step kk.

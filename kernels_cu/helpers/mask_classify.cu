@@ -56,9 +56,10 @@ FRT_DEVICE void mask_map(const FwdParams& p) {
     // them), the query-side ones are the same across the warp, and a round's 32 pairs per lane are in
     // flight together (voting after every pair made each pair wait for the previous vote). SPLIT warps
     // share a tile's rounds (one warp per tile: 8 warps per SM at S=1k, latency-bound:
-    // docs/perf-notes.md: mask_mod tile map and lists). flashrt/launch.py: map_slots mirrors SPLIT and SLOTS.
+    // docs/perf-notes.md: mask_mod tile map and lists). SPLIT comes from the host (spec.KernelSpec.map_split), which
+    // also launches ceil(key tiles / SLOTS) blocks per row of the grid (tiles.map_slots).
     constexpr int COLS = (BN + 31) / 32, R = COLS >= 32 ? 1 : 32 / COLS;
-    constexpr int SPLIT = BM / R >= 4 ? 4 : BM / R, SLOTS = T::NW / SPLIT, ROWS = BM / SPLIT;
+    constexpr int SPLIT = FRT_MAP_SPLIT, SLOTS = T::NW / SPLIT, ROWS = BM / SPLIT;
     static_assert(BM % (R * SPLIT) == 0 && T::NW % SPLIT == 0, "whole rounds, whole tiles per block");
     __shared__ int seen[SLOTS];  // per key tile of the block: 1 a visible pair, 2 a hidden one
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, slot = warp / SPLIT, part = warp % SPLIT;

@@ -37,20 +37,6 @@
 
 namespace frt {
 
-// Warps along M of an M x N warp GEMM (the rest go along N): the split that
-// minimises the fragments the warps read from shared memory (each A row is read
-// by every warp along N, each B column by every warp along M). 0: none divides.
-__host__ __device__ constexpr int gemm_warps_m(int nw, int m, int n, int max_mt = 1 << 30) {
-    int best = 0, best_cost = 1 << 30;
-    for (int wm = 1; wm <= nw; ++wm) {
-        const int wn = nw / wm;
-        if (nw % wm || m % (16 * wm) || n % (8 * wn) || m / (16 * wm) > max_mt) continue;
-        const int cost = wn * m + wm * n;
-        if (cost <= best_cost) best = wm, best_cost = cost;  // ties: more warps along M
-    }
-    return best;
-}
-
 // Largest divisor of nt that is at most cap (n-tiles per pass of a chunked GEMM).
 __host__ __device__ constexpr int chunk_of(int nt, int cap) {
     int best = 1;
@@ -68,14 +54,15 @@ struct DkdvTraits {
     static constexpr int NTHREADS = NW * 32;
     static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
     static_assert(BN % 16 == 0 && BM % 16 == 0, "block sizes must be multiples of 16");
-    // Phase 1: S^T, dP^T (keys x queries, k = head_dim): WN1 x WM1 warps.
-    static constexpr int WN1 = gemm_warps_m(NW, BN, BM), WM1 = WN1 ? NW / WN1 : 1;
-    // Phase 2: dK, dV (keys x head_dim, k = queries): WN2 x WD2 warps, at most 2 m-tiles
-    // per warp (4 at 64 x 128 w8 read fewer fragments but spill next to the dK/dV accumulators).
-    static constexpr int WN2 = gemm_warps_m(NW, BN, DP, 2), WD2 = WN2 ? NW / WN2 : 1;
-    // Phase 3 (fused): dQ (queries x head_dim, k = keys): WM3 x WD3 warps.
-    static constexpr int WM3 = FUSED ? gemm_warps_m(NW, BM, DP) : 1, WD3 = WM3 ? NW / WM3 : 1;
-    static_assert(WN1 && WN2 && WM3, "no warp layout divides this tiling (flashrt/spec.py rejects it)");
+    // The warps of each phase's GEMM, along M from the host (flashrt/spec.py: KernelSpec.gemm_warps), the rest
+    // along N. Phase 1: S^T, dP^T (keys x queries, k = head_dim): WN1 x WM1 warps. Phase 2: dK, dV (keys x
+    // head_dim, k = queries): WN2 x WD2. Phase 3 (fused): dQ (queries x head_dim, k = keys): WM3 x WD3.
+    static constexpr int WN1 = FRT_GEMM_WM1, WM1 = NW / WN1;
+    static constexpr int WN2 = FRT_GEMM_WM2, WD2 = NW / WN2;
+    static constexpr int WM3 = FRT_GEMM_WM3, WD3 = NW / WM3;
+    static_assert(WN1 * WM1 == NW && WN2 * WD2 == NW && WM3 * WD3 == NW, "a GEMM's warps are not all the block's");
+    static_assert(BN % (16 * WN1) == 0 && BM % (8 * WM1) == 0 && BN % (16 * WN2) == 0 && DP % (8 * WD2) == 0 &&
+                  (!FUSED || (BM % (16 * WM3) == 0 && DP % (8 * WD3) == 0)), "a warp layout does not tile its GEMM");
     static constexpr int MT1 = BN / (16 * WN1), NT1 = BM / (8 * WM1);
     static constexpr int MT2 = BN / (16 * WN2), NT2 = DP / (8 * WD2);
     static constexpr int MT3 = BM / (16 * WM3), NT3 = DP / (8 * WD3);

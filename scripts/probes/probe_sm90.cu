@@ -18,6 +18,12 @@
 namespace frt {
 namespace sm90 {
 
+// A whole tile (the probes have no ragged edges).
+template <int ROWS, int COLS, int NTHREADS>
+FRT_DEVICE void load_whole_tile(u32 s_tile, const u16* g, i64 g_stride, int tid) {
+    load_tile_sw128<ROWS, COLS, NTHREADS>(s_tile, g, g_stride, ROWS, tid);
+}
+
 #ifdef PROBE_N
 template <int N, int K, int TRANS_B, bool A_REGS>
 __device__ void probe_gemm_body(const u16* A, const u16* B, float* C) {
@@ -28,9 +34,9 @@ __device__ void probe_gemm_body(const u16* A, const u16* B, float* C) {
     const u32 sB = sA + 64 * K * 2;                  // N x K (TRANS_B = 0) or K x N (TRANS_B = 1)
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
 
-    load_tile_sw128<64, K, 128>(sA, A, K, tid);
-    if constexpr (TRANS_B) load_tile_sw128<K, N, 128>(sB, B, N, tid);
-    else load_tile_sw128<N, K, 128>(sB, B, K, tid);
+    load_whole_tile<64, K, 128>(sA, A, K, tid);
+    if constexpr (TRANS_B) load_whole_tile<K, N, 128>(sB, B, N, tid);
+    else load_whole_tile<N, K, 128>(sB, B, K, tid);
     cp_async_commit();
 
     // A fragments (A_REGS) are loaded before the wgmma.fence that orders them.
