@@ -372,4 +372,51 @@ struct ModLists {
     FRT_DEVICE static int tile(int entry) { return entry < 0 ? ~entry : entry; }
 };
 
+// ---------------------------------------------------------------------------------------
+// The element mask on accumulator fragments, one definition for every kernel family.
+//
+// mma.sync m16n8k16 and each warp of a wgmma m64nNk16 share one accumulator layout: with g = lane / 4 and
+// t = lane % 4, a thread's element c (0-3) of n-group jj of m-tile mt lies at
+//     row  row0 + 16 mt + 8 (c >> 1),     column  col0 + 8 jj + (c & 1),
+// where row0 holds the thread's first row (the warp's + g) and col0 its first column (the tile's + 2 t).
+// A forward or dQ tile holds S (rows: queries, columns: keys); a dK / dV tile holds S^T (TRANSPOSED: rows are
+// keys, columns queries). Each kernel picks its test `visible(query, key)` (QueryTile::visible, an interval
+// compare, Visibility::visible_inside, ...); these apply it, unrolled, so that a mask_mod's reads are in flight
+// together.
+struct Fragments {
+    int row0, col0;
+    FRT_DEVICE int row(int mt, int c) const { return row0 + 16 * mt + 8 * (c >> 1); }
+    FRT_DEVICE int col(int jj, int c) const { return col0 + 8 * jj + (c & 1); }
+    // Whether element (mt, jj, c) is a visible pair.
+    template <bool TRANSPOSED, class Visible>
+    FRT_DEVICE bool visible(int mt, int jj, int c, const Visible& test) const {
+        return TRANSPOSED ? test(col(jj, c), row(mt, c)) : test(row(mt, c), col(jj, c));
+    }
+};
+
+// Elements x(mt, jj, c) (a float&) of MT m-tiles by N8 n-groups whose pair is hidden become `hidden` (-inf
+// before the softmax, 0 for P).
+template <int MT, int N8, bool TRANSPOSED = false, class Elem, class Visible>
+FRT_DEVICE void mask_fragments(Fragments at, float hidden, const Elem& x, const Visible& test) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int jj = 0; jj < N8; ++jj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (!at.visible<TRANSPOSED>(mt, jj, c, test)) x(mt, jj, c) = hidden;
+}
+
+// One bit per element of one m-tile's N8 n-groups (bit 4 jj + c) whose pair is hidden: a mask made before the
+// accumulators it applies to are live (the sm90 backward's kernels), N8 <= 8.
+template <int N8, bool TRANSPOSED = false, class Visible>
+FRT_DEVICE u32 hidden_bits_of(Fragments at, const Visible& test) {
+    static_assert(N8 <= 8, "one bit per element of 32");
+    u32 hidden = 0;
+#pragma unroll
+    for (int i = 0; i < 4 * N8; ++i)
+        if (!at.visible<TRANSPOSED>(0, i >> 2, i & 3, test)) hidden |= 1u << i;
+    return hidden;
+}
+
 }  // namespace frt

@@ -379,6 +379,23 @@ FRT_DEVICE void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, int s
                   "%134");
 }
 
+// acc (N columns) = A B^T over 16 KSTEPS columns of k, in k-steps issued back to back, the first overwriting
+// acc: A this warpgroup's 64 rows of a K-major sw128 tile of A_ROWS rows (s_a), B a K-major tile of N rows.
+// (S = Q K^T in the forward and dQ kernels, S^T = K Q^T and dP^T = V dO^T in dK/dV.) The caller commits.
+template <int N, int A_ROWS, int KSTEPS, bool BF16>
+FRT_DEVICE void wgmma_abt(float (&acc)[N / 2], u32 s_a, u32 s_b) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+        wgmma_ss<N, 0, BF16>(acc, desc_k_major<A_ROWS>(s_a, kk), desc_k_major<N>(s_b, kk), kk > 0);
+}
+// The same with A's k-steps in registers (a[kk]: wgmma_rs's A fragments, e.g. sw128_to_a_frags).
+template <int N, int KSTEPS, bool BF16>
+FRT_DEVICE void wgmma_abt(float (&acc)[N / 2], const u32 (&a)[KSTEPS][4], u32 s_b) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+        wgmma_rs<N, 0, BF16>(acc, a[kk], desc_k_major<N>(s_b, kk), kk > 0);
+}
+
 #undef FRT_WG_TY
 #undef FRT_WG_SS
 #undef FRT_WG_RS

@@ -153,17 +153,18 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         const bool need_mask = pa.partial;
         u16* p_tile = reinterpret_cast<u16*>(smem + (sP - sK));
         u16* ds_tile = reinterpret_cast<u16*>(smem + (sdS - sK));
+        const Fragments at{krow1 + g, qcol1 + 2 * t};  // S^T: rows are keys, columns queries (within the tiles)
 #pragma unroll
         for (int mt = 0; mt < MT1; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT1; ++nt)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
-                    const int kr = krow1 + mt * 16 + g + 8 * (c >> 1);  // key row within the tile
-                    const int qc = qcol1 + nt * 8 + 2 * t + (c & 1);     // query column within the tile
+                    const int qc = at.col(nt, c);  // the query column within the tile
                     float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -s_lse2[qc]));
                     if (need_mask) {
-                        if (!tile.visible(m0 + qc, n0 + kr, pa.h)) pr = 0.f;
+                        if (!at.visible<true>(mt, nt, c, [&](int q, int k) { return tile.visible(m0 + q, n0 + k, pa.h); }))
+                            pr = 0.f;
                     }
                     s[mt][nt][c] = pr;
                     dp[mt][nt][c] = pr * (dp[mt][nt][c] - s_delta[qc]);

@@ -76,6 +76,8 @@ __device__ void bwd_dq(const BwdParams& p) {
         // loop, or with mask_mod in a pass of its own between P and dS (at head_dim 256 on sm_90a
         // each form spills 4 bytes in the other's variants, NVRTC 12.9).
         constexpr bool MOD_PASS = T::MASK & MASK_MOD;
+        const Fragments at{m0 + wrow + g, n0 + 2 * t};
+        auto test = [&](int q, int k) { return tile.visible(q, k, h); };
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -85,23 +87,13 @@ __device__ void bwd_dq(const BwdParams& p) {
                     const int hh = c >> 1;
                     float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -lse2[mt][hh]));
                     if (!MOD_PASS && need_mask) {
-                        const int row = m0 + wrow + mt * 16 + g + 8 * hh;
-                        const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (!tile.visible(row, col, h)) pr = 0.f;
+                        if (!at.visible<false>(mt, nt, c, test)) pr = 0.f;
                     }
                     s[mt][nt][c] = MOD_PASS ? pr : pr * (dp[mt][nt][c] - delta[mt][hh]);
                 }
         if constexpr (MOD_PASS) {
-            if (need_mask) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c)
-                            if (!tile.visible(m0 + wrow + mt * 16 + g + 8 * (c >> 1), n0 + nt * 8 + 2 * t + (c & 1), h))
-                                s[mt][nt][c] = 0.f;
-            }
+            if (need_mask)
+                mask_fragments<MT, NT_S>(at, 0.f, [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; }, test);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -77,18 +77,10 @@ __device__ void fwd(const FwdParams& p) {
             gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(s, sQ + wrow * LD, LD, sK, LD, lane);
         }
 
-        if (tile.needs_mask(it, j)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const int row = tile.m0 + wrow + mt * 16 + g + 8 * (c >> 1);
-                        const int col = n0 + nt * 8 + 2 * t + (c & 1);
-                        if (!tile.visible(row, col, tile.h)) s[mt][nt][c] = -FRT_INF;
-                    }
-        }
+        if (tile.needs_mask(it, j))
+            mask_fragments<MT, NT_S>(Fragments{tile.m0 + wrow + g, n0 + 2 * t}, -FRT_INF,
+                                     [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; },
+                                     [&](int q, int k) { return tile.visible(q, k, tile.h); });
 
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)

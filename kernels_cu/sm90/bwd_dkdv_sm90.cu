@@ -79,15 +79,11 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
     }
 }
 
-// The bits of a thread's 32 S^T elements (queries q0 + 8 (i >> 2) + (i & 1), keys key_base + 8 ((i >> 1) & 1))
-// whose pair visible(query, key) hides.
+// The bits of a thread's 32 S^T elements (rows: keys from key_base, columns: queries from q0; mask.cuh: the
+// fragments) whose pair visible(query, key) hides.
 template <int BM, class Visible>
 FRT_DEVICE u32 hidden_where(int q0, int key_base, Visible visible) {
-    u32 hidden = 0;
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i)
-        if (!visible(q0 + 8 * (i >> 2) + (i & 1), key_base + 8 * ((i >> 1) & 1))) hidden |= 1u << i;
-    return hidden;
+    return hidden_bits_of<BM / 8, true>(Fragments{key_base, q0}, visible);
 }
 
 // Partial pairs: which of a thread's 32 S^T elements (keys key_base + 8 hh, queries of the tile
@@ -110,12 +106,7 @@ FRT_DEVICE u32 hidden_bits(const Tile& tile, int h, int m, int key_base, int t) 
             const int2 qs = tile.query_interval(key_base + 8 * hh, m * BM, BM);
             rel[hh] = make_int2(qs.x - q0, qs.y - q0);
         }
-#pragma unroll
-        for (int i = 0; i < BM / 2; ++i) {
-            const int x = 8 * (i >> 2) + (i & 1);
-            const int2 r = rel[(i >> 1) & 1];
-            if ((x < r.x) | (x >= r.y)) hidden |= 1u << i;
-        }
+        hidden = hidden_where<BM>(0, 0, [&](int x, int key) { return !((x < rel[key >> 3].x) | (x >= rel[key >> 3].y)); });
     } else {
         auto general = [&](int i, int j) { return tile.visible(i, j, h); };
         if constexpr (Tile::MOD && !Tile::IDS) {  // inside the sequence: no length tests or clamps
@@ -267,9 +258,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             }
             wgmma_fence();  // orders the accumulator writes (zeroing, last pair) before the wgmmas
             const u32 sA = wg == 0 ? sK : sV, sB = wg == 0 ? sQ : sdO;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_ss<BM, 0, T::BF16>(x, desc_k_major<BN>(sA, kk), desc_k_major<BM>(sB, kk), kk > 0);
+            wgmma_abt<BM, BN, D / 16, T::BF16>(x, sA, sB);
             wgmma_commit();
             wgmma_wait<0>();
             fence_operand(x);
@@ -308,15 +297,11 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             }
             float s[BM / 2], dp[BM / 2];
             wgmma_fence();  // orders the accumulator and fragment writes before the wgmmas
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_rs<BM, 0, T::BF16>(s, ka[kk], desc_k_major<BM>(sQ, kk), kk > 0);
+            wgmma_abt<BM, D / 16, T::BF16>(s, ka, sQ);
             wgmma_commit();
             if (it > it_begin) mma_dv_dk<T>(acc, pa, dsa, sQ_prev);
             wgmma_commit();  // (empty for the first pair: three groups in every iteration)
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_rs<BM, 0, T::BF16>(dp, va[kk], desc_k_major<BM>(sdO, kk), kk > 0);
+            wgmma_abt<BM, D / 16, T::BF16>(dp, va, sdO);
             wgmma_commit();
             const auto pr = tile.pair(p, it);
             const u32 hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0u;
@@ -343,13 +328,9 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             if (pr.partial && (wg == 0 ? warpgroup_all<1>(hidden == ~0u) : warpgroup_all<2>(hidden == ~0u))) continue;
             float s[BM / 2], dp[BM / 2];
             wgmma_fence();  // orders the dK / dV accumulator writes (zeroing, last pair) before the wgmmas
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_ss<BM, 0, T::BF16>(s, desc_k_major<BN>(sKw, kk), desc_k_major<BM>(sQ, kk), kk > 0);
+            wgmma_abt<BM, BN, D / 16, T::BF16>(s, sKw, sQ);
             wgmma_commit();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_ss<BM, 0, T::BF16>(dp, desc_k_major<BN>(sVw, kk), desc_k_major<BM>(sdO, kk), kk > 0);
+            wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
             wgmma_commit();
 
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)

@@ -99,15 +99,13 @@ FRT_DEVICE void with_element_test(const Tile& tile, int row_base, int n0, int t,
 }
 
 // with_element_test's ops: one bit per S element that the test hides (before the wgmmas, ONE_V), or S
-// elements zeroed.
+// elements zeroed (mask.cuh: the fragments, here relative to the thread's first row and column).
 template <int BN>
 struct HiddenBits {
     u32& hidden;
     template <class Visible>
     FRT_DEVICE void operator()(Visible visible) const {
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i)
-            if (!visible((i >> 1) & 1, 8 * (i >> 2) + (i & 1))) hidden |= 1u << i;
+        hidden |= hidden_bits_of<BN / 8>(Fragments{0, 0}, [&](int row, int x) { return visible(row >> 3, x); });
     }
 };
 template <int BN>
@@ -115,11 +113,8 @@ struct ZeroHidden {
     float (&s)[BN / 2];
     template <class Visible>
     FRT_DEVICE void operator()(Visible visible) const {
-#pragma unroll
-        for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                if (!visible(c >> 1, 8 * jj + (c & 1))) s[4 * jj + c] = 0.f;
+        mask_fragments<1, BN / 8>(Fragments{0, 0}, 0.f, [&](int, int jj, int c) -> float& { return s[4 * jj + c]; },
+                                  [&](int row, int x) { return visible(row >> 3, x); });
     }
 };
 
@@ -195,15 +190,11 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
         constexpr bool IV = Tile::INTERVALS && T::INTERVALS;
         float s[BN / 2], dp[BN / 2];
         auto issue_s = [&] {
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_ss<BN, 0, T::BF16>(s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK, kk), kk > 0);
+            wgmma_abt<BN, BM, D / 16, T::BF16>(s, sQw, sK);
             wgmma_commit();
         };
         auto issue_dp = [&] {
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_ss<BN, 0, T::BF16>(dp, desc_k_major<BM>(sdOw, kk), desc_k_major<BN>(sV, kk), kk > 0);
+            wgmma_abt<BN, BM, D / 16, T::BF16>(dp, sdOw, sV);
             wgmma_commit();
         };
         // ONE_V (head_dim 256, 255 registers unmasked): the element mask is evaluated into one bit per

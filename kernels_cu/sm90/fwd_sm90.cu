@@ -80,10 +80,7 @@ __device__ void fwd_sm90(const FwdParams& p) {
 
         if (wg == 1) bar_wait<3, 256>();  // after warpgroup 0's wgmmas (its arrive below)
         wgmma_fence();  // orders the o rescale and pa packing before the wgmmas below
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            wgmma_ss<BN, 0, T::BF16>(r.s, desc_k_major<BM>(sQw, kk),
-                                     desc_k_major<BN>(sKV + stage * T::STAGE_BYTES, kk), kk > 0);
+        wgmma_abt<BN, BM, D / 16, T::BF16>(r.s, sQw, sKV + stage * T::STAGE_BYTES);
         wgmma_commit();
         if (it > 0) {
             wgmma_rs_mn<D, BN, T::BF16>(r.o, r.pa, sKV + (stage ^ 1) * T::STAGE_BYTES + T::KV_BYTES);

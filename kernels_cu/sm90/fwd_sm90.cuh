@@ -66,18 +66,21 @@ struct FwdRows {
     FRT_DEVICE void mask_fenced(int n0, int row_base, int t, Visible visible) {
         constexpr int GROUP = 4;  // jj per fence: 8 key columns, 16 elements (the only size timed)
 #pragma unroll
+        const Fragments at{row_base, n0 + 2 * t};
+#pragma unroll
         for (int jb = 0; jb < BN / 8; jb += GROUP) {
 #pragma unroll
             for (int jj = jb; jj < jb + GROUP; ++jj)
 #pragma unroll
                 for (int c = 0; c < 4; ++c)
-                    if (!visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1))) s[4 * jj + c] = -FRT_INF;
+                    if (!at.visible<false>(0, jj, c, visible)) s[4 * jj + c] = -FRT_INF;
             asm volatile("" ::: "memory");
         }
     }
     // Bit 4 (jj % 8) + c of bits[jj / 8] for s[4 jj + c], 16 verdicts per turn of a rolled loop, then applied.
     template <class Visible>
     FRT_DEVICE void mask_rolled(int n0, int row_base, int t, Visible visible) {
+        const Fragments at{row_base, n0 + 2 * t};
         u32 bits[BN / 64];
 #pragma unroll
         for (int w = 0; w < BN / 64; ++w) {
@@ -86,11 +89,9 @@ struct FwdRows {
             for (int jb = 0; jb < 8; jb += 4) {
                 u32 nib = 0;
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int col = n0 + 8 * (8 * w + jb + u) + 2 * t;
+                for (int u = 0; u < 4; ++u)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) nib |= (u32)visible(row_base + 8 * (c >> 1), col + (c & 1)) << (4 * u + c);
-                }
+                    for (int c = 0; c < 4; ++c) nib |= (u32)at.visible<false>(0, 8 * w + jb + u, c, visible) << (4 * u + c);
                 acc |= nib << (4 * jb);
             }
             bits[w] = acc;
@@ -122,12 +123,9 @@ struct FwdRows {
             } else if constexpr (MOD_FENCED && Tile::MOD) {
                 mod_mask(tile, n0, row_base, t);
             } else {
-#pragma unroll
-                for (int jj = 0; jj < BN / 8; ++jj)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c)
-                        if (!tile.visible(row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1), tile.h))
-                            s[4 * jj + c] = -FRT_INF;
+                mask_fragments<1, BN / 8>(Fragments{row_base, n0 + 2 * t}, -FRT_INF,
+                                          [&](int, int jj, int c) -> float& { return s[4 * jj + c]; },
+                                          [&](int q, int k) { return tile.visible(q, k, tile.h); });
             }
         }
         online(scale_log2);

@@ -235,10 +235,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
 
             my_turn();
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_ss<BN, 0, T::BF16>(r.s, desc_k_major<BM>(sQw, kk), desc_k_major<BN>(sK + st * T::KV_BYTES, kk),
-                                         kk > 0);
+            wgmma_abt<BN, BM, D / 16, T::BF16>(r.s, sQw, sK + st * T::KV_BYTES);
             wgmma_commit();
             if (it > 0) {
                 wgmma_rs_mn<D, BN, T::BF16>(r.o, r.pa, sV + (st ^ 1) * T::KV_BYTES);
