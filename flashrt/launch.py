@@ -34,8 +34,13 @@ class Device:
     l2_bytes: int      # L2 cache size (fwd_sm90 orders its work items by it: tiles.item_chunk)
 
 
-def arch_for(major: int, minor: int) -> str:
-    # sm_90a unlocks Hopper-only instructions; its cubins run only on compute capability 9.0.
+def arch_for(major: int, minor: int, name: str = "this GPU") -> str:
+    """The arch flashrt compiles for on a GPU of compute capability major.minor (8.0 or newer: the kernels use
+    mma.sync with bf16, cp.async and ldmatrix). sm_90a unlocks Hopper-only instructions; its cubins run only on
+    compute capability 9.0."""
+    if major < 8:
+        raise LaunchError(f"flashrt needs a GPU of compute capability 8.0 or newer (Ampere, Ada, Hopper); {name} is "
+                          f"{major}.{minor}")
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
@@ -56,7 +61,7 @@ def device(index: int) -> Device:
     check_driver(cupy.cuda.runtime.driverGetVersion(), nvrtc.version())
     props = cupy.cuda.runtime.getDeviceProperties(index)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    return Device(index, name, arch_for(props["major"], props["minor"]), props["multiProcessorCount"],
+    return Device(index, name, arch_for(props["major"], props["minor"], name), props["multiProcessorCount"],
                   props["sharedMemPerBlockOptin"], props["l2CacheSize"])
 
 

@@ -351,3 +351,9 @@ def test_check_report_messages_name_the_argument():
     assert masks.report_message(report).startswith("max_seqlen_q=64 is below the length of sequence 3 in "
                                                    "cu_seqlens_q (70)")
     assert "earlier flashrt backward call" in masks.report_message(report)
+
+
+def test_gpus_before_ampere_are_refused_with_a_reason():
+    assert launch.arch_for(9, 0) == "sm_90a" and launch.arch_for(8, 6) == "sm_86" and launch.arch_for(12, 0) == "sm_120"
+    with pytest.raises(launch.LaunchError, match=r"needs a GPU of compute capability 8\.0 or newer .*Tesla T4 is 7\.5"):
+        launch.arch_for(7, 5, "Tesla T4")
