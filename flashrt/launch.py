@@ -304,8 +304,8 @@ _checked_devices: set = set()
 
 
 def report_words(dev: Device) -> int:
-    """The address of the device checks' report (kernels_cu/helpers/mask_check.cu), for kernels on `dev`: REPORT_LEN int32
-    words of pinned host memory, mapped into every device's address space (portable, mapped: under unified
+    """The address of the device checks' report (kernels_cu/helpers/mask_check.cu), for kernels on `dev`: REPORT_LEN
+    int32 words of pinned host memory, mapped into every device's address space (portable, mapped: under unified
     addressing its host address is its device address), all zero until a check fails. The host reads it with a
     plain load, no copy and no synchronisation (masks.raise_reported). Made once per process, never freed."""
     global REPORT

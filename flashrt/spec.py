@@ -154,8 +154,8 @@ class KernelSpec:
     @property
     def programmatic(self) -> bool:
         """Launched as a programmatic dependent of the kernel before it (launch.Sequence): it may start while that
-        kernel runs, and waits for it where it must (kernels_cu/common/common.cuh: wait_previous_grid). The device check,
-        from sm_90 on (docs/perf-notes.md: Device check of mask arrays)."""
+        kernel runs, and waits for it where it must (kernels_cu/common/common.cuh: wait_previous_grid). The device
+        check, from sm_90 on (docs/perf-notes.md: Device check of mask arrays)."""
         return self.family == "mask_check" and int(ARCH_RE.fullmatch(self.arch).group(1)) >= 90
 
     # -- geometry (mirrors the traits structs in kernels_cu/*.cu) ------------------

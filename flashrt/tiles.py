@@ -10,7 +10,8 @@ launches what this module chooses. Sections, in order:
                 shared memory fits the limit. The lists come from the register/shared-memory budget of each
                 kernel (no register spills with NVRTC 12.9 and 13.0, checked by tests) and from
                 `scripts/tune.py` on an H100: for each bucket the first entry is the fastest spill-free tiling
-                measured there (docs/perf-notes.md has the numbers, a section per kernel family); later entries are for smaller shared memory.
+                measured there (docs/perf-notes.md has the numbers, a section per kernel family); later entries are
+                for smaller shared memory.
   Helper kernels  classifier_spec (mask_mod's tile maps and lists), check_spec (the device check of mask arrays).
   Launch shapes   map_slots, item_chunk, key_item_chunk, dkdv_splits: how a launch's work is chunked and split.
 """
@@ -59,8 +60,9 @@ def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> 
     """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never);
     its warp-specialised form where that has a variant for `mask` (MASK_BITS; _SM90_MASK_LIMITS) and fits.
 
-    H200, B=2 S=8192 H=16 bf16 (scripts/probes/probe_sm90.py, docs/perf-notes.md: Forward: wgmma (fwd_sm90)): head_dim 128 422 TFLOP/s
-    against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised ("Forward: warp-specialised persistent (fwd_sm90_ws)") 564 at head_dim 128.
+    H200, B=2 S=8192 H=16 bf16 (scripts/probes/probe_sm90.py, docs/perf-notes.md: Forward: wgmma (fwd_sm90)): head_dim
+    128 422 TFLOP/s against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised ("Forward:
+    warp-specialised persistent (fwd_sm90_ws)") 564 at head_dim 128.
     """
     no_sm90 = _env.no_sm90()
     if _sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90, mask):
@@ -72,7 +74,8 @@ def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> 
     """The split backward's (dQ, dK/dV) kernel families: each the wgmma one on Hopper where it exists (for
     this `mask`, MASK_BITS) and fits, else the mma.sync one.
 
-    FLASHRT_NO_SM90=1: the mma.sync pair everywhere. Measurements: docs/perf-notes.md, Backward: wgmma split (bwd_dq_sm90, bwd_dkdv_sm90).
+    FLASHRT_NO_SM90=1: the mma.sync pair everywhere. Measurements: docs/perf-notes.md, Backward: wgmma split
+    (bwd_dq_sm90, bwd_dkdv_sm90).
     """
     no_sm90 = _env.no_sm90()
     return tuple(sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, no_sm90, mask) else mma
@@ -93,7 +96,8 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
 
     `wgmma_split`: the split pair is the wgmma one (split_families): split, whose two kernels
     outrun the mma.sync fused kernel (H200 measurements in docs/perf-notes.md: Backward: impl choice and determinism).
-    Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and scripts/kernel_times.py):
+    Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
+    scripts/kernel_times.py):
     unordered, the fused kernel's five matmuls beat the split pair's seven up to head_dim
     128; at 256 its dQ atomics (64-key tiles, the most the dK/dV registers allow) cost what
     the recomputation saves. Ordered (deterministic), the key tiles' wait for each other
@@ -137,7 +141,8 @@ _PREFERENCES = {
     # Forward: wgmma (fwd_sm90)).
     "fwd_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # warp-specialised (two consumer warpgroups + a producer warpgroup), persistent (its masks: _SM90_MASK_LIMITS);
-    # head_dim 192 spills at every register split between them, 256 does not fit two Q slots (docs/perf-notes.md: Forward: wgmma (fwd_sm90))
+    # head_dim 192 spills at every register split between them, 256 does not fit two Q slots (docs/perf-notes.md:
+    # Forward: wgmma (fwd_sm90))
     "fwd_sm90_ws": [(128, [(128, 128, 12)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
@@ -183,7 +188,8 @@ _MASKED_PREFERENCES = {
 _MOD_PREFERENCES = {
     "bwd_fused": [(128, [(64, 64, 8), (64, 32, 8)]), (256, [(64, 32, 8)])],
     # (the wgmma forward at head_dim 128 with 128-key tiles sits at 255 registers with an expression, no
-    # spills; against 64-key tiles it is 1.12x faster on documents-mod at 8k, H200, docs/perf-notes.md: Forward: wgmma (fwd_sm90))
+    # spills; against 64-key tiles it is 1.12x faster on documents-mod at 8k, H200, docs/perf-notes.md: Forward: wgmma
+    # (fwd_sm90))
     "fwd_sm90": [(64, [(128, 64, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # (the wgmma dQ at head_dim 64 with 128-key tiles spills 32 bytes with an expression alone, NVRTC 12.9)
     "bwd_dq_sm90": [(256, [(128, 64, 8)])],

@@ -115,7 +115,8 @@ def test_grids():
 
 
 def test_wgmma_forward_grid_is_one_dimensional():
-    """fwd_sm90: a 1-D grid of work items (kernels_cu/attention/params.cuh: work_item), one per query tile: no y/z limit."""
+    """fwd_sm90: a 1-D grid of work items (kernels_cu/attention/params.cuh: work_item), one per query tile: no y/z
+    limit."""
     f128 = KernelSpec("fwd_sm90", 128, "bf16", 128, 128, 8, True, "sm_90a")
     assert f128.smem_bytes == (128 + 4 * 128) * 128 * 2 + 1024
     assert launch.grid(f128, B=16, H=16, Hkv=16, Sq=1000, Sk=1000) == (8 * 16 * 16, 1, 1)
@@ -329,7 +330,8 @@ def test_wgmma_backward_geometry():
 def test_shared_tables_reach_the_kernels_from_one_definition():
     """params' tables are the kernels' constants (flashrt_tables.cuh, generated), and no kernel file keeps its own."""
     text = params.tables_header()
-    assert "enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8, MASK_MOD = 16 };" in text
+    assert ("enum : int { MASK_LENGTHS = 1, MASK_WINDOW = 2, MASK_BLOCK_IDS = 4, MASK_SEGMENTS = 8, "
+            "MASK_MOD = 16 };") in text
     assert "enum : int { REPORT_CODE, REPORT_ARG, REPORT_SEQ, REPORT_POS, REPORT_VALUE, REPORT_LIMIT, REPORT_CALL, " \
            "REPORT_WORDS };" in text
     assert "BAD_LENGTH = 1" in text and f"BAD_IDS_ORDER = {len(params.CHECK_FAILURES)}" in text
