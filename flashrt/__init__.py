@@ -29,9 +29,25 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, im
     arguments (window, seqlens_*, cu_seqlens_*, block_ids_*, segment_ids_*). For torch's
     SDPA layout and signature, see flashrt.torch.scaled_dot_product_attention.
     """
-    from .torch_ops import attention as _attention
+    try:
+        from .torch_ops import attention as _attention
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise _torch_missing("flashrt.attention") from exc
     return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, impl=impl,
                       deterministic=deterministic, validate=validate, **mask_args)
+
+
+def _install_hint(extra: str) -> str:
+    """The pip command that adds an extra, from a package index and from a flashrt checkout."""
+    return f'pip install "flashrt[{extra}]" (from a flashrt checkout: pip install ".[{extra}]")'
+
+
+def _torch_missing(what: str) -> ModuleNotFoundError:
+    """The error for `what` needing torch where torch is not installed (a ModuleNotFoundError, so an ImportError)."""
+    return ModuleNotFoundError(f"{what} needs torch, which is not installed: {_install_hint('torch')}. "
+                               f"flashrt.forward and flashrt.backward take CuPy arrays without torch", name="torch")
 
 
 def __getattr__(name):

@@ -36,6 +36,12 @@ def cache_dir() -> str | None:
     return value or None
 
 
+def nvrtc() -> str | None:
+    """FLASHRT_NVRTC=12, 13 or a library's path: the NVRTC to load (default: the installed CuPy's CUDA major, else the driver's, else the newest found)."""
+    value = os.environ.get("FLASHRT_NVRTC", "").strip()
+    return value or None
+
+
 def no_compile() -> bool:
     """FLASHRT_NO_COMPILE=1: a cache miss is an error instead of a compile (proves a prewarm covered everything)."""
     return _flag("FLASHRT_NO_COMPILE")
@@ -56,10 +62,19 @@ def no_tma() -> bool:
     return _flag("FLASHRT_NO_TMA")
 
 
+def record() -> str | None:
+    """FLASHRT_RECORD=<path>: every kernel variant this process looks up is added to the JSON manifest at <path> (merged with what it holds), for `flashrt prewarm --manifest <path>`."""
+    value = _get("FLASHRT_RECORD")
+    value = (value or "").strip()
+    return value or None
+
+
 VARIABLES = {
     "FLASHRT_NO_SM90": no_sm90.__doc__,
     "FLASHRT_NO_TMA": no_tma.__doc__,
     "FLASHRT_CACHE_DIR": cache_dir.__doc__,
+    "FLASHRT_NVRTC": nvrtc.__doc__,
     "FLASHRT_NO_COMPILE": no_compile.__doc__,
     "FLASHRT_DUMP_SOURCE": dump_source.__doc__,
+    "FLASHRT_RECORD": record.__doc__,
 }

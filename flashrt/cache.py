@@ -19,10 +19,16 @@ writes an identical file atomically, so a lock is only there to save work: a
 wait longer than LOCK_TIMEOUT_S warns, naming the lock file, and compiles
 anyway. A cache folder that cannot be written (read-only, full) falls back to
 compiling in memory, with one warning.
+
+Every compile logs its variant and seconds at INFO on the `flashrt` logger. With FLASHRT_RECORD=<path>, every
+variant a process looks up (first lookup in the process: a memory miss) is merged into the JSON manifest at <path>
+(a list of KernelSpec field dicts, read-merge-written under an flock of `<path>.lock`, written atomically), which
+`flashrt prewarm --manifest <path>` compiles.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -36,7 +42,7 @@ from pathlib import Path
 
 from . import _env, nvrtc, params
 from ._version import __version__
-from .spec import KernelSpec
+from .spec import MASK_BITS, KernelSpec
 
 try:
     import fcntl
@@ -186,8 +192,31 @@ def _read(path: Path, key: str, spec: KernelSpec) -> bytes | None:
         return None
 
 
+# `flashrt prewarm --masks` names of the mask features (spec.MASK_BITS; "causal" is KernelSpec.causal). mask_mod has
+# none: its expression is part of the variant, so only a manifest (FLASHRT_RECORD) prewarms it.
+MASK_NAMES = {"causal": 0, "lengths": MASK_BITS["lengths"], "window": MASK_BITS["window"],
+              "ids": MASK_BITS["block_ids"], "segments": MASK_BITS["segments"]}
+
+
+def mask_names(spec: KernelSpec) -> list[str]:
+    """The `flashrt prewarm --masks` names of a variant's mask (without mask_mod, which has none)."""
+    return [n for n, bit in MASK_NAMES.items() if (spec.causal if n == "causal" else spec.mask & bit)]
+
+
 def prewarm_command(spec: KernelSpec) -> str:
-    return (f"flashrt prewarm --arch {spec.arch} --head-dims {spec.head_dim} --dtypes {spec.dtype}")
+    """The `flashrt prewarm` command (by kind) whose variants include `spec` (not for a mask_mod: a manifest)."""
+    masked = [n for n in mask_names(spec) if n != "causal"]  # the base matrix has causal and not
+    return (f"flashrt prewarm --arch {spec.arch} --head-dims {spec.head_dim} --dtypes {spec.dtype}"
+            + (f" --masks {','.join(mask_names(spec))}" if masked else ""))
+
+
+def miss_message(spec: KernelSpec) -> str:
+    by_kind = ("its mask_mod expression is part of the variant, so only a manifest prewarms it"
+               if spec.mask_mod else f"or fill the cache by kind: {prewarm_command(spec)}")
+    return (f"flashrt: kernel {spec.name} is not in the cache ({cache_dir()}) and FLASHRT_NO_COMPILE=1 forbids "
+            f"compiling it; record a manifest with FLASHRT_RECORD=/path/manifest.json on a machine that runs the "
+            f"workload, then run: flashrt prewarm --manifest /path/manifest.json --arch {spec.arch} "
+            f"(on this machine, with the same FLASHRT_CACHE_DIR); {by_kind}")
 
 
 def get_cubin(spec: KernelSpec) -> bytes:
@@ -211,10 +240,10 @@ def lookup(spec: KernelSpec) -> tuple[bytes, str]:
         status = "disk"
         if cubin is None:
             if _env.no_compile():
-                raise CacheMiss(f"flashrt: kernel {spec.name} is not in the cache ({cache_dir()}) and "
-                                f"FLASHRT_NO_COMPILE=1 forbids compiling it; fill the cache with: "
-                                f"{prewarm_command(spec)}")
+                _record(spec)  # what is missing is recorded too
+                raise CacheMiss(miss_message(spec))
             cubin, status = _compile_and_store(spec, key, path)
+        _record(spec)
         _memory[key] = cubin
         return cubin, status
 
@@ -317,6 +346,139 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Manifests: the variants a workload looks up (FLASHRT_RECORD), for `flashrt prewarm --manifest`
+# ---------------------------------------------------------------------------
+_FIELDS = {f.name: f for f in dataclasses.fields(KernelSpec)}
+_TYPES = {"str": str, "int": int, "bool": bool, "tuple": tuple}  # KernelSpec's annotations (strings: PEP 563)
+
+
+def spec_fields(spec: KernelSpec) -> dict:
+    """A variant's KernelSpec fields as JSON values (mod_tensors a list), what a manifest and an entry's header hold."""
+    return dict(spec.key_fields(), mod_tensors=list(spec.mod_tensors))
+
+
+def spec_from_fields(fields) -> KernelSpec:
+    """The KernelSpec of a manifest entry or an entry header's "spec"; ValueError (one line) says what is wrong."""
+    if not isinstance(fields, dict):
+        raise ValueError(f"a variant is a JSON object of KernelSpec fields, got {json.dumps(fields)[:80]}")
+    unknown = sorted(set(fields) - set(_FIELDS))
+    missing = sorted(n for n, f in _FIELDS.items() if n not in fields and f.default is dataclasses.MISSING)
+    if unknown or missing:
+        raise ValueError("not a KernelSpec: " + "; ".join(
+            ([f"unknown fields {', '.join(unknown)}"] if unknown else [])
+            + ([f"missing fields {', '.join(missing)}"] if missing else [])))
+    values = dict(fields)
+    if isinstance(values.get("mod_tensors"), list):
+        values["mod_tensors"] = tuple(values["mod_tensors"])
+    for name, value in values.items():
+        want = _TYPES.get(str(_FIELDS[name].type), object)  # (a field of another type: KernelSpec checks it)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)) or (
+                want is tuple and not all(isinstance(t, str) for t in value)):
+            shown = json.dumps(list(value) if isinstance(value, tuple) else value)
+            raise ValueError(f"field {name} must be {'a list of strings' if want is tuple else want.__name__}, "
+                             f"got {shown}")
+    return KernelSpec(**values)  # its own checks: family, dtype, head_dim, arch, mask bits, tiling
+
+
+def _canonical(fields) -> str:
+    return json.dumps(fields, sort_keys=True)
+
+
+def read_manifest(path) -> list:
+    """The entries of a manifest file as they are (validate each with spec_from_fields); [] for a missing or empty
+    file; ValueError when it is not a JSON list."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    if not text.strip():
+        return []
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not a flashrt manifest (not JSON: {exc})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path} is not a flashrt manifest (a JSON {type(data).__name__}, expected a list of "
+                         f"KernelSpec field objects)")
+    return data
+
+
+def _sort_key(fields) -> tuple:
+    try:
+        return 0, spec_from_fields(fields).name, _canonical(fields)
+    except (ValueError, TypeError):
+        return 1, "", _canonical(fields)
+
+
+def _manifest_bytes(entries: list) -> bytes:
+    """One variant per line, sorted by name (entries that are no valid variant last), deduplicated."""
+    unique = {_canonical(f): f for f in entries}
+    lines = [_canonical(f) for f in sorted(unique.values(), key=_sort_key)]
+    return ("[\n" + ",\n".join(lines) + "\n]\n").encode() if lines else b"[]\n"
+
+
+@contextlib.contextmanager
+def _manifest_lock(path: Path):
+    """An flock of `path`.lock (a sidecar: the manifest itself is replaced by each write) for a read-merge-write."""
+    fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            with contextlib.suppress(OSError):  # a file system without flock: go on without the lock
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def merge_manifest(path, entries: list) -> int:
+    """Add `entries` (field dicts) to the manifest at `path` (created with its folder if missing), under its lock,
+    written atomically; returns how many variants it then holds. ValueError if the file is not a manifest."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _manifest_lock(path):
+        held = read_manifest(path)
+        known = {_canonical(f) for f in held}
+        new = [f for f in entries if _canonical(f) not in known]
+        if new:
+            _atomic_write(path, _manifest_bytes(held + new))
+        return len(known | {_canonical(f) for f in new})
+
+
+def write_manifest(path, entries: list) -> int:
+    """Write exactly `entries` (field dicts) as the manifest at `path`, atomically; returns how many variants."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _manifest_lock(path):
+        _atomic_write(path, _manifest_bytes(entries))
+    return len({_canonical(f) for f in entries})
+
+
+_recorded: set = set()
+
+
+def _record(spec: KernelSpec) -> None:
+    """FLASHRT_RECORD: merge `spec` into the manifest, once per (path, variant) and process. Read only on a memory
+    miss (lookup), so it costs nothing when unset; a manifest that cannot be written costs one warning, never the
+    lookup."""
+    path = _env.record()
+    if path is None:
+        return
+    fields = spec_fields(spec)
+    tag = (path, _canonical(fields))
+    with _guard:
+        if tag in _recorded:
+            return
+        _recorded.add(tag)
+    try:
+        merge_manifest(path, [fields])
+    except (OSError, ValueError) as exc:
+        with _guard:
+            _recorded.discard(tag)
+        _warn_once(f"record:{path}", f"flashrt: cannot record kernel variants in FLASHRT_RECORD={path} ({exc}); "
+                                     f"not recording")
+
+
+# ---------------------------------------------------------------------------
 # Inspection (CLI: flashrt cache info / clear)
 # ---------------------------------------------------------------------------
 def entries() -> list[tuple[Path, dict | None]]:
@@ -336,15 +498,49 @@ def is_stale(header: dict) -> bool:
     """True when this flashrt would never look the entry up: another flashrt version, kernel
     sources, NVRTC version or KernelSpec layout wrote it."""
     try:
-        spec = KernelSpec(**header["spec"])
+        spec = spec_from_fields(header["spec"])
     except (KeyError, TypeError, ValueError):
         return True
     return entry_key(spec) != header.get("key")
 
 
+def entry_files() -> list[Path]:
+    """The cache's entry files (not their locks, temp files or source dumps), without reading them."""
+    d = cache_dir()
+    return sorted(d.glob(f"*{_SUFFIX}")) if d.is_dir() else []
+
+
+def exported(arch: str | None = None) -> tuple[list[dict], dict]:
+    """(the variants of the usable entries, as manifest field dicts; counts of what was skipped: "stale",
+    "unusable" (corrupt), "other_arch", "no_spec" (an entry whose header holds no spec))."""
+    out, skipped = {}, {"stale": 0, "unusable": 0, "other_arch": 0, "no_spec": 0}
+    for _, header in entries():
+        if header is None:
+            skipped["unusable"] += 1
+            continue
+        try:
+            spec = spec_from_fields(header["spec"])
+        except (KeyError, TypeError, ValueError):
+            skipped["no_spec"] += 1
+            continue
+        if entry_key(spec) != header.get("key"):
+            skipped["stale"] += 1
+        elif arch is not None and spec.arch != arch:
+            skipped["other_arch"] += 1
+        else:
+            out[spec.name] = spec_fields(spec)
+    return [out[n] for n in sorted(out)], skipped
+
+
 def clear(stale_only: bool = False) -> int:
     """Remove flashrt's files from the cache folder (with `stale_only`, only the entries this flashrt
-    cannot use, stale or unusable, and their locks); returns how many were removed."""
+    cannot use, stale or unusable, and their locks); returns how many files were removed (clear_counts: how
+    many of them were entries)."""
+    return sum(clear_counts(stale_only).values())
+
+
+def clear_counts(stale_only: bool = False) -> dict:
+    """clear(), returning {"entries": cache entries removed, "other": their locks, temp files, source dumps}."""
     d = cache_dir()
     if stale_only:
         doomed = [p for p, h in entries() if h is None or is_stale(h)]
@@ -354,9 +550,9 @@ def clear(stale_only: bool = False) -> int:
                   and p.suffix in (_SUFFIX, ".lock", ".tmp")]
         doomed += list((d / "source").glob("flashrt_*.cu"))
         _memory.clear()
-    removed = 0
+    removed = {"entries": 0, "other": 0}
     for path in doomed:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-            removed += 1
+            removed["entries" if path.suffix == _SUFFIX else "other"] += 1
     return removed

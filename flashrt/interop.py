@@ -40,6 +40,8 @@ def describe(x, name: str) -> Array:
         device = x.device.index if x.is_cuda else -1
         if x.is_cuda and device is None:
             device = 0
+        elif not x.is_cuda and x.device.type != "cpu":
+            _not_on_cuda(x, name)
         return Array(x, lib, x.data_ptr(), tuple(x.shape), tuple(x.stride()), DTYPE_NAMES.get(dtype, dtype),
                      device, x.element_size())
     if lib == "cupy":
@@ -50,6 +52,16 @@ def describe(x, name: str) -> Array:
             return Array(x, lib, x.data.ptr, tuple(x.shape), tuple(s // itemsize for s in x.strides),
                          DTYPE_NAMES.get(dtype, dtype), x.device.id, itemsize)
     raise TypeError(f"{name} must be a torch CUDA tensor or a CuPy array, got {type(x).__module__}.{type(x).__name__}")
+
+
+def _not_on_cuda(x, name: str) -> None:
+    """Raise the ValueError for a torch tensor on a device that is neither CUDA nor the host."""
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (a shape and dtype with no data); flashrt computes on CUDA tensors: "
+                         f"create {name} on a CUDA device (for a model built on the meta device: "
+                         f"model.to_empty(device='cuda'), then load its weights); flashrt.attention takes meta "
+                         f"tensors to infer output shapes")
+    raise ValueError(f"{name} is on device {x.device}; flashrt needs CUDA tensors: move it with {name}.cuda()")
 
 
 def is_torch(x) -> bool:

@@ -11,7 +11,13 @@ causal_upper_left are top-left aligned, as in SDPA; causal_lower_right is bottom
 """
 from typing import Optional
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as _exc:
+    if _exc.name != "torch":
+        raise
+    from . import _torch_missing
+    raise _torch_missing("flashrt.torch") from _exc
 
 from . import torch_ops
 
@@ -21,9 +27,14 @@ def _causal_from_mask(attn_mask, is_causal: bool, Sq: int, Sk: int):
     from torch.nn.attention.bias import CausalBias, CausalVariant
     if not isinstance(attn_mask, CausalBias):
         kind = "boolean" if attn_mask.dtype == torch.bool else f"{attn_mask.dtype} (additive)"
-        raise ValueError(f"flashrt computes full or causal attention only and takes no attn_mask tensor, got a "
-                         f"{kind} mask of shape {tuple(attn_mask.shape)}: pass attn_mask=None (with is_causal=True "
-                         f"for a causal mask), or keep torch's scaled_dot_product_attention for arbitrary masks")
+        raise ValueError(f"flashrt.torch.scaled_dot_product_attention takes no attn_mask tensor, got a {kind} mask "
+                         f"of shape {tuple(attn_mask.shape)}: pass attn_mask=None (with is_causal=True for a causal "
+                         f"mask) or a causal bias from torch.nn.attention.bias. flashrt.attention computes the other "
+                         f"masks from their structure, on (B, S, H, D) tensors (query.transpose(1, 2)): window=(left, "
+                         f"right) for a sliding window, seqlens_q=/seqlens_k= (or cu_seqlens_q/k=) for padding, "
+                         f"block_ids_q/k= or segment_ids_q/k= for block-causal and document masks, mask_mod= (a CUDA "
+                         f"boolean expression over b, h, q, k) for any other; or keep torch's "
+                         f"scaled_dot_product_attention for a dense mask tensor")
     if is_causal:
         raise ValueError("pass either attn_mask (a CausalBias) or is_causal=True, not both (as torch's SDPA requires)")
     if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (Sq, Sk):

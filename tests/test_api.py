@@ -1,4 +1,7 @@
 """Validation and layout rules of the public API that need no GPU (array descriptors are plain data)."""
+import importlib
+import sys
+
 import pytest
 
 from flashrt import api, masks
@@ -173,3 +176,38 @@ def test_mask_mod_compile_error_shows_the_expression():
     lines = msg.splitlines()
     at = next(i for i, ln in enumerate(lines) if 'mask_mod(1): error: identifier "kk" is undefined' in ln)
     assert lines[at + 1].strip() == expr and lines[at + 2].index("^") == lines[at + 1].index("kk")
+
+
+# Without torch: the torch entry points say which extra to install.
+NEEDS_TORCH = (r'needs torch, which is not installed: pip install "flashrt\[torch\]" '
+               r'\(from a flashrt checkout: pip install "\.\[torch\]"\)')
+
+
+@pytest.fixture
+def without_torch(monkeypatch):
+    """torch as if not installed (`import torch` raises ModuleNotFoundError); flashrt's torch modules load anew."""
+    import flashrt
+    monkeypatch.setitem(sys.modules, "torch", None)
+    for name in ("torch", "torch_ops"):
+        monkeypatch.delitem(sys.modules, f"flashrt.{name}", raising=False)
+        monkeypatch.delattr(flashrt, name, raising=False)
+    return flashrt
+
+
+def test_attention_without_torch_names_the_extra(without_torch):
+    with pytest.raises(ImportError, match=r"flashrt\.attention " + NEEDS_TORCH) as info:
+        without_torch.attention(None, None, None, causal=True)
+    assert info.value.name == "torch" and isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+def test_import_flashrt_torch_without_torch_names_the_extra(without_torch):
+    with pytest.raises(ImportError, match=r"flashrt\.torch " + NEEDS_TORCH):
+        importlib.import_module("flashrt.torch")
+    with pytest.raises(ImportError, match=r"flashrt\.torch " + NEEDS_TORCH):
+        without_torch.torch  # noqa: B018  (the lazy attribute imports it)
+    assert "flashrt.torch" not in sys.modules
+
+
+def test_flashrt_imports_and_forward_checks_without_torch(without_torch):
+    with pytest.raises(TypeError, match="q must be a torch CUDA tensor or a CuPy array"):
+        without_torch.forward([[1.0]], None, None)

@@ -350,3 +350,124 @@ def test_header_is_json_with_compile_metadata(cache_dir):
     raw = _only_entry(cache_dir).read_bytes()
     header = json.loads(raw.split(b"\n")[1])
     assert {"key", "sha256", "size", "spec", "options", "nvrtc", "compile_s", "flashrt"} <= set(header)
+
+
+# ---------------------------------------------------------------------------
+# FLASHRT_RECORD: manifests of the variants a process looks up
+# ---------------------------------------------------------------------------
+def _manifest_names(path: Path) -> list[str]:
+    return [cache.spec_from_fields(f).name for f in json.loads(path.read_text())]
+
+
+def test_record_reads_the_variable_only_on_a_memory_miss(cache_dir, monkeypatch, tmp_path):
+    calls = []
+    real = cache._env.record
+    monkeypatch.setattr(cache._env, "record", lambda: calls.append(1) or real())
+    cache.lookup(SPEC)  # compiled, variable unset: nothing written, read once
+    for _ in range(5):
+        assert cache.lookup(SPEC)[1] == "memory"
+    assert len(calls) == 1 and not list(tmp_path.glob("*.json"))
+    manifest = tmp_path / "m.json"
+    monkeypatch.setenv("FLASHRT_RECORD", str(manifest))
+    cache._memory.clear()
+    assert cache.lookup(SPEC)[1] == "disk"  # a disk hit is recorded too
+    assert cache.lookup(SPEC)[1] == "memory"
+    assert len(calls) == 2 and _manifest_names(manifest) == [SPEC.name]
+
+
+def test_record_merges_with_the_file_and_deduplicates(cache_dir, monkeypatch, tmp_path):
+    manifest = tmp_path / "sub" / "m.json"
+    manifest.parent.mkdir()
+    foreign = dict(cache.spec_fields(OTHER), arch="sm_86")
+    manifest.write_text(json.dumps([foreign, {"kept": "as is"}]))  # another process's entries, one not a variant
+    monkeypatch.setenv("FLASHRT_RECORD", str(manifest))
+    for spec in (SPEC, THIRD, SPEC):
+        cache.lookup(spec)
+        cache._memory.clear()
+    cache._recorded.clear()  # as a new process would: the file still holds each variant once
+    cache.lookup(SPEC)
+    entries = json.loads(manifest.read_text())
+    assert len(entries) == 4 and {"kept": "as is"} in entries and foreign in entries
+    variants = [cache.spec_from_fields(f).name for f in entries if "kept" not in f]
+    assert variants == sorted([SPEC.name, THIRD.name, KernelSpec(**dict(OTHER.key_fields(), arch="sm_86")).name])
+    assert entries[-1] == {"kept": "as is"}  # sorted by name, what is no variant last
+    assert not list(manifest.parent.glob("*.tmp")) and manifest.read_text().endswith("]\n")
+
+
+def test_record_into_a_file_that_is_no_manifest_warns_once_and_leaves_it(cache_dir, monkeypatch, tmp_path):
+    manifest = tmp_path / "notes.json"
+    manifest.write_text('{"mine": true}')
+    monkeypatch.setenv("FLASHRT_RECORD", str(manifest))
+    with pytest.warns(cache.CacheWarning, match=r"cannot record kernel variants in FLASHRT_RECORD=.*a JSON dict") \
+            as record:
+        assert cache.lookup(SPEC)[1] == "compiled"
+        assert cache.lookup(OTHER)[1] == "compiled"
+    assert len(_cache_warnings(record)) == 1 and manifest.read_text() == '{"mine": true}'
+
+
+def test_no_compile_miss_is_recorded_and_names_the_manifest_route(cache_dir, monkeypatch, tmp_path):
+    manifest = tmp_path / "m.json"
+    monkeypatch.setenv("FLASHRT_RECORD", str(manifest))
+    monkeypatch.setenv("FLASHRT_NO_COMPILE", "1")
+    with pytest.raises(cache.CacheMiss) as miss:
+        cache.lookup(SPEC)
+    message = str(miss.value)
+    assert SPEC.name in message and "FLASHRT_RECORD=" in message and "flashrt prewarm --manifest " in message
+    assert _manifest_names(manifest) == [SPEC.name]
+
+
+def test_processes_recording_into_one_manifest(cache_dir, tmp_path):
+    """Four processes look up overlapping variants (small elementwise kernels) and record into one file at once: it
+    ends with every variant once, as valid JSON."""
+    manifest = tmp_path / "m.json"
+    code = ("import sys; from flashrt import cache, tiles\n"
+            "for d in map(int, sys.argv[1:]):\n"
+            "    for f in ('bwd_preprocess', 'bwd_dq_convert'):\n"
+            "        cache.lookup(tiles.tiling(f, d, 'bf16', False, 'sm_80', 166912))\n")
+    env = {**os.environ, "FLASHRT_CACHE_DIR": str(cache_dir), "FLASHRT_RECORD": str(manifest),
+           "PYTHONPATH": str(REPO)}
+    dims = [[8, 16, 24], [16, 24, 32], [24, 32, 40], [8, 40, 48]]
+    procs = [subprocess.Popen([sys.executable, "-c", code, *map(str, d)], env=env, stderr=subprocess.PIPE, text=True)
+             for d in dims]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs) and not any("Warning" in e for e in errors), errors
+    names = _manifest_names(manifest)
+    assert len(names) == len(set(names)) == 2 * 6
+    assert names == sorted(names)
+
+
+def test_spec_fields_round_trip_and_mask_mod_entries_are_not_stale():
+    from flashrt import tiles
+    spec = tiles.tiling("fwd", 64, "bf16", True, "sm_80", 166912, 16 | 2, "doc[q] == doc[k]", ("doc",))
+    fields = json.loads(json.dumps(cache.spec_fields(spec)))  # through a file: mod_tensors is a list
+    assert fields["mod_tensors"] == ["doc"] and cache.spec_from_fields(fields) == spec
+    assert cache.spec_from_fields(fields).name == spec.name
+    assert not cache.is_stale({"spec": fields, "key": cache.entry_key(spec)})
+    for bad, message in ((dict(fields, causal="yes"), "field causal must be bool"),
+                         (dict(fields, mod_tensors="doc"), "field mod_tensors must be a list of strings"),
+                         ({k: v for k, v in fields.items() if k != "arch"}, "missing fields arch"),
+                         (dict(fields, family="fwd_v2"), "unknown kernel family 'fwd_v2'")):
+        with pytest.raises(ValueError, match=message):
+            cache.spec_from_fields(bad)
+
+
+def test_clear_counts_entries_apart_from_their_locks(cache_dir):
+    cache.lookup(SPEC)
+    cache.lookup(OTHER)
+    assert len(list(cache_dir.glob("*.lock"))) == 2
+    assert cache.clear_counts() == {"entries": 2, "other": 2}
+    assert cache.clear_counts() == {"entries": 0, "other": 0}
+
+
+def test_exported_lists_the_usable_variants(cache_dir, monkeypatch):
+    cache.lookup(SPEC)
+    cache.lookup(KernelSpec(**dict(SPEC.key_fields(), arch="sm_86")))
+    with monkeypatch.context() as older:
+        older.setattr(cache, "__version__", "0.0.1")
+        cache.lookup(THIRD)
+    (cache_dir / "flashrt_junk-0123456789abcdef.cubin").write_bytes(b"junk")
+    variants, skipped = cache.exported()
+    assert [cache.spec_from_fields(f).name for f in variants] == sorted([SPEC.name, SPEC.name[:-5] + "sm_86"])
+    assert skipped == {"stale": 1, "unusable": 1, "other_arch": 0, "no_spec": 0}
+    variants, skipped = cache.exported("sm_80")
+    assert [cache.spec_from_fields(f) for f in variants] == [SPEC] and skipped["other_arch"] == 1

@@ -101,6 +101,30 @@ def test_sdpa_entry_refuses_what_flashrt_does_not_compute(kwargs, match):
         flashrt.torch.scaled_dot_product_attention(*_cpu_bhsd(), **kwargs)
 
 
+def test_sdpa_entry_mask_error_points_to_flashrt_attentions_masks():
+    q, k, v = _cpu_bhsd()
+    with pytest.raises(ValueError) as info:
+        flashrt.torch.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    msg = str(info.value)
+    assert "full or causal attention only" not in msg
+    for keyword in ("flashrt.attention", "window=", "seqlens_q=", "block_ids_q", "segment_ids_q", "mask_mod=",
+                    "attn_mask=None", "is_causal=True", "torch.nn.attention.bias"):
+        assert keyword in msg, keyword
+
+
+def test_meta_and_host_tensors_are_named_as_such():
+    q = torch.empty(2, 5, 8, 64, device="meta", dtype=BF16)
+    lse = torch.empty(2, 8, 5, device="meta")
+    with pytest.raises(ValueError, match=r"q is a meta tensor \(a shape and dtype with no data\); flashrt computes on "
+                                         r"CUDA tensors"):
+        flashrt.forward(q, q, q)
+    with pytest.raises(ValueError, match=r"[a-z]+ is a meta tensor \(a shape and dtype with no data\)"):
+        flashrt.backward(q, q, q, q, q, lse)
+    cpu = torch.empty(2, 5, 8, 64, dtype=BF16)
+    with pytest.raises(ValueError, match=r"q is in host memory; flashrt needs CUDA tensors: move it with q\.cuda\(\)"):
+        flashrt.forward(cpu, cpu, cpu)
+
+
 def test_sdpa_entry_checks_causal_biases():
     from torch.nn.attention.bias import causal_lower_right
     q, k, v = _cpu_bhsd(Sq=3, Sk=5)

@@ -1,6 +1,5 @@
-"""A non-editable install carries kernels_cu/ inside the package."""
+"""A non-editable install carries kernels_cu/ inside the package, py.typed, and the licence in its metadata."""
 import importlib.metadata
-import importlib.util
 import subprocess
 import sys
 import zipfile
@@ -10,12 +9,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _can_build_offline() -> bool:
-    """setuptools >= 70.1 (or the wheel package) can build a wheel without downloading anything."""
+    """The installed setuptools meets pyproject.toml's build requirement (>= 77: PEP 639 licence metadata) and
+    builds wheels by itself (>= 70.1), so the build needs no download."""
     try:
         major, minor = (int(x) for x in importlib.metadata.version("setuptools").split(".")[:2])
     except (importlib.metadata.PackageNotFoundError, ValueError):
         return False
-    return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
+    return (major, minor) >= (77, 0)
 
 
 def test_wheel_contains_kernel_sources(tmp_path):
@@ -31,3 +31,11 @@ def test_wheel_contains_kernel_sources(tmp_path):
     assert not any("probe" in n for n in names), "the probes are not the library's"
     assert "flashrt/cache.py" in names and "flashrt/cli.py" in names
     assert any(n.endswith("entry_points.txt") for n in names)
+    assert "flashrt/py.typed" in names
+    dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+    licences = [n for n in names if n.startswith(dist_info + "/") and n.rsplit("/", 1)[-1] == "LICENSE"]
+    assert licences, f"no LICENSE in {dist_info}"
+    with zipfile.ZipFile(wheel) as zf:
+        assert zf.read(licences[0]) == (REPO / "LICENSE").read_bytes()
+        metadata = zf.read(f"{dist_info}/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata and "Classifier: Typing :: Typed" in metadata
