@@ -1,5 +1,5 @@
 // Hopper wgmma unit probes (sm_90a only; not used by the library), compiled with -D defines by
-// scripts/probe_sm90.py:
+// scripts/probes/probe_sm90.py:
 //
 //   probe_gemm  (-DPROBE_N=64|128 -DPROBE_K=<multiple of 64> -DPROBE_TRANS_B=0|1 -DPROBE_A_REGS=0|1)
 //     One warpgroup, one tile: C[64 x N] (fp32, row-major) =
