@@ -30,16 +30,19 @@ def _get(name: str) -> str | None:
     return None if value is None else os.environ.decodevalue(value)
 
 
+def _text(name: str) -> str | None:
+    """A variable's value, stripped; None when unset or blank."""
+    return (_get(name) or "").strip() or None
+
+
 def cache_dir() -> str | None:
     """FLASHRT_CACHE_DIR: where compiled cubins live (default: the platformdirs user cache dir)."""
-    value = os.environ.get("FLASHRT_CACHE_DIR", "").strip()
-    return value or None
+    return _text("FLASHRT_CACHE_DIR")
 
 
 def nvrtc() -> str | None:
     """FLASHRT_NVRTC=12, 13 or a library's path: the NVRTC to load (default: the installed CuPy's CUDA major, else the driver's, else the newest found)."""
-    value = os.environ.get("FLASHRT_NVRTC", "").strip()
-    return value or None
+    return _text("FLASHRT_NVRTC")
 
 
 def no_compile() -> bool:
@@ -64,9 +67,7 @@ def no_tma() -> bool:
 
 def record() -> str | None:
     """FLASHRT_RECORD=<path>: every kernel variant this process looks up is added to the JSON manifest at <path> (merged with what it holds), for `flashrt prewarm --manifest <path>`."""
-    value = _get("FLASHRT_RECORD")
-    value = (value or "").strip()
-    return value or None
+    return _text("FLASHRT_RECORD")
 
 
 VARIABLES = {

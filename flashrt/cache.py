@@ -250,7 +250,8 @@ def lookup(spec: KernelSpec) -> tuple[bytes, str]:
 
 @contextlib.contextmanager
 def _file_lock(path: Path, name: str):
-    """Exclusive lock on `path`.lock across processes; yields False when the folder is not writable."""
+    """Exclusive lock on `path`.lock across processes (a cache entry's compile, a manifest's read-merge-write: `name`
+    says which, in the warning after LOCK_TIMEOUT_S); yields False when the folder is not writable."""
     lock = Path(str(path) + ".lock")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -276,8 +277,8 @@ def _wait_for(fd: int, lock: Path, name: str) -> None:
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 _warn_once(f"lock:{lock}", f"flashrt: waited {LOCK_TIMEOUT_S:.0f}s for the lock {lock}: a live "
-                                           f"process has been compiling {name} all that time (slow or hung; a "
-                                           f"killed one releases its lock); compiling {name} here as well")
+                                           f"process has held it for {name} all that time (slow or hung; a "
+                                           f"killed one releases its lock); going on with {name} here as well")
                 return
             time.sleep(delay)
             delay = min(2 * delay, 0.2)
@@ -417,25 +418,11 @@ def _manifest_bytes(entries: list) -> bytes:
     return ("[\n" + ",\n".join(lines) + "\n]\n").encode() if lines else b"[]\n"
 
 
-@contextlib.contextmanager
-def _manifest_lock(path: Path):
-    """An flock of `path`.lock (a sidecar: the manifest itself is replaced by each write) for a read-merge-write."""
-    fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        if fcntl is not None:
-            with contextlib.suppress(OSError):  # a file system without flock: go on without the lock
-                fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def merge_manifest(path, entries: list) -> int:
     """Add `entries` (field dicts) to the manifest at `path` (created with its folder if missing), under its lock,
     written atomically; returns how many variants it then holds. ValueError if the file is not a manifest."""
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _manifest_lock(path):
+    with _file_lock(path, f"the manifest {path}"):  # (it makes the folder)
         held = read_manifest(path)
         known = {_canonical(f) for f in held}
         new = [f for f in entries if _canonical(f) not in known]
@@ -447,8 +434,7 @@ def merge_manifest(path, entries: list) -> int:
 def write_manifest(path, entries: list) -> int:
     """Write exactly `entries` (field dicts) as the manifest at `path`, atomically; returns how many variants."""
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _manifest_lock(path):
+    with _file_lock(path, f"the manifest {path}"):  # (it makes the folder)
         _atomic_write(path, _manifest_bytes(entries))
     return len({_canonical(f) for f in entries})
 

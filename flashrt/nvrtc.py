@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
-import importlib.metadata
 import os
 import re
 import site
@@ -144,6 +143,7 @@ def _cupy_cuda() -> tuple[int, str] | None:
             return v // 1000, f"CuPy's CUDA {v // 1000}.{v % 1000 // 10} runtime"
         except Exception:  # a partly imported or broken CuPy: ask the metadata
             pass
+    import importlib.metadata  # (here, not at import: it costs ~30 ms, and only the first compile asks)
     found = []
     for dist, major in _CUPY_WHEELS.items():
         try:
