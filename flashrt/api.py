@@ -333,7 +333,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
     if impl == "auto":
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90")
-    main = _kernel_for("bwd_fused" if impl == "fused" else dkdv_family, D, Q, m, dev)
+    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits)
+    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, D, Q, m, dev)
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else tiles.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
@@ -344,9 +345,10 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * D))
     if impl == "fused":
         scratch.append(("dq_accum", m.total_q * H * D))  # zeroed by bwd_preprocess
-        if deterministic:
+        p["dq_swizzle"] = int(fused_family == "bwd_fused_sm90")
+        if deterministic:  # a counter per query tile
             allocs.append(_Alloc(("dq_sem",), (m.B, H, -(-m.Sq // main.block_m)), "i32", 0))
-        families = ["bwd_preprocess", "bwd_fused", "bwd_dq_convert"]
+        families = ["bwd_preprocess", fused_family, "bwd_dq_convert"]
     elif dq_family == "bwd_dq_sm90":  # it computes delta and lse2 (bwd_preprocess's work) for the dK/dV pass
         families = [dq_family, dkdv_family]
     else:

@@ -29,6 +29,7 @@ FAMILIES = {
     "bwd_dkdv_sm90": ("sm90/bwd_dkdv_sm90.cu", params.BWD, {}),
     "bwd_dkdv_reduce": ("helpers/bwd_dkdv_reduce.cu", params.BWD, {}),
     "bwd_fused": ("sm80/bwd_dkdv.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # dK/dV + atomic dQ
+    "bwd_fused_sm90": ("sm90/bwd_dkdv_sm90.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # ... with wgmma, TMA reduce-add dQ
     "bwd_dq_convert": ("helpers/bwd_dq_convert.cu", params.BWD, {}),
     # mask_mod: the tile map (the expression evaluated per pair), then the tile lists (ModLists) made
     # from it, per query tile (fwd, bwd_dq) and per key tile (bwd_dkdv, bwd_fused)
@@ -41,13 +42,13 @@ FAMILIES = {
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
 ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
 # Key-parallel families (bwd_dkdv.cu, bwd_dkdv_sm90.cu): grid over key tiles (KeyTile in params.cuh).
-KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90")
+KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90", "bwd_fused_sm90")
 # Query-parallel families: grid over query tiles (QueryTile in params.cuh).
 QUERY_PARALLEL = ("fwd", "fwd_sm90", "fwd_sm90_ws", "bwd_dq", "bwd_dq_sm90")
 # wgmma families (sm_90a only; kernels_cu/common/wgmma.cuh) and the head_dims each has a variant at (layout_problem
 # rejects the others; tiles.applies chooses among them).
 SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128), "bwd_dq_sm90": (64, 128, 192, 256),
-                  "bwd_dkdv_sm90": (64, 128, 192, 256)}
+                  "bwd_dkdv_sm90": (64, 128, 192, 256), "bwd_fused_sm90": (64, 128)}
 # mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
 # (tiles.classifier_spec); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
 # The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
@@ -177,7 +178,8 @@ class KernelSpec:
         if self.family in SM90_HEAD_DIMS:
             if self.arch != "sm_90a" or self.head_dim not in SM90_HEAD_DIMS[self.family]:
                 return f"{self.family} is for sm_90a at head_dim {', '.join(map(str, SM90_HEAD_DIMS[self.family]))}"
-            if self.family == "bwd_dkdv_sm90":  # 64 keys per warpgroup, or one warpgroup per gradient above 128
+            if self.family in ("bwd_dkdv_sm90", "bwd_fused_sm90"):  # 64 keys per warpgroup, or one warpgroup per
+                # gradient above 128
                 bn_sm90 = 128 if self.head_dim <= 128 else 64
                 return None if (bm, bn, nw) == (64, bn_sm90, 8) else f"block_m 64, block_n {bn_sm90}, 8 warps"
             if self.family == "bwd_dq_sm90" and self.head_dim > 128 and bn != 64:
@@ -234,6 +236,8 @@ class KernelSpec:
             stages = 3 if self.head_dim == 64 else 2  # head_dim 64: pipelined (bwd_dkdv_sm90.cu)
             xch = 128 * (bm // 2) * 4 if self.head_dim > 128 else 0  # fp32 P^T between the warpgroups
             return (2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + xch + 1024
+        if self.family == "bwd_fused_sm90":  # K, V + 2 stages of (Q, dO, lse2, delta) + dS^T + 2 fp32 dQ tiles
+            return (2 * bn + 4 * bm) * self.head_dim * 2 + 4 * bm * 4 + bn * bm * 2 + 2 * bm * self.head_dim * 4 + 1024
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)

@@ -82,6 +82,13 @@ def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> 
                  for sm90, mma in (("bwd_dq_sm90", "bwd_dq"), ("bwd_dkdv_sm90", "bwd_dkdv")))
 
 
+def fused_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> str:
+    """The fused backward's kernel family: the wgmma one (bwd_fused_sm90, head_dim 64 / 128) on Hopper where it fits,
+    else the mma.sync one (FLASHRT_NO_SM90=1: always)."""
+    return "bwd_fused_sm90" if _sm90_fits("bwd_fused_sm90", head_dim, arch, smem_limit, _env.no_sm90(), mask) \
+        else "bwd_fused"
+
+
 @functools.cache
 def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: bool, mask: int = 0) -> bool:
     """The wgmma `family` has a kernel here (applies) whose smallest tiling fits `smem_limit`."""
@@ -150,6 +157,8 @@ _PREFERENCES = {
     # block, H200 S 512-8k; causal and lengths variants spill: SPILL_ALLOWANCE)
     "bwd_dq_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (256, [(128, 64, 8)])],
     "bwd_dkdv_sm90": [(128, [(64, 128, 8)]), (256, [(64, 64, 8)])],
+    # fused wgmma backward (dK/dV + dQ by bulk reduce-add; head_dim 64, 128): the dK/dV kernel's tiles
+    "bwd_fused_sm90": [(128, [(64, 128, 8)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
         (224, [(128, 32, 8), (64, 32, 4)]),
@@ -209,6 +218,7 @@ _FALLBACKS = {
     "fwd_sm90_ws": [],
     "bwd_dq_sm90": [],
     "bwd_dkdv_sm90": [],
+    "bwd_fused_sm90": [],
     "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "bwd_dkdv": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
     "bwd_fused": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],

@@ -75,11 +75,12 @@ struct BwdParams {
     u16* dk;
     u16* dv;
     float* dkv_partial;  // splits > 1: fp32 (2, splits, B, Hkv, Sk, D) dK then dV partials
-    float* dq_accum;     // fused backward: fp32 (B, H, Sq, D) unscaled dQ, zeroed by bwd_preprocess
+    float* dq_accum;     // fused backward: fp32 (B, H, Sq, D) unscaled dQ, zeroed by bwd_preprocess (dq_swizzle)
     int* dq_sem;         // fused + deterministic: (B, H, ceil(Sq/BM)) key tiles added so far, zeroed
     int splits;          // blocks that share one key tile's (query head, query tile) pairs
     int sched_pairs;     // causal bwd_dq: (batch entry, head) pairs per chunk of blocks (query_block); 0: none
     int sched_key_pairs; // causal key-parallel kernels: (batch entry, grid row) pairs per chunk (key_block); 0: none
+    int dq_swizzle;      // bwd_fused_sm90: dq_accum rows hold their 16-byte chunks permuted (bwd_dkdv_sm90.cu: add_dq)
     // Masks (kernels_cu/attention/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
     // offsets, (B, S) or packed (total,) non-decreasing ids.
     const int* seqlens_q;

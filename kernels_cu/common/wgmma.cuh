@@ -181,6 +181,22 @@ FRT_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n
 // writing thread fences after cp.async.wait_group, then a barrier, then the wgmma.
 FRT_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Bulk reduce-add (PTX ISA 9.7.9.25.4.2, cp.reduce.async.bulk, non-tensor form): `bytes` (a multiple of 16) of fp32 at
+// shared address s added element-wise into global memory at g (both 16-byte aligned) by the TMA unit, atomically per
+// element. The shared data was written through the generic proxy: fenced (fence_proxy_async) by its writers, then a
+// barrier, before the issue. Completion is tracked per thread in bulk groups: commit closes the issued ones into a
+// group; wait_read<N> returns once at most N of the thread's groups still read shared memory (their source may be
+// rewritten), wait<N> once at most N are incomplete (their adds performed).
+FRT_DEVICE void bulk_reduce_add_f32(float* g, u32 s, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(g), "r"(s), "r"(bytes) : "memory");
+}
+FRT_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+FRT_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory"); }
+template <int N>
+FRT_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory"); }
+
 // Compiler-only fence on accumulator registers: the wgmma asm statements "write" them when
 // issued, but the values exist only after wgmma_wait. Passing every register through an
 // empty volatile asm after the wait (and before the issue) keeps the compiler from moving
@@ -274,7 +290,7 @@ struct Ring {
 };
 
 // ---------------------------------------------------------------------------------------
-// wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16, N = 64 or 128.
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16, N = 32 to 256.
 //
 // Accumulator layout (PTX ISA Figure "WGMMA .m64nNk16 register fragment layout for
 // accumulator matrix D"): warp w (0-3) of the warpgroup owns rows 16w..16w+15; with
@@ -292,15 +308,17 @@ struct Ring {
 //             pack(d[8kk+4], d[8kk+5]), pack(d[8kk+6], d[8kk+7])}.
 //
 // Operands: d (accumulator, in/out), a-desc or a regs, b-desc, scale-d (predicate: false
-// gives D = A*B, ignoring d's old value), imm-scale-a = imm-scale-b = 1, imm-trans-a = 0
-// (A K-major), imm-trans-b = TRANS_B (0: B K-major, 1: B MN-major, e.g. V in P V).
+// gives D = A*B, ignoring d's old value), imm-scale-a = imm-scale-b = 1, imm-trans-a = TRANS_A
+// (shared A only; 0: A K-major, 1: MN-major), imm-trans-b = TRANS_B (0: B K-major, 1: B MN-major, e.g. V in P V).
 // ---------------------------------------------------------------------------------------
 #define FRT_WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
                      "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FRT_WG_D16 FRT_WG_D8(0), FRT_WG_D8(8)
 #define FRT_WG_D32 FRT_WG_D8(0), FRT_WG_D8(8), FRT_WG_D8(16), FRT_WG_D8(24)
 #define FRT_WG_D64 FRT_WG_D32, FRT_WG_D8(32), FRT_WG_D8(40), FRT_WG_D8(48), FRT_WG_D8(56)
 #define FRT_WG_D96 FRT_WG_D64, FRT_WG_D8(64), FRT_WG_D8(72), FRT_WG_D8(80), FRT_WG_D8(88)
 #define FRT_WG_D128 FRT_WG_D96, FRT_WG_D8(96), FRT_WG_D8(104), FRT_WG_D8(112), FRT_WG_D8(120)
+#define FRT_WG_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FRT_WG_R32                                                                                         \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
     "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -313,11 +331,11 @@ struct Ring {
 // One wgmma m64nNk16 with f32 accumulators; TY is the operand type (bf16 or f16), A from
 // shared memory (descriptor) or registers (four 16x2-bit registers, layout above).
 #define FRT_WG_TY(BF16) ((BF16) ? "bf16" : "f16")
-#define FRT_WG_SS(SHAPE, TY, R, D, IA, IB, IP, IT)                                              \
+#define FRT_WG_SS(SHAPE, TY, R, D, IA, IB, IP, ITA, IT)                                         \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                             \
                  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " R ", " IA ", " IB \
-                 ", p, 1, 1, 0, " IT ";\n}\n"                                                   \
-                 : D : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B))
+                 ", p, 1, 1, " ITA ", " IT ";\n}\n"                                              \
+                 : D : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A), "n"(TRANS_B))
 #define FRT_WG_RS(SHAPE, TY, R, D, IA, IB, IP, IT)                                              \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                             \
                  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " R ", " IA ", " IB \
@@ -339,19 +357,24 @@ struct Ring {
     "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, " \
     "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 
-// A from shared memory (descriptor), B from shared memory (descriptor).
-template <int N, int TRANS_B, bool BF16 = true>
+// A from shared memory (descriptor), B from shared memory (descriptor). TRANS_A = 1: A MN-major (M contiguous,
+// desc_mn_major; 16-bit types only), e.g. dS^T stored [key][query] read as dS for dQ = dS K.
+template <int N, int TRANS_B, bool BF16 = true, int TRANS_A = 0>
 FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d) {
-    static_assert(N == 64 || N == 128, "wgmma_ss: N = 64 or 128");
-    static_assert(TRANS_B == 0 || TRANS_B == 1, "wgmma_ss: TRANS_B is 0 or 1");
-    if constexpr (N == 64 && BF16)
-        FRT_WG_SS("m64n64k16", "bf16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35");
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma_ss: N = 32, 64 or 128");
+    static_assert((TRANS_A == 0 || TRANS_A == 1) && (TRANS_B == 0 || TRANS_B == 1), "wgmma_ss: TRANS_A/B are 0 or 1");
+    if constexpr (N == 32 && BF16)
+        FRT_WG_SS("m64n32k16", "bf16", FRT_WG_R16, FRT_WG_D16, "%16", "%17", "%18", "%19", "%20");
+    else if constexpr (N == 32)
+        FRT_WG_SS("m64n32k16", "f16", FRT_WG_R16, FRT_WG_D16, "%16", "%17", "%18", "%19", "%20");
+    else if constexpr (N == 64 && BF16)
+        FRT_WG_SS("m64n64k16", "bf16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35", "%36");
     else if constexpr (N == 64)
-        FRT_WG_SS("m64n64k16", "f16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35");
+        FRT_WG_SS("m64n64k16", "f16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35", "%36");
     else if constexpr (BF16)
-        FRT_WG_SS("m64n128k16", "bf16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67");
+        FRT_WG_SS("m64n128k16", "bf16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67", "%68");
     else
-        FRT_WG_SS("m64n128k16", "f16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67");
+        FRT_WG_SS("m64n128k16", "f16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67", "%68");
 }
 
 // A from registers (four 16x2-bit registers, layout above), B from shared memory (descriptor).
@@ -400,12 +423,14 @@ FRT_DEVICE void wgmma_abt(float (&acc)[N / 2], const u32 (&a)[KSTEPS][4], u32 s_
 #undef FRT_WG_SS
 #undef FRT_WG_RS
 #undef FRT_WG_D8
+#undef FRT_WG_D16
 #undef FRT_WG_D32
 #undef FRT_WG_D64
 #undef FRT_WG_D96
 #undef FRT_WG_D128
 #undef FRT_WG_R96
 #undef FRT_WG_R128
+#undef FRT_WG_R16
 #undef FRT_WG_R32
 #undef FRT_WG_R64
 
@@ -471,6 +496,20 @@ FRT_DEVICE void acc_to_sw128(u32 s_rows, const float (&d)[N / 2], float scale, i
         asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" :: "r"(at), "r"(v[0]), "r"(v[1]),
                      "r"(v[2]), "r"(v[3]));
     }
+}
+
+// A warpgroup's A fragments of k-steps 0 .. K / 16 - 1 (acc_to_a_frag's layout: 64 rows, K columns) into its 64
+// rows of a sw128 tile of ROWS rows (s_rows: its first row), by stmatrix as acc_to_sw128 stores: fragment kk is
+// acc_to_sw128's store of column blocks 2 kk, 2 kk + 1.
+template <int ROWS, int K>
+FRT_DEVICE void a_frags_to_sw128(u32 s_rows, const u32 (&a)[K / 16][4], int w, int g, int t) {
+    const int lane = 4 * g + t, mat = lane >> 3;
+    const int row = 16 * w + 8 * (mat & 1) + (lane & 7);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(s_rows + sw128_offset<ROWS>(row, 2 * kk + (mat >> 1))), "r"(a[kk][0]), "r"(a[kk][1]),
+                     "r"(a[kk][2]), "r"(a[kk][3]));
 }
 
 // Epilogue, step 2: rows [0, rows_valid) of a warpgroup's 64 rows of a sw128 tile (ROWS rows, COLS

@@ -1,4 +1,4 @@
-// Attention backward, last step of the fused variant (see bwd_dkdv.cu):
+// Attention backward, last step of the fused variants (bwd_dkdv.cu, bwd_dkdv_sm90.cu):
 //   dQ = scale * dq_accum, cast to 16-bit and written through dq's strides.
 // One thread per 8 consecutive head_dim elements of one (b, h, query) row.
 #include "attention/params.cuh"
@@ -16,8 +16,10 @@ __device__ void bwd_dq_convert(const BwdParams& p) {
         const int i = (int)(row % p.Sq);
         const i64 bh = row / p.Sq;
         const int h = (int)(bh % p.H), b = (int)(bh / p.H);
-        const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * T::D + col);
-        const float4 lo = src[0], hi = src[1];
+        // bwd_fused_sm90: the row's 16-byte chunks are permuted, chunk c at c ^ (row % 8) (bwd_dkdv_sm90.cu: add_dq)
+        const int sw = p.dq_swizzle ? (int)(row & 7) : 0, chunk = col >> 2;
+        const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * T::D);
+        const float4 lo = src[chunk ^ sw], hi = src[(chunk + 1) ^ sw];
         uint4 out;
         out.x = Elem<T::BF16>::pack(lo.x * p.scale, lo.y * p.scale);
         out.y = Elem<T::BF16>::pack(lo.z * p.scale, lo.w * p.scale);

@@ -29,8 +29,26 @@
 // of the thread with its index in warpgroup 0, which holds the same elements), forms dS^T and
 // accumulates dK += dS^T Q. Both halves are two of the four matmuls, and warpgroup 0's dV wgmma
 // runs while warpgroup 1 forms dS^T.
+//
+// Fused (FRT_FUSED_DQ=1, family bwd_fused_sm90; head_dim 64 and 128, the unpipelined loop): the block also adds
+// each pair's dQ contribution dS K (64 queries x D, k = its 128 keys) into the fp32 buffer dq_accum, five matmuls
+// where the split pair (this kernel and bwd_dq_sm90) runs seven. Each warpgroup stores its dS^T fragments (16-bit,
+// the A operands of dK) by stmatrix into its 64 rows of a [key][query] sw128 tile; after a barrier of the block,
+// warpgroup w computes columns [w D/2, (w + 1) D/2) of the pair's dQ with an SS wgmma (A = that tile read
+// MN-major, i.e. transposed: dS; B = the K tile's columns, MN-major) while its dV / dK wgmmas run and stages them
+// (fp32) in one of two staging tiles; one thread then adds the tile's rows into dq_accum with one TMA bulk
+// reduce-add (cp.reduce.async.bulk .add.f32: atomic per element, no register traffic; one op per pair: an op per
+// row ran the backward at 0.72x the speed, docs/perf-notes.md: Backward: fused wgmma). bwd_preprocess zeroes the
+// buffer, bwd_dq_convert un-permutes, scales and casts it (add_dq: the permutation).
+// Ordered (dq_sem set; deterministic=True): the key tiles that see a query tile add into it in key-tile order, as
+// bwd_dkdv.cu's fused variant orders them: a counter per (batch, head, query tile); key tile n's adding thread waits
+// until it reads n, adds, waits for the add to complete and sets it to n + 1.
 #include "attention/params.cuh"
 #include "common/wgmma.cuh"
+
+#ifndef FRT_FUSED_DQ
+#define FRT_FUSED_DQ 0
+#endif
 
 namespace frt {
 
@@ -43,7 +61,8 @@ struct DkdvSm90Traits {
     // alone at head_dim 64; causal alone at 128 ran 3-5% slower so (H200, docs/perf-notes.md: Tile skipping and element tests).
     static constexpr bool INTERVALS = MASK != 0 || D <= 64;
     static constexpr bool ROLES = D > 128;  // one warpgroup per gradient (see the top of the file)
-    static constexpr bool PIPELINED = D == 64;  // dV / dK of a pair under the next's exponentials (top)
+    static constexpr bool FUSED = FRT_FUSED_DQ;  // dQ added into dq_accum as well (top)
+    static constexpr bool PIPELINED = D == 64 && !FUSED;  // dV / dK of a pair under the next's exponentials (top)
     static constexpr int STAGES = PIPELINED ? 3 : 2;  // query stages (Q, dO, lse2, delta)
     static_assert(D == 64 || D == 128 || D == 192 || D == 256, "bwd_dkdv_sm90: head_dim 64, 128, 192 or 256");
     static_assert(BM == 64, "bwd_dkdv_sm90: query tiles of 64 rows (S^T is one m64n64 accumulator)");
@@ -54,8 +73,13 @@ struct DkdvSm90Traits {
     static constexpr int STAGE_BYTES = 2 * QT_BYTES;      // Q, then dO (both stay 1024-byte aligned)
     static constexpr int STAT_STAGE_BYTES = 2 * BM * 4;   // lse2[BM], then delta[BM]
     static constexpr int XCH_BYTES = ROLES ? 128 * (BM / 2) * 4 : 0;  // P^T from warpgroup 0 to 1, fp32
-    static constexpr int SMEM =
-        2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + XCH_BYTES + sm90::kAtomBytes;
+    static_assert(!FUSED || !ROLES, "bwd_fused_sm90: head_dim 64 or 128");
+    // FUSED: the dS^T tile (BN keys x BM queries, 16-bit), then two staging tiles of the pair's dQ (BM x D fp32,
+    // add_dq); each warpgroup computes DQ_N of its columns.
+    static constexpr int DQ_N = D / 2, DQ_TILE_BYTES = BM * D * 4;
+    static constexpr int DS_BYTES = FUSED ? BN * BM * 2 : 0, DQ_BYTES = FUSED ? 2 * DQ_TILE_BYTES : 0;
+    static constexpr int SMEM = 2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + XCH_BYTES + DS_BYTES +
+                                DQ_BYTES + sm90::kAtomBytes;
 };
 
 // Pair `it`'s query tile (Q, dO) and its lse2 / delta into one pipeline stage: the tiles at sQ (dO
@@ -187,6 +211,52 @@ FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&d
     for (int kk = 0; kk < F; ++kk) sm90::fence_operand(pa[kk]), sm90::fence_operand(dsa[kk]);
 }
 
+// Fused: the pair (h, m)'s dQ (64 queries x D, in two warpgroups' accumulators dq: DQ_N columns each) into
+// dq_accum, by one bulk reduce-add of its rows inside the sequence. The tile is staged at s_tile as those rows are laid
+// out in dq_accum (row-major, D floats a row), but with each row's 16-byte chunks permuted: chunk c of buffer row R
+// at c ^ (R % 8) (dq_swizzle_of; bwd_dq_convert.cu reads them back so), which spreads a warp's float2 stores (eight
+// rows, four threads each) over all banks. One thread issues the add once both warpgroups have staged; ordered
+// (dq_sem), in key-tile order (top of the file). The staging tile is rewritten two pairs later, after that thread's
+// bulk_wait_read<1> at the top of the next pair.
+template <class T, class Tile>
+FRT_DEVICE void add_dq(const BwdParams& p, const Tile& tile, int h, int m, const float (&dq)[T::DQ_N / 2], u32 s_tile,
+                       int tid, int wg, int w, int g, int t) {
+    constexpr int N = T::DQ_N, BM = T::BM, D = T::D;
+    const int m0 = m * BM;
+    const i64 row0 = (i64)tile.b * p.st_sb + (i64)h * p.st_sh + tile.vis.q_row0 + m0;  // dq_accum row of tile row 0
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = 16 * w + g + 8 * hh, sw = (int)((row0 + r) & 7);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+            const int chunk = (wg * N + 8 * j + 2 * t) >> 2;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                         :: "r"(s_tile + r * D * 4 + ((chunk ^ sw) << 4) + (t & 1) * 8), "f"(dq[4 * j + 2 * hh]),
+                         "f"(dq[4 * j + 2 * hh + 1]) : "memory");
+        }
+    }
+    sm90::fence_proxy_async();  // the staged rows -> visible to the bulk copy (async proxy)
+    if (tid >= 32) {
+        sm90::bar_arrive<5, 256>();
+        return;
+    }
+    sm90::bar_wait<5, 256>();  // both warpgroups have staged the tile
+    if (tid != 0) return;
+    const int rows = min(BM, tile.vis.Lq - m0);
+    int* sem = p.dq_sem ? p.dq_sem + ((i64)tile.b * p.H + h) * ceil_div(p.Sq, BM) + m : nullptr;
+    const int turn = sem ? tile.n_block - tile.vis.first_key_tile_of(m, BM, T::BN) : 0;
+    if (sem)
+        while (ld_acquire(sem) != turn) {
+        }
+    if (rows > 0) sm90::bulk_reduce_add_f32(p.dq_accum + row0 * D, s_tile, rows * D * 4);
+    sm90::bulk_commit();
+    if (sem) {
+        sm90::bulk_wait<0>();  // the adds are performed
+        __threadfence();
+        st_release(sem, turn + 1);
+    }
+}
+
 template <class T>
 __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     using namespace sm90;
@@ -197,6 +267,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     const u32 sQdO = sV + T::KV_BYTES;  // stage s: Q at sQdO + s * STAGE_BYTES, dO QT_BYTES after
     const u32 sStat = sQdO + T::STAGES * T::STAGE_BYTES;  // stage s: lse2[BM], delta[BM] at sStat + s * STAT_STAGE_BYTES
     const u32 sXch = sStat + T::STAGES * T::STAT_STAGE_BYTES;  // ROLES: P^T, float4 q of thread i at (q * 128 + i) * 16
+    const u32 sdS = sXch + T::XCH_BYTES;  // FUSED: dS^T [key][query], then the dQ staging tiles
+    const u32 sDQ = sdS + T::DS_BYTES;    // staging tile x at sDQ + x * DQ_TILE_BYTES
     const float* stat_base = reinterpret_cast<const float*>(smem + (sStat - smem_base));
 
     const int tid = threadIdx.x, lane = tid & 31, wtid = tid & 127;
@@ -231,10 +303,13 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     // P^T and dS^T as A fragments (PIPELINED: the previous pair's, and its stage, for its dV / dK wgmmas).
     u32 pa[BM / 16][4], dsa[BM / 16][4];
     u32 sQ_prev = 0;
+    int dq_buf = 0;  // FUSED: the dQ staging tile of this pair
     // PIPELINED: this warpgroup's K and V rows as A fragments, once K / V have landed.
     u32 ka[T::PIPELINED ? D / 16 : 1][4], va[T::PIPELINED ? D / 16 : 1][4];
     for (int it = it_begin, stage = 0; it < it_end; ++it, stage = stage + 1 == T::STAGES ? 0 : stage + 1) {
         cp_async_wait<0>();
+        if constexpr (T::FUSED)
+            if (tid == 0) bulk_wait_read<1>();  // the dQ staging tile of this pair was read (add_dq)
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
         // Every thread's writes landed; both warpgroups finished the wgmmas that read the next stage
         // (the previous pair's; PIPELINED: the one before, its dV / dK waited for in the previous
@@ -324,8 +399,10 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             const u32 hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0u;
             // A pair that hides every one of this warpgroup's keys (causal: the diagonal's first query
             // tile, for the upper 64 keys) adds nothing to them: the other warpgroup has the tensor
-            // cores to itself. (No block barrier follows in this iteration.)
-            if (pr.partial && (wg == 0 ? warpgroup_all<1>(hidden == ~0u) : warpgroup_all<2>(hidden == ~0u))) continue;
+            // cores to itself. (No block barrier follows in this iteration; fused, the dQ of the pair needs both.)
+            if constexpr (!T::FUSED)
+                if (pr.partial && (wg == 0 ? warpgroup_all<1>(hidden == ~0u) : warpgroup_all<2>(hidden == ~0u)))
+                    continue;
             float s[BM / 2], dp[BM / 2];
             wgmma_fence();  // orders the dK / dV accumulator writes (zeroing, last pair) before the wgmmas
             wgmma_abt<BM, BN, D / 16, T::BF16>(s, sKw, sQ);
@@ -345,11 +422,34 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);
 
+            if constexpr (T::FUSED) {  // dS^T into this warpgroup's rows of the dS^T tile (dQ's A operand)
+                a_frags_to_sw128<BN, BM>(sdS + wg * KEYS_WG * kSwizzleBytes, dsa, w, g, t);
+                fence_proxy_async();
+            }
             wgmma_fence();  // orders the pa / dsa writes before the wgmmas that read them
             mma_dv_dk<T>(acc, pa, dsa, sQ);
             wgmma_commit();
-            wgmma_wait<0>();
-            fence_acc_and_frags(acc, pa, dsa);
+            if constexpr (T::FUSED) {
+                bar_wait<4, 256>();  // both warpgroups' dS^T are in shared memory
+                // This warpgroup's DQ_N columns of dS K: A = dS^T read MN-major (dS), B = the K tile's columns
+                // (MN-major, k = key); under the dV / dK wgmmas.
+                float dq[T::DQ_N / 2];
+                const u32 sKcols = sK + (D == 128 ? wg * BN * kSwizzleBytes : wg * T::DQ_N * 2);
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk)
+                    wgmma_ss<T::DQ_N, 1, T::BF16, 1>(dq, desc_mn_major<BN>(sdS, kk), desc_mn_major<BN>(sKcols, kk),
+                                                      kk > 0);
+                wgmma_commit();
+                wgmma_wait<1>();
+                fence_acc_and_frags(acc, pa, dsa);
+                wgmma_wait<0>();
+                fence_operand(dq);
+                add_dq<T>(p, tile, pr.h, pr.m, dq, sDQ + dq_buf * T::DQ_TILE_BYTES, tid, wg, w, g, t);
+                dq_buf ^= 1;
+            } else {
+                wgmma_wait<0>();
+                fence_acc_and_frags(acc, pa, dsa);
+            }
         }
     }
     if constexpr (T::PIPELINED) {
@@ -362,6 +462,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
         }
     }
     cp_async_wait<0>();  // the last (empty) group
+    if constexpr (T::FUSED)
+        if (tid == 0) bulk_wait<0>();  // the dQ adds have read their staging tiles and are performed
     const int rows_wg = tile.rows - KEYS_WG * wg;
 
     if (p.splits > 1) {
