@@ -98,11 +98,22 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
                for bm, bn, nw, mb in candidates(family, head_dim)) <= smem_limit
 
 
-def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False) -> str:
-    """The faster backward for a head_dim: "fused" or "split" (flashrt.backward's impl="auto").
+# Where the wgmma fused backward (bwd_fused_sm90, unordered) beats the wgmma split pair: head_dim 128, and with
+# causal masks from this query length on (docs/perf-notes.md: Backward: fused wgmma, H200: 1.19x at S=16k, 1.14x at
+# 4k, 1.10x at 1k non-causal; causal 1.07x at 16k, 1.02x at 4k, 0.95x at 1k). Its ordered form runs at 0.66-0.81x the
+# split pair everywhere, and at head_dim 64 the split pair's pipelined dK/dV keeps it ahead: split there.
+FUSED_WGMMA_CAUSAL_MIN_SQ = 4096
 
-    `wgmma_split`: the split pair is the wgmma one (split_families): split, whose two kernels
-    outrun the mma.sync fused kernel (H200 measurements in docs/perf-notes.md: Backward: impl choice and determinism).
+
+def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
+                  fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0) -> str:
+    """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
+
+    `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
+    (fused_family). Then split, but for deterministic=False at head_dim 128 with no id or mask_mod masks (`mask`,
+    MASK_BITS: not measured there), causal only from FUSED_WGMMA_CAUSAL_MIN_SQ query rows (`seqlen_q`) on: fused.
+    With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
+    measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
     scripts/kernel_times.py):
     unordered, the fused kernel's five matmuls beat the split pair's seven up to head_dim
@@ -112,6 +123,10 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
     `ordered_ok`: whether the mask lets the fused kernel order its dQ additions (masks.Masking).
     """
     if wgmma_split:
+        plain = not mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"])
+        if (fused_wgmma and not deterministic and head_dim == 128 and plain
+                and (not causal or seqlen_q >= FUSED_WGMMA_CAUSAL_MIN_SQ)):
+            return "fused"
         return "split"
     if deterministic:
         if not ordered_ok:

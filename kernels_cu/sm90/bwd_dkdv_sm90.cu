@@ -36,7 +36,7 @@
 // the A operands of dK) by stmatrix into its 64 rows of a [key][query] sw128 tile; after a barrier of the block,
 // warpgroup w computes columns [w D/2, (w + 1) D/2) of the pair's dQ with an SS wgmma (A = that tile read
 // MN-major, i.e. transposed: dS; B = the K tile's columns, MN-major) while its dV / dK wgmmas run and stages them
-// (fp32) in one of two staging tiles; one thread then adds the tile's rows into dq_accum with one TMA bulk
+// (fp32) in a staging tile; one thread then adds the tile's rows into dq_accum with one TMA bulk
 // reduce-add (cp.reduce.async.bulk .add.f32: atomic per element, no register traffic; one op per pair: an op per
 // row ran the backward at 0.72x the speed, docs/perf-notes.md: Backward: fused wgmma). bwd_preprocess zeroes the
 // buffer, bwd_dq_convert un-permutes, scales and casts it (add_dq: the permutation).
@@ -63,7 +63,11 @@ struct DkdvSm90Traits {
     static constexpr bool ROLES = D > 128;  // one warpgroup per gradient (see the top of the file)
     static constexpr bool FUSED = FRT_FUSED_DQ;  // dQ added into dq_accum as well (top)
     static constexpr bool PIPELINED = D == 64 && !FUSED;  // dV / dK of a pair under the next's exponentials (top)
-    static constexpr int STAGES = PIPELINED ? 3 : 2;  // query stages (Q, dO, lse2, delta)
+    // Query stages (Q, dO, lse2, delta), loaded LOOKAHEAD pairs ahead: FUSED, two or three (one pair ahead, its loads
+    // arrived late with a dQ add in flight; the unfused loops gained nothing from two: docs/perf-notes.md: Backward:
+    // fused wgmma); PIPELINED reads the previous pair's stage as well.
+    static constexpr int LOOKAHEAD = FUSED ? 2 : 1;
+    static constexpr int STAGES = LOOKAHEAD + 1 + (PIPELINED ? 1 : 0);
     static_assert(D == 64 || D == 128 || D == 192 || D == 256, "bwd_dkdv_sm90: head_dim 64, 128, 192 or 256");
     static_assert(BM == 64, "bwd_dkdv_sm90: query tiles of 64 rows (S^T is one m64n64 accumulator)");
     static_assert(NW == 8 && BN == (ROLES ? 64 : 128),
@@ -74,10 +78,12 @@ struct DkdvSm90Traits {
     static constexpr int STAT_STAGE_BYTES = 2 * BM * 4;   // lse2[BM], then delta[BM]
     static constexpr int XCH_BYTES = ROLES ? 128 * (BM / 2) * 4 : 0;  // P^T from warpgroup 0 to 1, fp32
     static_assert(!FUSED || !ROLES, "bwd_fused_sm90: head_dim 64 or 128");
-    // FUSED: the dS^T tile (BN keys x BM queries, 16-bit), then two staging tiles of the pair's dQ (BM x D fp32,
+    // FUSED: the dS^T tile (BN keys x BM queries, 16-bit), then the staging tile of the pair's dQ (BM x D fp32,
     // add_dq); each warpgroup computes DQ_N of its columns.
     static constexpr int DQ_N = D / 2, DQ_TILE_BYTES = BM * D * 4;
-    static constexpr int DS_BYTES = FUSED ? BN * BM * 2 : 0, DQ_BYTES = FUSED ? 2 * DQ_TILE_BYTES : 0;
+    static constexpr int DS_BYTES = FUSED ? BN * BM * 2 : 0, DQ_BYTES = FUSED ? DQ_TILE_BYTES : 0;
+    static_assert((2 * KV_BYTES + STAGES * STAGE_BYTES + DS_BYTES) % sm90::kAtomBytes == 0,
+                  "bwd_dkdv_sm90: the swizzled tiles (K, V, the stages, dS^T) start on 1024-byte boundaries");
     static constexpr int SMEM = 2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + XCH_BYTES + DS_BYTES +
                                 DQ_BYTES + sm90::kAtomBytes;
 };
@@ -214,10 +220,10 @@ FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&d
 // Fused: the pair (h, m)'s dQ (64 queries x D, in two warpgroups' accumulators dq: DQ_N columns each) into
 // dq_accum, by one bulk reduce-add of its rows inside the sequence. The tile is staged at s_tile as those rows are laid
 // out in dq_accum (row-major, D floats a row), but with each row's 16-byte chunks permuted: chunk c of buffer row R
-// at c ^ (R % 8) (dq_swizzle_of; bwd_dq_convert.cu reads them back so), which spreads a warp's float2 stores (eight
+// at c ^ (R % 8) (BwdParams::dq_swizzle; bwd_dq_convert.cu reads them back so), which spreads a warp's float2 stores (eight
 // rows, four threads each) over all banks. One thread issues the add once both warpgroups have staged; ordered
-// (dq_sem), in key-tile order (top of the file). The staging tile is rewritten two pairs later, after that thread's
-// bulk_wait_read<1> at the top of the next pair.
+// (dq_sem), in key-tile order (top of the file). The next pair rewrites the staging tile after that thread's
+// bulk_wait_read<0> (before the dS^T barrier).
 template <class T, class Tile>
 FRT_DEVICE void add_dq(const BwdParams& p, const Tile& tile, int h, int m, const float (&dq)[T::DQ_N / 2], u32 s_tile,
                        int tid, int wg, int w, int g, int t) {
@@ -265,10 +271,10 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     const u32 smem_base = smem_u32(smem);
     const u32 sK = align_atom(smem_base), sV = sK + T::KV_BYTES;
     const u32 sQdO = sV + T::KV_BYTES;  // stage s: Q at sQdO + s * STAGE_BYTES, dO QT_BYTES after
-    const u32 sStat = sQdO + T::STAGES * T::STAGE_BYTES;  // stage s: lse2[BM], delta[BM] at sStat + s * STAT_STAGE_BYTES
+    const u32 sdS = sQdO + T::STAGES * T::STAGE_BYTES;  // FUSED: dS^T [key][query] (1024-byte aligned, as the tiles)
+    const u32 sDQ = sdS + T::DS_BYTES;                   // FUSED: the dQ staging tile
+    const u32 sStat = sDQ + T::DQ_BYTES;  // stage s: lse2[BM], delta[BM] at sStat + s * STAT_STAGE_BYTES
     const u32 sXch = sStat + T::STAGES * T::STAT_STAGE_BYTES;  // ROLES: P^T, float4 q of thread i at (q * 128 + i) * 16
-    const u32 sdS = sXch + T::XCH_BYTES;  // FUSED: dS^T [key][query], then the dQ staging tiles
-    const u32 sDQ = sdS + T::DS_BYTES;    // staging tile x at sDQ + x * DQ_TILE_BYTES
     const float* stat_base = reinterpret_cast<const float*>(smem + (sStat - smem_base));
 
     const int tid = threadIdx.x, lane = tid & 31, wtid = tid & 127;
@@ -284,6 +290,12 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     load_tile_sw128<BN, D, NT>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.live, tid);
     if (it_begin < it_end) load_query_stage<T>(p, tile, it_begin, sQdO, sStat, tid);
     cp_async_commit();  // one group: K, V and the first query tile
+#pragma unroll
+    for (int a = 1; a < T::LOOKAHEAD; ++a) {  // and one for each of the next LOOKAHEAD - 1
+        if (it_begin + a < it_end)
+            load_query_stage<T>(p, tile, it_begin + a, sQdO + a * T::STAGE_BYTES, sStat + a * T::STAT_STAGE_BYTES, tid);
+        cp_async_commit();
+    }
 
     // This warpgroup's 64 keys: rows 64 wg.. of every column block of the K and V tiles (ROLES: all
     // 64 of them). Its accumulators (wgmma.cuh layout): S^T / dP^T element [4 j + 2 hh + e] is key
@@ -303,22 +315,21 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     // P^T and dS^T as A fragments (PIPELINED: the previous pair's, and its stage, for its dV / dK wgmmas).
     u32 pa[BM / 16][4], dsa[BM / 16][4];
     u32 sQ_prev = 0;
-    int dq_buf = 0;  // FUSED: the dQ staging tile of this pair
     // PIPELINED: this warpgroup's K and V rows as A fragments, once K / V have landed.
     u32 ka[T::PIPELINED ? D / 16 : 1][4], va[T::PIPELINED ? D / 16 : 1][4];
     for (int it = it_begin, stage = 0; it < it_end; ++it, stage = stage + 1 == T::STAGES ? 0 : stage + 1) {
-        cp_async_wait<0>();
-        if constexpr (T::FUSED)
-            if (tid == 0) bulk_wait_read<1>();  // the dQ staging tile of this pair was read (add_dq)
+        cp_async_wait<T::LOOKAHEAD - 1>();  // this pair's stage (not the next one's)
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
         // Every thread's writes landed; both warpgroups finished the wgmmas that read the next stage
         // (the previous pair's; PIPELINED: the one before, its dV / dK waited for in the previous
         // iteration; ROLES: P^T was read as well), so that stage, Q / dO / lse2 / delta alike, may be
         // refilled, and P^T rewritten.
         __syncthreads();
-        const int next = stage + 1 == T::STAGES ? 0 : stage + 1;
-        if (it + 1 < it_end)
-            load_query_stage<T>(p, tile, it + 1, sQdO + next * T::STAGE_BYTES, sStat + next * T::STAT_STAGE_BYTES, tid);
+        // the stage LOOKAHEAD after this one (the pair before this one's; PIPELINED, the one before that)
+        const int next = T::LOOKAHEAD == 1 ? (stage + 1 == T::STAGES ? 0 : stage + 1) : (stage + T::LOOKAHEAD) % T::STAGES;
+        if (it + T::LOOKAHEAD < it_end)
+            load_query_stage<T>(p, tile, it + T::LOOKAHEAD, sQdO + next * T::STAGE_BYTES,
+                                sStat + next * T::STAT_STAGE_BYTES, tid);
         cp_async_commit();
         const u32 sQ = sQdO + stage * T::STAGE_BYTES, sdO = sQ + T::QT_BYTES;
         const float* s_lse2 = stat_base + stage * (T::STAT_STAGE_BYTES / 4);
@@ -415,8 +426,11 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
-
-            wgmma_wait<0>();
+            // dV += P^T dO now, under dS^T's arithmetic (FUSED: 1.03-1.05x, docs/perf-notes.md: Backward: fused wgmma)
+            wgmma_fence();
+            wgmma_rs_mn<D, BM, T::BF16>(acc[1], pa, sdO);
+            wgmma_commit();
+            wgmma_wait<1>();  // dP^T is complete (dV may not be)
             fence_operand(dp);
             ds_from_dp<BM>(dp, s, s_delta, t);
 #pragma unroll
@@ -426,11 +440,12 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 a_frags_to_sw128<BN, BM>(sdS + wg * KEYS_WG * kSwizzleBytes, dsa, w, g, t);
                 fence_proxy_async();
             }
-            wgmma_fence();  // orders the pa / dsa writes before the wgmmas that read them
-            mma_dv_dk<T>(acc, pa, dsa, sQ);
+            wgmma_fence();  // orders the dsa writes before the wgmma that reads them
+            wgmma_rs_mn<D, BM, T::BF16>(acc[0], dsa, sQ);  // dK += dS^T Q
             wgmma_commit();
             if constexpr (T::FUSED) {
-                bar_wait<4, 256>();  // both warpgroups' dS^T are in shared memory
+                if (tid == 0) bulk_wait_read<0>();  // the previous pair's add has read the staging tile (add_dq)
+                bar_wait<4, 256>();  // both warpgroups' dS^T are in shared memory, the staging tile is free
                 // This warpgroup's DQ_N columns of dS K: A = dS^T read MN-major (dS), B = the K tile's columns
                 // (MN-major, k = key); under the dV / dK wgmmas.
                 float dq[T::DQ_N / 2];
@@ -444,8 +459,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 fence_acc_and_frags(acc, pa, dsa);
                 wgmma_wait<0>();
                 fence_operand(dq);
-                add_dq<T>(p, tile, pr.h, pr.m, dq, sDQ + dq_buf * T::DQ_TILE_BYTES, tid, wg, w, g, t);
-                dq_buf ^= 1;
+                add_dq<T>(p, tile, pr.h, pr.m, dq, sDQ, tid, wg, w, g, t);
             } else {
                 wgmma_wait<0>();
                 fence_acc_and_frags(acc, pa, dsa);
