@@ -236,10 +236,8 @@ class KernelSpec:
             stages = 3 if self.head_dim == 64 else 2  # head_dim 64: pipelined (bwd_dkdv_sm90.cu)
             xch = 128 * (bm // 2) * 4 if self.head_dim > 128 else 0  # fp32 P^T between the warpgroups
             return (2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + xch + 1024
-        if self.family == "bwd_fused_sm90":  # K, V + stages of (Q, dO, lse2, delta) + dS^T + the fp32 dQ tile
-            stages = 4 if self.head_dim == 64 else 3  # LOOKAHEAD + 1 (bwd_dkdv_sm90.cu)
-            return ((2 * bn + 2 * stages * bm) * self.head_dim * 2 + 2 * stages * bm * 4 + bn * bm * 2
-                    + bm * self.head_dim * 4 + 1024)
+        if self.family == "bwd_fused_sm90":  # K, V + 3 stages of (Q, dO, lse2, delta) + dS^T + the fp32 dQ tile
+            return (2 * bn + 6 * bm) * self.head_dim * 2 + 6 * bm * 4 + bn * bm * 2 + bm * self.head_dim * 4 + 1024
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)
