@@ -30,14 +30,15 @@ def test_missing_nvrtc_names_the_pip_extra(monkeypatch, reload_nvrtc):
     def not_found(*args, **kwargs):
         raise OSError("no such library")
 
+    major = nvrtc._cupy_cuda()[0]  # CuPy is installed (and imported by conftest): cupy-cuda12x here, 13x on the GPU
     monkeypatch.setattr(pathfinder, "load_nvidia_dynamic_lib", not_found)
     monkeypatch.setattr(ctypes, "CDLL", not_found)
     with pytest.raises(nvrtc.NvrtcUnavailable) as info:
         nvrtc.version()
     msg = str(info.value)
-    # cupy-cuda12x is installed (and imported by conftest): the extra of its CUDA major, from an index and a checkout
-    assert 'pip install "flashrt[cuda12]"' in msg and 'pip install ".[cuda12]"' in msg and "CuPy" in msg
-    assert "libnvrtc.so.12: no such library" in msg  # says what was tried
+    # the extra of CuPy's CUDA major, from an index and a checkout
+    assert f'pip install "flashrt[cuda{major}]"' in msg and f'pip install ".[cuda{major}]"' in msg and "CuPy" in msg
+    assert f"libnvrtc.so.{major}: no such library" in msg  # says what was tried
     assert "cuda.pathfinder: no such library" in msg
 
     nvrtc._lib.cache_clear()
