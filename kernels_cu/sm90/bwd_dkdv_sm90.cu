@@ -63,6 +63,8 @@ struct DkdvSm90Traits {
     static constexpr bool ROLES = D > 128;  // one warpgroup per gradient (see the top of the file)
     static constexpr bool FUSED = FRT_FUSED_DQ;  // dQ added into dq_accum as well (top)
     static constexpr bool PIPELINED = D == 64 && !FUSED;  // dV / dK of a pair under the next's exponentials (top)
+    // K and V rows as the register A operands of S^T and dP^T (sw128_to_a_frags, 32 registers at head_dim 64)
+    static constexpr bool KV_REGS = D == 64;
     // Query stages (Q, dO, lse2, delta), loaded LOOKAHEAD pairs ahead: FUSED, two or three (one pair ahead, its loads
     // arrived late with a dQ add in flight; the unfused loops gained nothing from two: docs/perf-notes.md: Backward:
     // fused wgmma); PIPELINED reads the previous pair's stage as well.
@@ -315,8 +317,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     // P^T and dS^T as A fragments (PIPELINED: the previous pair's, and its stage, for its dV / dK wgmmas).
     u32 pa[BM / 16][4], dsa[BM / 16][4];
     u32 sQ_prev = 0;
-    // PIPELINED: this warpgroup's K and V rows as A fragments, once K / V have landed.
-    u32 ka[T::PIPELINED ? D / 16 : 1][4], va[T::PIPELINED ? D / 16 : 1][4];
+    // KV_REGS: this warpgroup's K and V rows as A fragments, once K / V have landed.
+    u32 ka[T::KV_REGS ? D / 16 : 1][4], va[T::KV_REGS ? D / 16 : 1][4];
     for (int it = it_begin, stage = 0; it < it_end; ++it, stage = stage + 1 == T::STAGES ? 0 : stage + 1) {
         cp_async_wait<T::LOOKAHEAD - 1>();  // this pair's stage (not the next one's)
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
@@ -415,10 +417,22 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 if (pr.partial && (wg == 0 ? warpgroup_all<1>(hidden == ~0u) : warpgroup_all<2>(hidden == ~0u)))
                     continue;
             float s[BM / 2], dp[BM / 2];
+            if constexpr (T::KV_REGS) {
+                if (it == it_begin) {  // K and V landed with the first pair's group
+                    sw128_to_a_frags<BN, D>(sKw, ka, w, g, t);
+                    sw128_to_a_frags<BN, D>(sVw, va, w, g, t);
+                }
+            }
             wgmma_fence();  // orders the dK / dV accumulator writes (zeroing, last pair) before the wgmmas
-            wgmma_abt<BM, BN, D / 16, T::BF16>(s, sKw, sQ);
-            wgmma_commit();
-            wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
+            if constexpr (T::KV_REGS) {
+                wgmma_abt<BM, D / 16, T::BF16>(s, ka, sQ);
+                wgmma_commit();
+                wgmma_abt<BM, D / 16, T::BF16>(dp, va, sdO);
+            } else {
+                wgmma_abt<BM, BN, D / 16, T::BF16>(s, sKw, sQ);
+                wgmma_commit();
+                wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
+            }
             wgmma_commit();
 
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)
