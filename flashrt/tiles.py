@@ -98,20 +98,22 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
                for bm, bn, nw, mb in candidates(family, head_dim)) <= smem_limit
 
 
-# Where the wgmma fused backward (bwd_fused_sm90, unordered) beats the wgmma split pair: head_dim 128, and with
-# causal masks from this query length on (docs/perf-notes.md: Backward: fused wgmma, H200: 1.19x at S=16k, 1.14x at
+# Where the wgmma fused backward (bwd_fused_sm90, unordered) beats the wgmma split pair: head_dim 128 without GQA, and
+# with causal masks from this query length on (docs/perf-notes.md: Backward: fused wgmma, H200: 1.19x at S=16k, 1.14x at
 # 4k, 1.10x at 1k non-causal; causal 1.07x at 16k, 1.02x at 4k, 0.95x at 1k). Its ordered form runs at 0.66-0.81x the
 # split pair everywhere, and at head_dim 64 the split pair's pipelined dK/dV keeps it ahead: split there.
 FUSED_WGMMA_CAUSAL_MIN_SQ = 4096
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
-                  fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0) -> str:
+                  fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0,
+                  group: int = 1) -> str:
     """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
 
     `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
-    (fused_family). Then split, but for deterministic=False at head_dim 128 with no id or mask_mod masks (`mask`,
-    MASK_BITS: not measured there), causal only from FUSED_WGMMA_CAUSAL_MIN_SQ query rows (`seqlen_q`) on: fused.
+    (fused_family). Then split, but for deterministic=False at head_dim 128 without GQA / MQA (`group`: query heads
+    per KV head; GQA 32/8 at 8k causal ran at 0.96x the split pair) and with no id or mask_mod masks (`mask`,
+    MASK_BITS: not measured), causal only from FUSED_WGMMA_CAUSAL_MIN_SQ query rows (`seqlen_q`) on: fused.
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -124,7 +126,7 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
     """
     if wgmma_split:
         plain = not mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"])
-        if (fused_wgmma and not deterministic and head_dim == 128 and plain
+        if (fused_wgmma and not deterministic and head_dim == 128 and plain and group == 1
                 and (not causal or seqlen_q >= FUSED_WGMMA_CAUSAL_MIN_SQ)):
             return "fused"
         return "split"
