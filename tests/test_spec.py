@@ -296,7 +296,7 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
     assert tiles.split_families(128, "sm_80", SMEM_OPTIN[80]) == mma       # not Hopper
     assert tiles.split_families(128, "sm_90a", 100 * 1024) == mma          # does not fit
     # auto takes the split pair when it is the wgmma one, deterministic or not, any mask; with the wgmma fused kernel
-    # too, fused only for deterministic=False at head_dim 128 (causal from FUSED_WGMMA_CAUSAL_MIN_SQ), no id masks, no GQA
+    # too, fused only for deterministic=False at head_dim 128 (causal from FUSED_WGMMA_CAUSAL_MIN_SQ), no ids, no GQA
     for det in (False, True):
         for ordered_ok in (False, True):
             assert tiles.backward_impl(128, det, ordered_ok, wgmma_split=True) == "split"

@@ -63,11 +63,12 @@ struct DkdvSm90Traits {
     static constexpr bool ROLES = D > 128;  // one warpgroup per gradient (see the top of the file)
     static constexpr bool FUSED = FRT_FUSED_DQ;  // dQ added into dq_accum as well (top)
     static constexpr bool PIPELINED = D == 64 && !FUSED;  // dV / dK of a pair under the next's exponentials (top)
-    // K and V rows as the register A operands of S^T and dP^T (sw128_to_a_frags, 32 registers at head_dim 64)
+    // K and V rows as the register A operands of S^T and dP^T (sw128_to_a_frags, 32 registers at head_dim 64; fused:
+    // 1.04-1.06x, docs/perf-notes.md: Backward: fused wgmma)
     static constexpr bool KV_REGS = D == 64;
-    // Query stages (Q, dO, lse2, delta), loaded LOOKAHEAD pairs ahead: FUSED, two or three (one pair ahead, its loads
-    // arrived late with a dQ add in flight; the unfused loops gained nothing from two: docs/perf-notes.md: Backward:
-    // fused wgmma); PIPELINED reads the previous pair's stage as well.
+    // Query stages (Q, dO, lse2, delta), loaded LOOKAHEAD pairs ahead: FUSED, two (one pair ahead, its loads arrived
+    // late with a dQ add in flight; the unfused loops gained nothing from two, nor the fused one from three at head_dim
+    // 64: docs/perf-notes.md: Backward: fused wgmma); PIPELINED reads the previous pair's stage as well.
     static constexpr int LOOKAHEAD = FUSED ? 2 : 1;
     static constexpr int STAGES = LOOKAHEAD + 1 + (PIPELINED ? 1 : 0);
     static_assert(D == 64 || D == 128 || D == 192 || D == 256, "bwd_dkdv_sm90: head_dim 64, 128, 192 or 256");
@@ -222,10 +223,10 @@ FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&d
 // Fused: the pair (h, m)'s dQ (64 queries x D, in two warpgroups' accumulators dq: DQ_N columns each) into
 // dq_accum, by one bulk reduce-add of its rows inside the sequence. The tile is staged at s_tile as those rows are laid
 // out in dq_accum (row-major, D floats a row), but with each row's 16-byte chunks permuted: chunk c of buffer row R
-// at c ^ (R % 8) (BwdParams::dq_swizzle; bwd_dq_convert.cu reads them back so), which spreads a warp's float2 stores (eight
-// rows, four threads each) over all banks. One thread issues the add once both warpgroups have staged; ordered
-// (dq_sem), in key-tile order (top of the file). The next pair rewrites the staging tile after that thread's
-// bulk_wait_read<0> (before the dS^T barrier).
+// at c ^ (R % 8) (BwdParams::dq_swizzle; bwd_dq_convert.cu reads them back so), which spreads a warp's float2
+// stores (eight rows, four threads each) over all banks. One thread issues the add once both warpgroups have staged;
+// ordered (dq_sem), in key-tile order (top of the file). The next pair rewrites the staging tile after that
+// thread's bulk_wait_read<0> (before the dS^T barrier).
 template <class T, class Tile>
 FRT_DEVICE void add_dq(const BwdParams& p, const Tile& tile, int h, int m, const float (&dq)[T::DQ_N / 2], u32 s_tile,
                        int tid, int wg, int w, int g, int t) {
@@ -328,7 +329,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
         // refilled, and P^T rewritten.
         __syncthreads();
         // the stage LOOKAHEAD after this one (the pair before this one's; PIPELINED, the one before that)
-        const int next = T::LOOKAHEAD == 1 ? (stage + 1 == T::STAGES ? 0 : stage + 1) : (stage + T::LOOKAHEAD) % T::STAGES;
+        const int next =
+            T::LOOKAHEAD == 1 ? (stage + 1 == T::STAGES ? 0 : stage + 1) : (stage + T::LOOKAHEAD) % T::STAGES;
         if (it + T::LOOKAHEAD < it_end)
             load_query_stage<T>(p, tile, it + T::LOOKAHEAD, sQdO + next * T::STAGE_BYTES,
                                 sStat + next * T::STAT_STAGE_BYTES, tid);
