@@ -100,7 +100,7 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
 
 # Where the wgmma fused backward (bwd_fused_sm90, unordered) beats the wgmma split pair: head_dim 128 without GQA, and
 # with causal masks from this query length on (docs/perf-notes.md: Backward: fused wgmma, H200: 1.19x at S=16k, 1.16x at
-# 4k, 1.11x at 1k non-causal; causal 1.07x at 16k, 1.02x at 4k, 0.96x at 1k). Its ordered form runs at 0.57-0.81x the
+# 4k, 1.11x at 1k non-causal; causal 1.07x at 16k, 1.02x at 4k, 0.96x at 1k). Its ordered form runs at 0.64-0.96x the
 # split pair everywhere, and at head_dim 64 the split pair's pipelined dK/dV keeps it ahead or level: split there.
 FUSED_WGMMA_CAUSAL_MIN_SQ = 4096
 

@@ -232,6 +232,14 @@ FRT_DEVICE int3 key_block(int chunk) {
     }
     return make_int3(blockIdx.x, blockIdx.y, blockIdx.z);
 }
+// Key tile t of every (batch entry, grid row) before key tile t + 1 of any (chunked_order in one chunk): the
+// ordered fused dQ's order (bwd_dkdv_sm90.cu), where key tile t waits for t - 1 of its row: the blocks running
+// together are few key tiles of many rows, so few wait on each other.
+FRT_DEVICE int3 key_block_tile_major() {
+    const int pairs = gridDim.y * gridDim.z;
+    const ChunkedItem c = chunked_order<false>(linear_block(), gridDim.x, pairs, pairs);
+    return make_int3(c.t, c.pair % gridDim.y, c.pair / gridDim.y);
+}
 
 // The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid
 // (ceil(Sq/BM), H, B); fwd_sm90: work_item) owns, and the n_blocks key tiles it visits: those of [n_first,

@@ -42,7 +42,7 @@
 // buffer, bwd_dq_convert un-permutes, scales and casts it (add_dq: the permutation).
 // Ordered (dq_sem set; deterministic=True): the key tiles that see a query tile add into it in key-tile order, as
 // bwd_dkdv.cu's fused variant orders them: a counter per (batch, head, query tile); key tile n's adding thread waits
-// until it reads n, adds, waits for the add to complete and sets it to n + 1.
+// until it reads n, adds, and sets it to n + 1 once the add is performed (at its next add: add_dq).
 #include "attention/params.cuh"
 #include "common/wgmma.cuh"
 
@@ -62,6 +62,12 @@ struct DkdvSm90Traits {
     static constexpr bool INTERVALS = MASK != 0 || D <= 64;
     static constexpr bool ROLES = D > 128;  // one warpgroup per gradient (see the top of the file)
     static constexpr bool FUSED = FRT_FUSED_DQ;  // dQ added into dq_accum as well (top)
+    // ... and in key-tile order when asked (dq_sem): not with segment ids or mask_mod, whose key tiles of a query tile
+    // are no prefix (flashrt/masks.py: ordered_dq_ok), so such variants leave that code out
+    static constexpr bool ORDERED = FUSED && !(MASK & (MASK_SEGMENTS | MASK_MOD));
+    // ... its counters released a pair late, the grid key-tile-major (add_dq); with block ids the adds wait for
+    // themselves and the grid keeps its order (the late release spilled 8 bytes at head_dim 128, NVRTC 12.9)
+    static constexpr bool LATE_RELEASE = ORDERED && !(MASK & MASK_BLOCK_IDS);
     static constexpr bool PIPELINED = D == 64 && !FUSED;  // dV / dK of a pair under the next's exponentials (top)
     // K and V rows as the register A operands of S^T and dP^T (sw128_to_a_frags, 32 registers at head_dim 64; fused:
     // 1.04-1.06x, docs/perf-notes.md: Backward: fused wgmma)
@@ -220,6 +226,17 @@ FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&d
     for (int kk = 0; kk < F; ++kk) sm90::fence_operand(pa[kk]), sm90::fence_operand(dsa[kk]);
 }
 
+// Ordered fused: once the adding thread's last add is performed, the counter it holds (held[0]: its index in dq_sem,
+// -1 for none; held[1]: the value; in shared memory, so that no register is kept across the pair loop for it) takes
+// its next value.
+FRT_DEVICE void release_held(const BwdParams& p, int* held) {
+    if (held[0] < 0) return;
+    sm90::bulk_wait<0>();
+    __threadfence();
+    st_release(p.dq_sem + held[0], held[1]);
+    held[0] = -1;
+}
+
 // Fused: the pair (h, m)'s dQ (64 queries x D, in two warpgroups' accumulators dq: DQ_N columns each) into
 // dq_accum, by one bulk reduce-add of its rows inside the sequence. The tile is staged at s_tile as those rows are laid
 // out in dq_accum (row-major, D floats a row), but with each row's 16-byte chunks permuted: chunk c of buffer row R
@@ -227,9 +244,13 @@ FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&d
 // stores (eight rows, four threads each) over all banks. One thread issues the add once both warpgroups have staged;
 // ordered (dq_sem), in key-tile order (top of the file). The next pair rewrites the staging tile after that
 // thread's bulk_wait_read<0> (before the dS^T barrier).
+// Ordered with LATE_RELEASE, the adding thread releases a query tile's counter most of a pair late (`held`: this
+// add's counter and value, released once the add is performed, before the next pair's dS^T barrier: release_held),
+// so that no pair waits for its own add's completion; the grid runs key-tile-major (key_block_tile_major), so few
+// blocks wait on each other. The thread never waits for a turn while it holds a counter.
 template <class T, class Tile>
 FRT_DEVICE void add_dq(const BwdParams& p, const Tile& tile, int h, int m, const float (&dq)[T::DQ_N / 2], u32 s_tile,
-                       int tid, int wg, int w, int g, int t) {
+                       int tid, int wg, int w, int g, int t, int* held) {
     constexpr int N = T::DQ_N, BM = T::BM, D = T::D;
     const int m0 = m * BM;
     const i64 row0 = (i64)tile.b * p.st_sb + (i64)h * p.st_sh + tile.vis.q_row0 + m0;  // dq_accum row of tile row 0
@@ -252,7 +273,7 @@ FRT_DEVICE void add_dq(const BwdParams& p, const Tile& tile, int h, int m, const
     sm90::bar_wait<5, 256>();  // both warpgroups have staged the tile
     if (tid != 0) return;
     const int rows = min(BM, tile.vis.Lq - m0);
-    int* sem = p.dq_sem ? p.dq_sem + ((i64)tile.b * p.H + h) * ceil_div(p.Sq, BM) + m : nullptr;
+    int* sem = T::ORDERED && p.dq_sem ? p.dq_sem + ((i64)tile.b * p.H + h) * ceil_div(p.Sq, BM) + m : nullptr;
     const int turn = sem ? tile.n_block - tile.vis.first_key_tile_of(m, BM, T::BN) : 0;
     if (sem)
         while (ld_acquire(sem) != turn) {
@@ -260,9 +281,13 @@ FRT_DEVICE void add_dq(const BwdParams& p, const Tile& tile, int h, int m, const
     if (rows > 0) sm90::bulk_reduce_add_f32(p.dq_accum + row0 * D, s_tile, rows * D * 4);
     sm90::bulk_commit();
     if (sem) {
-        sm90::bulk_wait<0>();  // the adds are performed
-        __threadfence();
-        st_release(sem, turn + 1);
+        if constexpr (T::LATE_RELEASE) {
+            held[0] = (int)(sem - p.dq_sem), held[1] = turn + 1;
+        } else {
+            sm90::bulk_wait<0>();  // the add is performed
+            __threadfence();
+            st_release(sem, turn + 1);
+        }
     }
 }
 
@@ -282,7 +307,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, wtid = tid & 127;
     const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-    const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, NT);
+    const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(
+        p, T::LATE_RELEASE && p.dq_sem ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs), tid, NT);
     if (tile.rows <= 0) return;
     const int b = tile.b, hk = tile.hk, n0 = tile.n0;
     // (with id masks these come from shared memory; PIPELINED keeps wgmmas in flight across pairs)
@@ -318,6 +344,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     // P^T and dS^T as A fragments (PIPELINED: the previous pair's, and its stage, for its dV / dK wgmmas).
     u32 pa[BM / 16][4], dsa[BM / 16][4];
     u32 sQ_prev = 0;
+    __shared__ int held[2];  // FUSED, ordered: add_dq's counter to release (release_held)
+    if (T::LATE_RELEASE && tid == 0) held[0] = -1;
     // KV_REGS: this warpgroup's K and V rows as A fragments, once K / V have landed.
     u32 ka[T::KV_REGS ? D / 16 : 1][4], va[T::KV_REGS ? D / 16 : 1][4];
     for (int it = it_begin, stage = 0; it < it_end; ++it, stage = stage + 1 == T::STAGES ? 0 : stage + 1) {
@@ -460,7 +488,10 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             wgmma_rs_mn<D, BM, T::BF16>(acc[0], dsa, sQ);  // dK += dS^T Q
             wgmma_commit();
             if constexpr (T::FUSED) {
-                if (tid == 0) bulk_wait_read<0>();  // the previous pair's add has read the staging tile (add_dq)
+                if (tid == 0) {  // the previous pair's add has read the staging tile (add_dq); ordered: is performed
+                    bulk_wait_read<0>();
+                    if constexpr (T::LATE_RELEASE) release_held(p, held);
+                }
                 bar_wait<4, 256>();  // both warpgroups' dS^T are in shared memory, the staging tile is free
                 // This warpgroup's DQ_N columns of dS K: A = dS^T read MN-major (dS), B = the K tile's columns
                 // (MN-major, k = key); under the dV / dK wgmmas.
@@ -475,7 +506,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 fence_acc_and_frags(acc, pa, dsa);
                 wgmma_wait<0>();
                 fence_operand(dq);
-                add_dq<T>(p, tile, pr.h, pr.m, dq, sDQ, tid, wg, w, g, t);
+                add_dq<T>(p, tile, pr.h, pr.m, dq, sDQ, tid, wg, w, g, t, held);
             } else {
                 wgmma_wait<0>();
                 fence_acc_and_frags(acc, pa, dsa);
@@ -492,8 +523,12 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
         }
     }
     cp_async_wait<0>();  // the last (empty) group
-    if constexpr (T::FUSED)
-        if (tid == 0) bulk_wait<0>();  // the dQ adds have read their staging tiles and are performed
+    if constexpr (T::FUSED) {
+        if (tid == 0) {
+            bulk_wait<0>();  // the dQ adds have read their staging tiles and are performed
+            if constexpr (T::LATE_RELEASE) release_held(p, held);
+        }
+    }
     const int rows_wg = tile.rows - KEYS_WG * wg;
 
     if (p.splits > 1) {
