@@ -3,7 +3,7 @@
 spec.py says what a variant is (name, options, shared memory) and which tilings are valid; launch.py loads and
 launches what this module chooses. Sections, in order:
 
-  Families      applies, forward_family, split_families, backward_impl: which kernels run a call.
+  Families      applies, forward_family, split_families, fused_family, backward_impl: which kernels run a call.
   Tilings       kernel_for (a device's kernel; what api.py calls), tiling (the same for an arch and a
                 shared-memory limit), candidates: the tiles and warps of one kernel. tiling walks a
                 preference list for (family, head_dim, mask) and returns the first tiling whose dynamic
