@@ -4,7 +4,9 @@
 
 Points: head_dim x S at 16k tokens (B = 16384 // S) and hidden 2048 (H = 2048 // head_dim), causal and not; --gqa
 adds B1 S8k H32 Hkv8 hd128 causal and the seed shape (B2 S1024 H8 Hkv1 hd256). Implementations: flashrt split
-(deterministic), fused ordered (deterministic), fused unordered, cuDNN, flash (torch SDPA, one backend forced).
+(deterministic), fused ordered (deterministic), fused unordered, cuDNN, flash (torch SDPA, one backend forced), and
+FlashAttention-4 default / deterministic where `flash_attn.cute` imports (../shared/baselines/README.md: how to carry
+it to the GPU machine).
 Backward = torch.autograd.grad of a kept graph (the same path for every implementation), timed with
 triton.testing.do_bench (median) in interleaved rounds; the row keeps the median over rounds. FLOPs: 2.5 x the
 forward's 4 B H S^2 D, halved when causal. Before timing, every flashrt impl's dq / dk / dv are compared with
@@ -24,6 +26,11 @@ from triton.testing import do_bench
 
 import flashrt
 
+try:  # FlashAttention-4 (CuTe DSL), when carried to the machine
+    from flash_attn.cute import flash_attn_func as FA4
+except Exception:  # noqa: BLE001 (any import failure: run without it)
+    FA4 = None
+
 FLASHRT = {"split": dict(impl="split"), "fused-det": dict(impl="fused"),
            "fused": dict(impl="fused", deterministic=False)}
 
@@ -39,7 +46,14 @@ def impls(causal: bool) -> dict:
         return attn
     out["cudnn"] = (sdpa(SDPBackend.CUDNN_ATTENTION), "bhsd")
     out["flash"] = (sdpa(SDPBackend.FLASH_ATTENTION), "bhsd")
+    if FA4 is not None:
+        for name, det in (("fa4", False), ("fa4-det", True)):
+            out[name] = (lambda q, k, v, det=det: _first(FA4(q, k, v, causal=causal, deterministic=det)), "bshd")
     return out
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x
 
 
 def rel(a, b) -> float:
@@ -48,7 +62,7 @@ def rel(a, b) -> float:
 
 def run_point(B, S, H, Hkv, D, causal, rounds) -> dict:
     g = torch.Generator(device="cuda").manual_seed(S + D)
-    make = lambda h: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    make = lambda h: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
     q, k, v, do = make(H), make(Hkv), make(Hkv), make(H)
     row = dict(B=B, S=S, H=H, Hkv=Hkv, D=D, causal=causal)
     flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
@@ -80,10 +94,12 @@ def run_point(B, S, H, Hkv, D, causal, rounds) -> dict:
                 row[f"{name}_error"] = f"gradients off cuDNN's by {err:.2e}"
                 del ready[name]
     times = {name: [] for name in ready}
+    def backward(o, ins, dd):
+        return lambda: torch.autograd.grad(o, ins, dd, retain_graph=True)
+
     for _ in range(rounds):
         for name, (o, qq, kk, vv, dd, _) in ready.items():
-            times[name].append(do_bench(lambda: torch.autograd.grad(o, (qq, kk, vv), dd, retain_graph=True),
-                                        warmup=10, rep=40, return_mode="median"))
+            times[name].append(do_bench(backward(o, (qq, kk, vv), dd), warmup=10, rep=40, return_mode="median"))
     for name, ts in times.items():
         ms = sorted(ts)[len(ts) // 2]
         row[f"{name}_ms"], row[f"{name}_tf"] = ms, flops / ms / 1e9
@@ -112,7 +128,7 @@ def main() -> None:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "bwd_impls.json"), "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
-    names = ["split", "fused-det", "fused", "cudnn", "flash"]
+    names = ["split", "fused-det", "fused", "cudnn", "flash"] + (["fa4-det", "fa4"] if FA4 is not None else [])
     print(f"\n{torch.cuda.get_device_name()}: backward TF/s (peak MiB)")
     print("| B S H Hkv D causal | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
