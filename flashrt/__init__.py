@@ -4,11 +4,14 @@
     dq, dk, dv = flashrt.backward(dout, q, k, v, out, lse, causal=True)
     out = flashrt.attention(q, k, v, causal=True)      # torch autograd
     out = flashrt.torch.scaled_dot_product_attention(q, k, v, is_causal=True)  # torch's (B, H, S, D) SDPA API
+    out = flashrt.decode(q, k_cache, v_cache, cache_seqlens=lens, k=k_new, v=v_new)  # KV-cache decoding
+    out, lse = flashrt.combine(out_parts, lse_parts)  # merge attention over disjoint key ranges
 
 Tensors are (batch, seqlen, heads, head_dim), bf16 or fp16, torch or CuPy.
 """
 from ._version import __version__
 from .api import backward, forward
+from .decode import combine, decode
 
 
 def synchronize() -> None:
@@ -59,4 +62,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "forward", "backward", "attention", "synchronize"]
+__all__ = ["__version__", "forward", "backward", "attention", "decode", "combine", "synchronize"]

@@ -405,7 +405,8 @@ class _Alloc:
 
 
 _PTR = struct.Struct("<Q")
-_ALIGNED = ("q", "k", "v", "o", "dout")  # read as 16-byte vectors (_check_layout); lse is not
+# read as 16-byte vectors (_check_layout); lse is not
+_ALIGNED = ("q", "k", "v", "o", "dout", "k_cache", "v_cache", "k_new", "v_new", "o_part")
 
 
 class _Plan:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import _env, cache, nvrtc, tiles
 from ._version import __version__
-from .spec import ARCH_RE, DTYPES, ELEMENTWISE, FAMILIES, HEAD_DIMS, NO_INPUTS, KernelSpec
+from .spec import ARCH_RE, DTYPES, ELEMENTWISE, FAMILIES, HEAD_DIMS, NO_INPUTS, PACKED_ROWS, KernelSpec
 
 # Opt-in shared memory per block of each arch's flagship parts (CUDA programming guide, compute
 # capabilities table); used to pick tiles when compiling for a GPU that is not present.
@@ -159,8 +159,12 @@ def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=()) -> list[Kern
     combos += [(sum(subset), c) for r in range(1, len(bits) + 1) for subset in itertools.combinations(bits, r)
                for c in ((False, True) if "causal" in masks else (False,))]
     specs = {tiles.tiling(f, d, t, c, arch, smem_limit, mask)  # (mask_mod's classifiers need an expression)
-             for mask, c in combos for f in set(FAMILIES) - set(NO_INPUTS) for d in head_dims for t in dtypes
-             if tiles.applies(f, d, arch, mask) and not (mask and f in ELEMENTWISE)}
+             for mask, c in combos for f in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS) for d in head_dims
+             for t in dtypes if tiles.applies(f, d, arch, mask) and not (mask and f in ELEMENTWISE)
+             and f != "combine_f32"}
+    # (flashrt.combine of fp32 parts: no 16-bit dtype, compiled as bf16 whatever the dtypes)
+    specs.update(tiles.tiling("combine_f32", d, "bf16", False, arch, smem_limit) for d in head_dims)
+    specs.update(s for d in head_dims for t in dtypes for s in tiles.decode_variants(d, t, arch, smem_limit))
     specs.add(tiles.check_spec(arch))
     return sorted(specs, key=lambda s: s.name)
 

@@ -80,6 +80,8 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
         g = (_cdiv(Sq, spec.block_m) * H * B, 1, 1)
     elif spec.family == "fwd_sm90_ws":  # persistent: one block per SM, at most one per work item
         g = (min(_cdiv(Sq, spec.block_m) * H * B, sm_count), 1, 1)
+    elif spec.family == "decode":  # kernels_cu/sm80/decode.cu: (split, KV head x row tile, batch entry); Sq: rows
+        g = (splits, Hkv * _cdiv(H // Hkv * Sq, spec.block_m), B)
     elif spec.family in QUERY_PARALLEL:
         g = (_cdiv(Sq, spec.block_m), H, B)
     elif spec.family in CLASSIFY:  # kernels_cu/helpers/mask_classify.cu; B, H: the lists' batch entries and heads
@@ -93,7 +95,8 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
     elif spec.family in ELEMENTWISE:  # grid-stride loops: enough blocks for the work, at most 32 per SM
         work = {"bwd_preprocess": (B * H * Sq, spec.warps),  # one warp per (b, h, query) row
                 "bwd_dkdv_reduce": (B * Hkv * Sk * spec.head_dim // 8, spec.threads),  # a thread per 8 elements
-                "bwd_dq_convert": (B * H * Sq * spec.head_dim // 8, spec.threads)}[spec.family]
+                "bwd_dq_convert": (B * H * Sq * spec.head_dim // 8, spec.threads)}.get(
+                    spec.family, (B * H * Sq, spec.warps))  # the combines: one warp per row
         g = (max(1, min(_cdiv(*work), 32 * sm_count)), 1, 1)
     else:
         raise ValueError(spec.family)

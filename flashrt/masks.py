@@ -263,7 +263,7 @@ def mask_mod_error(expr: str, tensors: tuple, log: str) -> ValueError:
 def raise_reported() -> None:
     """Raise the failure a device check reported (launch.report_words), if one did since the last was raised."""
     words = launch.REPORT
-    if words is None or not words[0]:
+    if words is None or words[0] <= 0:  # (-1: a kernel is writing a report)
         return
     report = dict(zip(REPORT_WORDS, words))
     words[0] = 0
@@ -272,7 +272,16 @@ def raise_reported() -> None:
 
 def report_message(r: dict) -> str:
     """The error for a device check's report: the rule, where the data break it, and when it was found."""
-    name, failure = ARRAY_ARGS[r["arg"]], CHECK_FAILURES[r["code"] - 1]
+    failure = CHECK_FAILURES[r["code"] - 1]
+    if r["call"] == 4:  # kernels_cu/sm80/decode.cu
+        if failure == "cache_seqlens":
+            text = (f"cache_seqlens[{r['seq']}] = {r['value']} is outside [0, {r['limit']}] (the cache's capacity "
+                    f"less the new tokens appended)")
+        else:
+            text = f"page_table of sequence {r['seq']} holds page id {r['value']}, outside [0, {r['limit']})"
+        return (f"{text}. (Found on the GPU by an earlier flashrt.decode call, which read nothing there and set the "
+                f"rows concerned to NaN; such errors are raised at the next flashrt call or at flashrt.synchronize().)")
+    name = ARRAY_ARGS[r["arg"]]
     side = name[-1]
     cu_rule = f"{name} must start at 0, be non-decreasing and end at most at the packed length"
     if failure == "length":

@@ -21,7 +21,8 @@ MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16
 # The device check's report (kernels_cu/helpers/mask_check.cu; masks.raise_reported reads it): its int32 words in
 # order, and its failures, whose codes are 1, 2, ... in this order (0: none).
 REPORT_WORDS = ("code", "arg", "seq", "pos", "value", "limit", "call")
-CHECK_FAILURES = ("length", "cu_start", "cu_order", "cu_end", "cu_longest", "ids_order")
+CHECK_FAILURES = ("length", "cu_start", "cu_order", "cu_end", "cu_longest", "ids_order",
+                  "cache_seqlens", "page_id")  # (the last two: decode.cu)
 TABLES_HEADER = "flashrt_tables.cuh"
 
 
@@ -91,7 +92,22 @@ CHECK = np.dtype(
     align=True,
 )
 
-C_NAMES = {FWD: "frt::FwdParams", BWD: "frt::BwdParams", CHECK: "frt::CheckParams"}
+# kernels_cu/sm80/decode.cu's and kernels_cu/helpers/combine.cu's (flashrt/decode.py fills them).
+DECODE = np.dtype(
+    [(n, _PTR) for n in ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_part", "lse_part",
+                        "cache_seqlens", "page_table", "report")]
+    + [(f"{t}_{axis}", _I64) for t in ("q", "kc", "kn", "o") for axis in ("sb", "ss", "sh")]
+    + [("pt_sb", _I64)]
+    + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "capacity", "page_size", "page_shift", "num_pages", "splits",
+                           "causal", "win_left", "win_right")]
+    + [("scale_log2", _F32)],
+    align=True,
+)
+COMBINE = np.dtype([(n, _PTR) for n in ("o_part", "lse_part", "o", "lse")]
+                   + [(n, _I32) for n in ("n", "B", "Sq", "H", "D")], align=True)
+
+C_NAMES = {FWD: "frt::FwdParams", BWD: "frt::BwdParams", CHECK: "frt::CheckParams", DECODE: "frt::DecodeParams",
+           COMBINE: "frt::CombineParams"}
 _CODES = {np.dtype(_PTR): "Q", np.dtype(_I64): "q", np.dtype(_I32): "i", np.dtype(_F32): "f", _MAP: "128s"}
 
 

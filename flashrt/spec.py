@@ -38,9 +38,18 @@ FAMILIES = {
     "mask_cols": ("helpers/mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 2}),
     # validate=True: the mask arrays checked on the device after the attention kernels (no host copy)
     "mask_check": ("helpers/mask_check.cu", params.CHECK, {}),
+    # decoding against a KV cache (flashrt/decode.py): split-KV over GQA-packed rows, then its fp32 partials merged
+    "decode": ("sm80/decode.cu", params.DECODE, {}),
+    "decode_combine": ("helpers/combine.cu", params.COMBINE, {"FRT_PART_F32": 1, "FRT_OUT_F32": 0}),
+    # flashrt.combine: parts in the 16-bit dtype, or fp32 parts and out
+    "combine": ("helpers/combine.cu", params.COMBINE, {"FRT_PART_F32": 0, "FRT_OUT_F32": 0}),
+    "combine_f32": ("helpers/combine.cu", params.COMBINE, {"FRT_PART_F32": 1, "FRT_OUT_F32": 1}),
 }
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
-ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert")
+ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert", "decode_combine", "combine", "combine_f32")
+# Families whose tiles tiles.decode_spec chooses from the packed rows (query heads per KV head x new tokens), not
+# tiles.tiling; their mask is a run-time argument (no causal or mask bits in the variant).
+PACKED_ROWS = ("decode",)
 # Key-parallel families (bwd_dkdv.cu, bwd_dkdv_sm90.cu): grid over key tiles (KeyTile in params.cuh).
 KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90", "bwd_fused_sm90")
 # Query-parallel families: grid over query tiles (QueryTile in params.cuh).
@@ -125,6 +134,8 @@ class KernelSpec:
             raise ValueError("a mask_mod expression goes with the mod mask bit, and tensors with an expression")
         if self.family == "mask_map" and not self.mask_mod:
             raise ValueError("mask_map evaluates a mask_mod expression; it needs one")
+        if self.family in PACKED_ROWS and (self.mask or self.causal):
+            raise ValueError(f"{self.family} takes its mask at run time: no causal or mask bits")
         if self.family in ("mask_rows", "mask_cols", "mask_check") and (self.mask or self.causal):
             raise ValueError(f"{self.family} reads no attention inputs: it takes no mask")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
@@ -191,6 +202,10 @@ class KernelSpec:
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
+        if self.family == "decode":  # warps over 16-row and 16-key multiples (decode.cu: DecodeTraits)
+            wm = bm // 16
+            ok = nw % wm == 0 and bn % (nw // wm) == 0 and bn // (nw // wm) % 16 == 0
+            return None if ok else "warps must tile block_m by 16 rows and block_n by multiples of 16 keys"
         dp = _round_up(self.head_dim, 16)
         for what, m, n, wm in zip(("keys x queries", "keys x head_dim", "queries x head_dim"),
                                   (bn, bn, bm), (bm, dp, dp), self.gemm_warps):
@@ -238,6 +253,8 @@ class KernelSpec:
             return (2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + xch + 1024
         if self.family == "bwd_fused_sm90":  # K, V + 3 stages of (Q, dO, lse2, delta) + dS^T + the fp32 dQ tile
             return (2 * bn + 6 * bm) * self.head_dim * 2 + 6 * bm * 4 + bn * bm * 2 + bm * self.head_dim * 4 + 1024
+        if self.family == "decode":  # Q + stages of (K, V) (decode.cu: DecodeTraits::STAGES)
+            return (bm + (3 if self.head_dim <= 128 else 2) * 2 * bn) * ld
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)

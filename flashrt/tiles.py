@@ -198,6 +198,9 @@ _PREFERENCES = {
     "bwd_preprocess": [(256, [(0, 0, 8)])],
     "bwd_dkdv_reduce": [(256, [(0, 0, 8)])],
     "bwd_dq_convert": [(256, [(0, 0, 8)])],
+    "decode_combine": [(256, [(0, 0, 8)])],
+    "combine": [(256, [(0, 0, 8)])],
+    "combine_f32": [(256, [(0, 0, 8)])],
 }
 # Tilings with element masks beyond lengths (window, block / segment ids): family -> buckets as in _PREFERENCES,
 # replacing that family's for such masks. Chosen by spills: the mask predicate's registers make some preferred
@@ -238,6 +241,9 @@ _FALLBACKS = {
     "bwd_fused_sm90": [],
     "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
     "bwd_dkdv": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
+    "decode_combine": [],
+    "combine": [],
+    "combine_f32": [],
     "bwd_fused": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
     "bwd_preprocess": [],
     "bwd_dkdv_reduce": [],
@@ -387,3 +393,56 @@ def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm
     pairs = (H // Hkv) * _cdiv(Sq, spec.block_m)
     by_memory = DKDV_PARTIAL_LIMIT // (8 * B * Hkv * Sk * spec.head_dim)
     return max(1, min(sm_count // blocks, pairs, by_memory))
+
+
+# ---------------------------------------------------------------------------
+# Decoding (kernels_cu/sm80/decode.cu, flashrt/decode.py)
+# ---------------------------------------------------------------------------
+DECODE_WARPS = 4
+DECODE_MIN_SPLIT_TILES = 8  # key tiles a split reads at least: its pipeline's fill and epilogue cost ~2-4 tiles' time
+
+
+def decode_block_m(rows: int) -> int:
+    """Packed rows (query heads per KV head x new tokens) per decode block: the fewest 16-row multiples up to 64 that
+    hold them (the mma rows past them are wasted work, not bytes: K/V are read once per block)."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def decode_spec(head_dim: int, dtype: str, rows: int, arch: str, smem_limit: int) -> KernelSpec:
+    """The decode kernel for `rows` packed rows: 64-key tiles (16 keys per warp at 16 rows), 32 where 64 do not fit
+    the shared memory, and at 32 and 64 rows above head_dim 128 (64 keys spill there: 12-152 bytes, NVRTC 12.9)."""
+    bm, tried = decode_block_m(rows), []
+    for bn in ((32,) if head_dim > 128 and bm >= 32 else (64, 32, 16)):
+        try:
+            spec = KernelSpec("decode", head_dim, dtype, bm, bn, DECODE_WARPS, False, arch)
+        except ValueError as exc:
+            tried.append(str(exc))
+            continue
+        if spec.smem_bytes <= smem_limit:
+            return spec
+        tried.append(f"{spec.name}: {spec.smem_bytes} B")
+    raise TilingError(f"no decode tiling for head_dim={head_dim} fits {smem_limit} bytes of shared memory: "
+                      + ", ".join(tried))
+
+
+def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int) -> list[KernelSpec]:
+    """Every decode kernel a call at this head_dim and dtype may run (one per decode_block_m), for prewarm and tests."""
+    return [decode_spec(head_dim, dtype, rows, arch, smem_limit) for rows in (16, 32, 64)]
+
+
+def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, sm_count: int, smem_per_sm: int,
+                  requested: int = 0) -> int:
+    """Blocks over each sequence's keys (decode.cu's grid x): `requested` if > 0, else enough that the launch fills
+    the SMs twice over at the blocks per SM its shared memory allows, with at least DECODE_MIN_SPLIT_TILES key tiles
+    of the cache's capacity each (the lengths are on the device: the capacity bounds them), at most 128."""
+    tiles_max = _cdiv(max(capacity, 1), spec.block_n)
+    most = max(1, min(128, tiles_max))
+    if requested > 0:
+        return min(requested, most)
+    blocks = B * Hkv * _cdiv(rows, spec.block_m)
+    per_sm = max(1, min(16, (smem_per_sm + 1024) // (spec.smem_bytes + 1024)))
+    want = _cdiv(2 * sm_count * per_sm, max(blocks, 1))
+    splits = min(want, _cdiv(tiles_max, DECODE_MIN_SPLIT_TILES))
+    # Little work (one sequence, one KV head): a block on every SM before long splits, down to 2 tiles each.
+    splits = max(splits, min(_cdiv(sm_count, max(blocks, 1)), tiles_max // 2))
+    return max(1, min(splits, most))

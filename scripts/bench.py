@@ -14,7 +14,8 @@ views, never copies.
 Shape sets (--set): grid (head_dim 64/128/256, S = 512..16k at 16k tokens and hidden 2048, causal
 and not), seed (B=2 S=1024 H=8 Hkv=1 D=256), quick (grid at S = 1k and 8k, plus seed), long (B=1
 H=16 D=128, S = 32k and 64k), stack (seed shape in an 18-layer model, below), masks (every mask
-kind, below), masks-quick (masks at S = 1k and 8k), all = grid + seed + long + masks + stack.
+kind, below), masks-quick (masks at S = 1k and 8k), all = grid + seed + long + masks + stack; decode
+(KV-cache decoding against SDPA flash and cuDNN: scripts/bench_decode.py, which documents it).
 --seqlens 1024,8192 keeps only those sequence lengths (every set but stack).
 
 Correctness gate, before any timing: one forward+backward, compared with float64 attention: the
@@ -106,7 +107,7 @@ SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 IMPLS = (*FLASHRT, "flash", "cudnn", "efficient", "math", "flex")
 DEFAULT_IMPLS = "flashrt,flashrt-fused-det,flashrt-fused,flash,cudnn"
-SETS = ("grid", "seed", "quick", "long", "stack", "masks", "masks-quick", "all")
+SETS = ("grid", "seed", "quick", "long", "stack", "masks", "masks-quick", "all", "decode")
 # The masks set: flashrt's variants there, the mask kinds, and the built-in twin of each mask_mod kind.
 MASK_FLASHRT = {"flashrt-auto": dict(impl="auto"), "flashrt-fused": FLASHRT["flashrt-fused"]}
 MASK_IMPLS = (*MASK_FLASHRT, "flex", "sdpa-mask")
@@ -926,6 +927,11 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown implementation(s) {unknown}; --impls: {','.join(IMPLS)} or all; "
                  f"--mask-impls: {','.join(MASK_IMPLS)} or all")
+    if args.set == "decode":  # KV-cache decoding against SDPA (scripts/bench_decode.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_decode
+        print(bench_decode.run(Path(args.out)))
+        return
     seqlens = None if args.seqlens is None else {int(S) for S in args.seqlens.split(",")}
     t0 = time.perf_counter()
     env = environment()

@@ -119,3 +119,41 @@ except ValueError:
     pass
 torch.cuda.synchronize()
 print(f"sanitize workload: {len(CASES) + 13 + 10 + 1} cases ran")
+
+# Decoding (kernels_cu/sm80/decode.cu, helpers/combine.cu): contiguous and paged caches with appends, one and
+# several splits, 16-row to 64-row tiles, windows; then bad lengths and page ids, which must read and write nothing
+# outside the cache (the rows get NaN and a report).
+def decode_case(B, Sq, H, Hkv, D, cap, page, splits, lens, **kw):
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
+    kn, vn = (torch.randn(B, Sq, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if page:
+        pages = -(-cap // page)
+        kc, vc = (torch.randn(B * pages + 1, page, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table = torch.randperm(B * pages + 1, device="cuda")[:B * pages].view(B, pages).to(torch.int32)
+    else:
+        kc, vc = (torch.randn(B, cap, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table = None
+    flashrt.decode(q, kc, vc, cache_seqlens=i32(lens), k=kn, v=vn, page_table=table, num_splits=splits, **kw)
+    flashrt.decode(q, kc, vc, cache_seqlens=i32(lens), page_table=table, num_splits=splits, **kw)
+    return q, kc, vc, kn, vn, table
+
+
+decode_case(2, 1, 32, 8, 128, 300, 0, 0, [0, 299])
+decode_case(2, 3, 8, 2, 72, 200, 16, 3, [50, 197], window=(40, 0))
+decode_case(1, 16, 8, 1, 256, 150, 64, 2, [100], causal=False)
+decode_case(2, 4, 16, 2, 64, 500, 32, 1, [10, 480])
+q, kc, vc, kn, vn, table = decode_case(2, 2, 8, 2, 128, 256, 64, 2, [10, 20])
+flat_k, flat_v = (torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+table[1, 1] = 1 << 20
+for bad_lens, caches, tbl in (([255, -3], (kc, vc), table), ([5, 70], (kc, vc), table),
+                              ([2**31 - 1, 0], (flat_k, flat_v), None)):
+    flashrt.decode(q, *caches, cache_seqlens=i32(bad_lens), k=kn, v=vn, page_table=tbl, num_splits=2)
+    try:
+        flashrt.synchronize()
+        raise SystemExit("decode did not report a bad value")
+    except ValueError:
+        pass
+parts = [flashrt.forward(q, flat_k[:, a:b], flat_v[:, a:b]) for a, b in ((0, 100), (100, 256))]
+flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
+flashrt.combine(torch.stack([p[0].float() for p in parts]), torch.stack([p[1] for p in parts]))
+torch.cuda.synchronize()

@@ -11,7 +11,7 @@ import pytest
 
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, QUERY_PARALLEL, KernelSpec
+from flashrt.spec import ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL, KernelSpec
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 192, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -21,15 +21,17 @@ def _variants():
     out = set()
     for arch in ARCHS:
         limit = SMEM_OPTIN[int(arch[3:5])]
-        for family in set(FAMILIES) - set(NO_INPUTS):
+        for family in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS):
             for d in (d for d in HEAD_DIMS if tiles.applies(family, d, arch)):
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
                         out.add(tiles.tiling(family, d, dtype, causal, arch, limit))
+        for d in HEAD_DIMS:  # kernels_cu/sm80/decode.cu: one per block_m
+            out.update(tiles.decode_variants(d, "bf16" if d % 16 else "fp16", arch, limit))
     # Masked variants (kernels_cu/attention/mask.cuh): every feature at once, lengths alone (padding / varlen),
     # lengths with a window (Visibility::visible's branch-free form, taken without id arrays), and
     # segment ids alone (documents: before TileIntervals, two of these spilled where every feature did not).
-    for family in set(FAMILIES) - set(ELEMENTWISE) - set(NO_INPUTS):
+    for family in set(FAMILIES) - set(ELEMENTWISE) - set(NO_INPUTS) - set(PACKED_ROWS):
         for d in (64, 128, 160, 256):
             for causal in (False, True):
                 for mask in (sum(MASK_BITS.values()) & ~MASK_BITS["mod"], MASK_BITS["lengths"],
@@ -38,7 +40,7 @@ def _variants():
                         out.add(tiles.tiling(family, d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask))
     # mask_mod variants (an expression that reads a tensor and names every variable) with every
     # built-in feature and alone, and their classifiers (kernels_cu/helpers/mask_classify.cu).
-    for family in set(FAMILIES) - set(ELEMENTWISE) - set(NO_INPUTS):
+    for family in set(FAMILIES) - set(ELEMENTWISE) - set(NO_INPUTS) - set(PACKED_ROWS):
         for d in (64, 128, 256):
             for mask in (m for m in (sum(MASK_BITS.values()), MASK_BITS["mod"]) if tiles.applies(family, d, "sm_90a", m)):
                 spec = tiles.tiling(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))

@@ -7,7 +7,7 @@ import pytest
 
 from flashrt import cache, launch, masks, params, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, KernelSpec
+from flashrt.spec import FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS, KernelSpec
 
 
 def spec(**kw):
@@ -41,7 +41,7 @@ def test_options_bake_every_parameter():
 def test_tilings_for_several_blocks_per_sm_fit_their_shared_memory():
     """A tiling asking for min_blocks per SM must leave room for them in an SM's shared memory (H100 / H200:
     228 KiB, 1 KiB of it reserved per block); registers are capped by the kernel's launch bounds."""
-    for family in set(FAMILIES) - set(NO_INPUTS):
+    for family in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS):
         for d in HEAD_DIMS:
             for mask in (0, MASK_BITS["lengths"] | MASK_BITS["window"], MASK_BITS["mod"]):
                 try:
@@ -75,7 +75,7 @@ def test_smem_formula():
 @pytest.mark.parametrize("arch,limit", [("sm_80", SMEM_OPTIN[80]), ("sm_86", SMEM_OPTIN[86]),
                                         ("sm_90a", SMEM_OPTIN[90]), ("sm_90a", 64 * 1024)])
 def test_tiling_fits_every_head_dim(arch, limit):
-    for family in set(FAMILIES) - set(NO_INPUTS):
+    for family in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS):
         for d in HEAD_DIMS:
             if family in ("fwd_sm90", "fwd_sm90_ws") and family not in (
                     tiles.forward_family(d, arch, limit), tiles.forward_family(d, arch, limit, MASK_BITS["window"])):
@@ -346,7 +346,7 @@ def test_shared_tables_reach_the_kernels_from_one_definition():
             "MASK_MOD = 16 };") in text
     assert "enum : int { REPORT_CODE, REPORT_ARG, REPORT_SEQ, REPORT_POS, REPORT_VALUE, REPORT_LIMIT, REPORT_CALL, " \
            "REPORT_WORDS };" in text
-    assert "BAD_LENGTH = 1" in text and f"BAD_IDS_ORDER = {len(params.CHECK_FAILURES)}" in text
+    assert "BAD_LENGTH = 1" in text and f"BAD_PAGE_ID = {len(params.CHECK_FAILURES)}" in text
     assert len(params.REPORT_WORDS) <= launch.REPORT_LEN
     sources = cache.kernel_sources()
     assert sources[params.TABLES_HEADER] == text

@@ -141,6 +141,45 @@ struct CheckParams {
     int call;  // 0 forward, 1 backward (for the message)
 };
 
+// decode.cu: queries of a few new tokens against a KV cache, contiguous (B, capacity, Hkv, D) or paged
+// (num_pages, page_size, Hkv, D) through page_table (B, max_pages). Strides in elements; *_sb of a paged cache
+// steps pages. flashrt/decode.py checks every shape; the kernel checks the values (cache_seqlens, page ids).
+struct DecodeParams {
+    const u16* q;
+    u16* k_cache;
+    u16* v_cache;
+    const u16* k_new;  // (B, Sq, Hkv, D) written into the cache at cache_seqlens[b] first; null: none
+    const u16* v_new;
+    u16* o;            // splits == 1: (B, Sq, H, D)
+    float* lse;        // splits == 1: (B, H, Sq)
+    float* o_part;     // splits > 1: fp32 (splits, B, Sq, H, D), combined by combine.cu
+    float* lse_part;   // splits > 1: (splits, B, H, Sq)
+    const int* cache_seqlens;  // (B,): tokens in the cache before this call
+    const int* page_table;     // (B, max_pages) page ids; null: contiguous
+    int* report;               // host-mapped (flashrt/launch.py: report_words): a bad value is reported here
+    i64 q_sb, q_ss, q_sh;
+    i64 kc_sb, kc_ss, kc_sh;  // v_cache's too
+    i64 kn_sb, kn_ss, kn_sh;  // v_new's too
+    i64 o_sb, o_ss, o_sh;
+    i64 pt_sb;
+    int B, H, Hkv, Sq;
+    int capacity;   // tokens a sequence can hold: the cache's seqlen axis, or max_pages * page_size
+    int page_size, page_shift, num_pages;  // page_shift: log2(page_size) when a power of two, else -1
+    int splits;     // blocks over each sequence's key range (grid x)
+    int causal, win_left, win_right;  // bottom-right: query i sits at key position L - Sq + i
+    float scale_log2;
+};
+
+// combine.cu: partial results of n key ranges, (n, B, Sq, H, D) outputs and (n, B, H, Sq) natural-log lse, all
+// contiguous, merged into out (B, Sq, H, D) and lse (B, H, Sq), contiguous.
+struct CombineParams {
+    const void* o_part;
+    const float* lse_part;
+    void* o;
+    float* lse;
+    int n, B, Sq, H, D;
+};
+
 // ---------------------------------------------------------------------------
 // Problem geometry shared by the kernel families.
 // ---------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+// Merge attention results computed over disjoint key ranges: out = sum_s w_s out_s, w_s = exp(lse_s - lse),
+// lse = log(sum_s exp(lse_s)); the parts are added in index order, so the result is bitwise reproducible.
+// A part whose lse is -inf saw no key (weight 0); a NaN lse (decode.cu: a bad cache value) makes the row NaN.
+//
+// One warp per (b, token, head) row, grid-stride; lane l holds columns 8l .. 8l + 7 (and the lse of parts l, l + 32, ...). Families (spec.FAMILIES):
+// FRT_PART_F32 = 1: fp32 parts (decode.cu's partials), else parts of the 16-bit dtype; FRT_OUT_F32 = 1: fp32 out.
+#include "attention/params.cuh"
+
+namespace frt {
+
+template <bool F32, bool BF16>
+FRT_DEVICE void load8(const void* base, i64 at, float (&x)[8]) {
+    if constexpr (F32) {
+        const float4* v = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + at);
+        const float4 a = v[0], c = v[1];
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z, x[7] = c.w;
+    } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + at);
+        const u16* h = reinterpret_cast<const u16*>(&v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = Elem<BF16>::to_float(h[e]);
+    }
+}
+
+// At most COMBINE_MAX_PARTS parts: lane l holds the lse of parts l, l + 32, ... (their loads in flight together).
+constexpr int PARTS_PER_LANE = 8;
+static_assert(32 * PARTS_PER_LANE == 256, "flashrt/decode.py: COMBINE_MAX_PARTS");
+
+template <class T>
+__device__ void combine(const CombineParams& p) {
+    constexpr bool PART_F32 = FRT_PART_F32, OUT_F32 = FRT_OUT_F32;
+    const int lane = threadIdx.x & 31, c = lane * 8;
+    const i64 rows = (i64)p.B * p.Sq * p.H;
+    const int warps = blockDim.x / 32;
+    for (i64 row = (i64)blockIdx.x * warps + threadIdx.x / 32; row < rows; row += (i64)gridDim.x * warps) {
+        // row = (b * Sq + i) * H + h, as in out; lse is (B, H, Sq)
+        const int h = (int)(row % p.H), i = (int)(row / p.H % p.Sq), b = (int)(row / ((i64)p.H * p.Sq));
+        const i64 st = ((i64)b * p.H + h) * p.Sq + i, st_rows = (i64)p.B * p.H * p.Sq;
+        float w[PARTS_PER_LANE], m = -FRT_INF;
+        bool nan = false;
+#pragma unroll
+        for (int k = 0; k < PARTS_PER_LANE; ++k) {
+            const int s = lane + 32 * k;
+            w[k] = s < p.n ? p.lse_part[s * st_rows + st] : -FRT_INF;
+            nan |= w[k] != w[k];
+            m = fmaxf(m, w[k]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        nan = __any_sync(0xffffffffu, nan);
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < PARTS_PER_LANE; ++k) {
+            w[k] = w[k] == -FRT_INF ? 0.f : expf(w[k] - m);
+            sum += w[k];
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        // The parts in index order (bitwise reproducible); a part of weight 0 is not read.
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int k = 0; k < PARTS_PER_LANE; ++k) {
+            if (32 * k >= p.n) break;
+#pragma unroll 8
+            for (int t = 0; t < 32; ++t) {
+                const int s = 32 * k + t;
+                if (s >= p.n) break;
+                const float ws = __shfl_sync(0xffffffffu, w[k], t);
+                if (ws != 0.f && c < p.D) {
+                    float x[8];
+                    load8<PART_F32, T::BF16>(p.o_part, (s * rows + row) * p.D + c, x);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(ws, x[e], acc[e]);
+                }
+            }
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f, qnan = __int_as_float(0x7fffffff);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = nan ? qnan : acc[e] * inv;
+        if (c < p.D) {
+            if constexpr (OUT_F32) {
+                float4* out = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o) + row * p.D + c);
+                out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            } else {
+                uint4 v;
+                v.x = Elem<T::BF16>::pack(acc[0], acc[1]), v.y = Elem<T::BF16>::pack(acc[2], acc[3]);
+                v.z = Elem<T::BF16>::pack(acc[4], acc[5]), v.w = Elem<T::BF16>::pack(acc[6], acc[7]);
+                *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + row * p.D + c) = v;
+            }
+        }
+        if (lane == 0) p.lse[st] = nan ? qnan : sum > 0.f ? m + logf(sum) : -FRT_INF;
+    }
+}
+
+}  // namespace frt
+
+#ifdef FRT_KERNEL_NAME
+FRT_ENTRY(ElementwiseTraits, combine, CombineParams)
+#endif

@@ -1,0 +1,310 @@
+// Decoding against a KV cache (flashrt/decode.py): a few new query tokens per sequence, memory-bound.
+//
+// Grid (splits, Hkv * row_tiles, B). A block owns one KV head's packed rows: the H / Hkv query heads x Sq
+// tokens that share that KV head (row r = token * group + head in group), BM of them, so each K/V byte is read
+// once for the whole group. Its key range is a `splits`-th of the sequence's (in BN-key tiles), streamed
+// through a STAGES-deep cp.async ring. The NW warps tile the BM rows by 16 (WM warps) and each tile's keys by
+// KW (WN warps); each warp keeps its own softmax statistics and O, merged through shared memory at the end in
+// a fixed order. One split writes out and lse; several write fp32 partials that combine.cu merges.
+//
+// Keys at or past cache_seqlens[b] are this call's k_new / v_new rows, read from there; the block of split 0
+// and row tile 0 also writes them into the cache (no block reads those cache rows in this launch). A bad value
+// (cache_seqlens outside [0, capacity - new], a page id outside [0, num_pages)) is never used for an access: the
+// rows it touches get NaN outputs and the host-mapped report says what (masks.raise_reported).
+#include "attention/params.cuh"
+#include "attention/softmax.cuh"
+
+namespace frt {
+
+template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
+struct DecodeTraits {
+    static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
+    static constexpr bool BF16 = BF16_;
+    static constexpr int DP = round_up(D, 16), LD = Pitch<DP>::bytes, NTHREADS = NW * 32;
+    static constexpr int WM = BM / 16, WN = NW / WM, KW = BN / WN;
+    static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+    static_assert(BM % 16 == 0 && NW % WM == 0 && BN % WN == 0 && KW % 16 == 0,
+                  "warps must tile block_m by 16 rows and block_n by 16-key multiples");
+    static constexpr int STAGES = D <= 128 ? 3 : 2;  // spec.KernelSpec.smem_bytes
+    static constexpr bool Q_IN_REGS = DP <= 128;
+    static constexpr int SMEM_Q = BM * LD, SMEM_STAGE = 2 * BN * LD;  // a stage: K, then V
+    static constexpr int SMEM = SMEM_Q + STAGES * SMEM_STAGE;
+    // The epilogue reuses it: each warp column's row maxima and sums, then its O rows (fp32, pitch OP).
+    static constexpr int OP = DP + 4;
+    static_assert(2 * WN * BM * 4 + WN * BM * OP * 4 <= SMEM, "the epilogue's exchange must fit");
+};
+
+FRT_DEVICE void report_bad(int* report, int code, int seq, int value, int limit) {
+    if (atomicCAS(report + REPORT_CODE, 0, -1) != 0) return;  // a report is there (or being written)
+    volatile int* r = report;
+    r[REPORT_ARG] = 0, r[REPORT_SEQ] = seq, r[REPORT_POS] = -1;
+    r[REPORT_VALUE] = value, r[REPORT_LIMIT] = limit, r[REPORT_CALL] = 4;
+    __threadfence_system();  // the fields before the code that announces them
+    r[REPORT_CODE] = code;
+}
+
+template <class T>
+__device__ void decode(const DecodeParams& p) {
+    constexpr int BM = T::BM, BN = T::BN, DP = T::DP, LD = T::LD, KW = T::KW, STAGES = T::STAGES;
+    constexpr int NT_S = KW / 8, NT_O = DP / 8, KS_D = DP / 16, KS_N = KW / 16, CPR = DP / 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int bad_page, bad_page_id;  // a page id outside the pool was found (atomics: any thread may)
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3, wm = warp % T::WM, wn = warp / T::WM;
+    const int group = p.H / p.Hkv, R = group * p.Sq, row_tiles = ceil_div(R, BM);
+    const int split = blockIdx.x, rt = blockIdx.y % row_tiles, hk = blockIdx.y / row_tiles, b = blockIdx.z;
+    const int row0 = rt * BM, rows = cmin(BM, R - row0);
+
+    // The sequence: L0 cached keys, then n_new appended ones; query i sits at key position shift + i.
+    const int L0 = p.cache_seqlens[b], n_new = p.k_new ? p.Sq : 0;
+    const bool bad_len = L0 < 0 || L0 > p.capacity - n_new;
+    const int L = bad_len ? 0 : L0 + n_new, shift = L - p.Sq;
+    const int* pages = p.page_table ? p.page_table + b * p.pt_sb : nullptr;
+    // Row r's visible keys: [key_lo(i), key_hi(i)) of its token i.
+    auto key_hi = [&](int i) {
+        int hi = p.causal ? shift + i + 1 : L;
+        if (p.win_right >= 0) hi = min(hi, shift + i + p.win_right + 1);
+        return max(0, min(hi, L));
+    };
+    auto key_lo = [&](int i) { return p.win_left >= 0 ? max(0, shift + i - p.win_left) : 0; };
+    const int i_first = row0 / group, i_last = (row0 + rows - 1) / group;
+    const int lo = key_lo(i_first), hi = key_hi(i_last);     // the keys any row sees
+    const int all_lo = key_lo(i_last), all_hi = key_hi(i_first);  // ... and those every row sees
+    const int t_lo = lo / BN, n_t = hi > lo ? ceil_div(hi, BN) - t_lo : 0;
+    const int per = ceil_div(n_t, p.splits);
+    const int first = t_lo + min(split * per, n_t), n_blocks = min((split + 1) * per, n_t) - min(split * per, n_t);
+
+    if (tid == 0) bad_page = 0;
+    __syncthreads();
+    // Cache row `key`: its element offset (k_cache and v_cache share strides), or -1 for a bad page id.
+    auto cache_row = [&](int key) -> i64 {
+        if (!pages) return b * p.kc_sb + key * p.kc_ss;
+        const int page = pages[key / p.page_size];
+        if ((unsigned)page >= (unsigned)p.num_pages) {
+            atomicOr(&bad_page, 1);
+            atomicExch(&bad_page_id, page);
+            return -1;
+        }
+        return page * p.kc_sb + (key % p.page_size) * p.kc_ss;
+    };
+    // The appended keys' pages, checked by every block of the sequence (each reports the same outputs bad).
+    if (pages && !bad_len && tid < n_new) cache_row(L0 + tid);
+    const bool bad_append = __syncthreads_or(bad_page != 0);
+
+    if (split == 0 && rt == 0 && n_new && !bad_len && !bad_append) {  // the append
+        for (int idx = tid; idx < p.Sq * CPR; idx += T::NTHREADS) {
+            const int i = idx / CPR, c = idx % CPR;
+            if (c * 8 >= T::D) continue;
+            const i64 at = cache_row(L0 + i) + hk * p.kc_sh + c * 8, from = b * p.kn_sb + i * p.kn_ss + hk * p.kn_sh + c * 8;
+            *reinterpret_cast<uint4*>(p.k_cache + at) = *reinterpret_cast<const uint4*>(p.k_new + from);
+            *reinterpret_cast<uint4*>(p.v_cache + at) = *reinterpret_cast<const uint4*>(p.v_new + from);
+        }
+    }
+
+    const u32 sQ = smem_u32(smem), sKV = sQ + T::SMEM_Q;
+    for (int idx = tid; idx < BM * CPR; idx += T::NTHREADS) {
+        const int r = idx / CPR, c = idx % CPR, rg = row0 + r;
+        const bool ok = r < rows && c * 8 < T::D;
+        const u16* src = ok ? p.q + b * p.q_sb + (rg / group) * p.q_ss + (hk * group + rg % group) * p.q_sh + c * 8 : p.q;
+        cp_async16(sQ + r * LD + c * 16, src, ok);
+    }
+    // Tile j's keys [lo, hi) into a stage (the rest zero: no NaN of an unwritten cache row reaches P V). k_cache and
+    // v_cache share their strides (decode.py), so one offset serves both; the offset is 32-bit arithmetic until its
+    // one widening multiply, and a power-of-two page size takes a shift (docs/perf-notes.md, Decode: the loader).
+    // A thread's rows' page ids are loaded together first, so that their latencies overlap.
+    constexpr int LOADS = ceil_div(BN * CPR, T::NTHREADS);
+    constexpr bool EVEN = LOADS * T::NTHREADS == BN * CPR;
+    const i64 kv_gap = p.v_cache - p.k_cache;
+    const u16* kbase = p.k_cache + hk * p.kc_sh + (pages ? 0 : b * p.kc_sb);
+    const u16* nbase = p.k_new + b * p.kn_sb + hk * p.kn_sh;  // (unused without k_new)
+    const i64 nv_gap = p.v_new - p.k_new;
+    auto page_of = [&](int key) { return p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size; };
+    // The fast path: a tile of cached keys only (all but a split's first and the sequence's last), a thread on one
+    // 16-byte column of every RS-th row.
+    constexpr bool FAST = T::NTHREADS % CPR == 0 && T::D % 16 == 0;
+    constexpr int RS = T::NTHREADS / CPR;
+    const int r0 = tid / CPR, c0 = tid % CPR;
+    auto load_kv = [&](u32 stage, int j) {
+        const u32 sK = stage, sV = stage + BN * LD;
+        const int k0 = j * BN;
+        if (FAST && k0 >= lo && k0 + BN <= min(hi, L0)) {
+            if (!pages) {
+                const u16* ks = kbase + (i64)(k0 + r0) * p.kc_ss + c0 * 8;
+#pragma unroll
+                for (int u = 0; u < LOADS; ++u) {
+                    const u16* at = ks + u * RS * p.kc_ss;
+                    cp_async16(sK + (r0 + u * RS) * LD + c0 * 16, at, true);
+                    cp_async16(sV + (r0 + u * RS) * LD + c0 * 16, at + kv_gap, true);
+                }
+                return;
+            }
+            int pg[LOADS];
+#pragma unroll
+            for (int u = 0; u < LOADS; ++u) pg[u] = pages[page_of(k0 + r0 + u * RS)];
+#pragma unroll
+            for (int u = 0; u < LOADS; ++u) {
+                const int key = k0 + r0 + u * RS;
+                const bool ok = (unsigned)pg[u] < (unsigned)p.num_pages;
+                if (!ok) {
+                    atomicOr(&bad_page, 1);
+                    atomicExch(&bad_page_id, pg[u]);
+                }
+                const u16* at = ok ? kbase + (pg[u] * p.kc_sb + (key - page_of(key) * p.page_size) * p.kc_ss) + c0 * 8
+                                   : p.q;
+                cp_async16(sK + (r0 + u * RS) * LD + c0 * 16, at, ok);
+                cp_async16(sV + (r0 + u * RS) * LD + c0 * 16, ok ? at + kv_gap : p.q, ok);
+            }
+            return;
+        }
+        int page[LOADS];
+#pragma unroll
+        for (int u = 0; u < LOADS; ++u) {
+            const int idx = tid + u * T::NTHREADS, key = j * BN + idx / CPR;
+            const bool cached = (EVEN || idx < BN * CPR) && key >= lo && key < min(hi, L0);
+            page[u] = pages && cached ? pages[page_of(key)] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < LOADS; ++u) {
+            const int idx = tid + u * T::NTHREADS, r = idx / CPR, c = idx % CPR, key = j * BN + r;
+            if (!EVEN && idx >= BN * CPR) break;
+            bool ok = key >= lo && key < hi && (T::D % 16 == 0 || c * 8 < T::D);
+            const u16* ks = p.q;
+            i64 gap = 0;
+            if (ok && key >= L0) {
+                ks = nbase + (key - L0) * p.kn_ss + c * 8, gap = nv_gap;
+            } else if (ok && pages) {
+                const int pg = page[u];
+                if ((unsigned)pg >= (unsigned)p.num_pages) {
+                    atomicOr(&bad_page, 1);
+                    atomicExch(&bad_page_id, pg);
+                    ok = false;
+                } else {
+                    ks = kbase + (pg * p.kc_sb + (key - page_of(key) * p.page_size) * p.kc_ss) + c * 8, gap = kv_gap;
+                }
+            } else if (ok) {
+                ks = kbase + key * p.kc_ss + c * 8, gap = kv_gap;
+            }
+            cp_async16(sK + r * LD + c * 16, ks, ok);
+            cp_async16(sV + r * LD + c * 16, ks + gap, ok);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_blocks) load_kv(sKV + s * T::SMEM_STAGE, first + s);
+        cp_async_commit();
+    }
+
+    float o[1][NT_O][4];
+    zero(o);
+    float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
+    u32 qf[T::Q_IN_REGS ? KS_D : 1][1][4];
+    const u32 sQw = sQ + wm * 16 * LD;
+    // This thread's two rows' tokens (the fragment rows g and g + 8 of the warp's 16).
+    const int tok[2] = {(row0 + wm * 16 + g) / group, (row0 + wm * 16 + g + 8) / group};
+
+    for (int it = 0; it < n_blocks; ++it) {
+        const int j = first + it, stage = it % STAGES;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile it is in; every warp is done with the stage the next load overwrites
+        if (it + STAGES - 1 < n_blocks) load_kv(sKV + ((it + STAGES - 1) % STAGES) * T::SMEM_STAGE, j + STAGES - 1);
+        cp_async_commit();
+
+        const u32 sK = sKV + stage * T::SMEM_STAGE + wn * KW * LD, sV = sK + BN * LD;
+        float s[1][NT_S][4];
+        zero(s);
+        if constexpr (T::Q_IN_REGS) {
+            if (it == 0) {
+#pragma unroll
+                for (int kk = 0; kk < KS_D; ++kk) load_a(sQw, LD, 0, kk, lane, qf[kk][0]);
+            }
+            gemm_rs<T::BF16, 1, NT_S, KS_D, B_NK>(s, qf, sK, LD, lane);
+        } else {
+            gemm_ss<T::BF16, 1, NT_S, KS_D, B_NK>(s, sQw, LD, sK, LD, lane);
+        }
+        const int n0 = j * BN + wn * KW;
+        if (n0 < all_lo || n0 + KW > all_hi) {
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int key = n0 + nt * 8 + 2 * t + (c & 1), i = tok[c >> 1];
+                    if (key < key_lo(i) || key >= key_hi(i)) s[0][nt][c] = -FRT_INF;
+                }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            alpha[hh] = online_row<NT_S>(row_max[hh], row_sum[hh], p.scale_log2,
+                                         [&](int nt, int e) -> float& { return s[0][nt][2 * hh + e]; });
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // (past the first tiles, rarely)
+#pragma unroll
+            for (int dt = 0; dt < NT_O; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[0][dt][e] *= alpha[e >> 1];
+        }
+        u32 pf[KS_N][1][4];
+        acc_to_a<T::BF16, 1, KS_N>(s, pf);
+        gemm_rs<T::BF16, 1, NT_O, KS_N, B_KN>(o, pf, sV, LD, lane);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the stages are free: the warps' statistics and O meet there
+
+    float* s_max = reinterpret_cast<float*>(smem);  // [WN][BM]
+    float* s_sum = s_max + T::WN * BM;               // [WN][BM]
+    float* s_o = s_sum + T::WN * BM;                 // [WN][BM][OP]
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = wm * 16 + g + 8 * hh;
+        const float sum = warp_sum4(row_sum[hh]);
+        if (t == 0) s_max[wn * BM + r] = row_max[hh], s_sum[wn * BM + r] = sum;
+#pragma unroll
+        for (int dt = 0; dt < NT_O; ++dt)
+            *reinterpret_cast<float2*>(s_o + (wn * BM + r) * T::OP + dt * 8 + 2 * t) =
+                make_float2(o[0][dt][2 * hh], o[0][dt][2 * hh + 1]);
+    }
+    const bool bad = __syncthreads_or(bad_page != 0) || bad_len;
+    if (bad && tid == 0)
+        report_bad(p.report, bad_len ? BAD_CACHE_SEQLENS : BAD_PAGE_ID, b, bad_len ? L0 : bad_page_id,
+                   bad_len ? p.capacity - n_new : p.num_pages);
+
+    // Each thread merges 4 columns of a row over the warp columns, in order (deterministic).
+    for (int idx = tid; idx < BM * (DP / 4); idx += T::NTHREADS) {
+        const int r = idx / (DP / 4), c = (idx % (DP / 4)) * 4;
+        if (r >= rows || c >= T::D) continue;
+        float m = -FRT_INF;
+#pragma unroll
+        for (int w = 0; w < T::WN; ++w) m = fmaxf(m, s_max[w * BM + r]);
+        float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int w = 0; w < T::WN; ++w) {
+            const float mw = s_max[w * BM + r], sc = mw == -FRT_INF ? 0.f : fast_exp2(mw - m);
+            l += s_sum[w * BM + r] * sc;
+            const float4 x = *reinterpret_cast<const float4*>(s_o + (w * BM + r) * T::OP + c);
+            acc[0] += x.x * sc, acc[1] += x.y * sc, acc[2] += x.z * sc, acc[3] += x.w * sc;
+        }
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float lse = l > 0.f ? (m + __log2f(l)) * kLn2 : -FRT_INF;
+        if (bad) lse = __int_as_float(0x7fffffff);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] = bad ? lse : acc[e] * inv;
+        const int rg = row0 + r, i = rg / group, h = hk * group + rg % group;
+        if (p.splits == 1) {
+            uint2 packed;
+            packed.x = Elem<T::BF16>::pack(acc[0], acc[1]);
+            packed.y = Elem<T::BF16>::pack(acc[2], acc[3]);
+            *reinterpret_cast<uint2*>(p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh + c) = packed;
+            if (c == 0) p.lse[((i64)b * p.H + h) * p.Sq + i] = lse;
+        } else {
+            const i64 row = (((i64)split * p.B + b) * p.Sq + i) * p.H + h;
+            *reinterpret_cast<float4*>(p.o_part + row * T::D + c) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            if (c == 0) p.lse_part[(((i64)split * p.B + b) * p.H + h) * p.Sq + i] = lse;
+        }
+    }
+}
+
+}  // namespace frt
+
+#ifdef FRT_KERNEL_NAME
+FRT_ENTRY(DecodeTraits, decode, DecodeParams)
+#endif

@@ -1,0 +1,199 @@
+"""Decode benchmark (scripts/bench.py --set decode, or alone): one new token per sequence against a KV cache, bf16.
+
+    python scripts/bench_decode.py [--quick] [--points B:Sk,...] [--out DIR]
+
+Implementations, on the same tensors, every sequence holding Sk tokens:
+  flashrt        flashrt.decode, contiguous cache (B, Sk, Hkv, D)
+  flashrt-paged  flashrt.decode, the same tokens in 64-token pages with a shuffled page table
+  flash, cudnn   torch SDPA with that backend forced, q (B, H, 1, D) against transposed views of the cache,
+                 enable_gqa=True (no copy of K/V per query head)
+Score: K/V bytes read per second (B * Sk * Hkv * D * 2 bytes * 2), the quantity every implementation must move.
+Checked first: each output against float64 on the first two sequences (rel. L2 error under 2e-2), or no timing.
+Timing: CUDA events around the replay of a CUDA graph of 20 calls, which rotate among enough copies of the inputs
+to exceed 3x the L2 cache (a small cache would otherwise be read from L2); medians of 5 interleaved rounds
+(implementations in turn). The graph keeps host launch overhead out: serving loops capture their decode steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flashrt  # noqa: E402
+
+IMPLS = ("flashrt", "flashrt-paged", "flash", "cudnn")
+HEADS = [(32, 8, 128), (8, 1, 128), (32, 8, 64), (8, 1, 64), (32, 8, 256), (8, 1, 256)]
+POINTS = [(B, S) for B in (1, 16, 64, 128) for S in (1024, 4096, 32768, 131072)]
+QUICK = [(1, 32768), (16, 8192), (64, 4096), (128, 1024)]
+ROUNDS = 5
+PAGE = 64
+
+
+def kv_bytes(B, S, Hkv, D) -> int:
+    return B * S * Hkv * D * 2 * 2
+
+
+def make_set(B, S, H, Hkv, D, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def paged(k, v, seed):
+    """The same tokens in PAGE-token pages, pages shuffled: (pool_k, pool_v, table)."""
+    B, S, Hkv, D = k.shape
+    n = B * (S // PAGE)
+    perm = torch.randperm(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    table = perm.view(B, S // PAGE).to(torch.int32)
+    pk = torch.empty(n, PAGE, Hkv, D, device="cuda", dtype=k.dtype)
+    pv = torch.empty_like(pk)
+    pk[perm] = k.reshape(n, PAGE, Hkv, D)
+    pv[perm] = v.reshape(n, PAGE, Hkv, D)
+    return pk, pv, table
+
+
+def call_of(impl, q, k, v, lens, extra):
+    if impl == "flashrt":
+        return lambda: flashrt.decode(q, k, v, cache_seqlens=lens)
+    if impl == "flashrt-paged":
+        pk, pv, table = extra
+        return lambda: flashrt.decode(q, pk, pv, cache_seqlens=lens, page_table=table)
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def sdpa():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+    return sdpa
+
+
+def rel_err(out, q, k, v) -> float:
+    """Relative L2 error of out's first two sequences against float64."""
+    H, Hkv = q.shape[2], k.shape[2]
+    n = min(2, q.shape[0])
+    qq = q[:n].double().transpose(1, 2)
+    kk = k[:n].double().transpose(1, 2).repeat_interleave(H // Hkv, 1)
+    vv = v[:n].double().transpose(1, 2).repeat_interleave(H // Hkv, 1)
+    ref = torch.softmax(qq @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ vv
+    o = out[:n].double().transpose(1, 2)
+    return ((o - ref).norm() / ref.norm()).item()
+
+
+def bench_point(B, S, H, Hkv, D, impls, l2_bytes) -> list[dict]:
+    need = kv_bytes(B, S, Hkv, D) * (2 if "flashrt-paged" in impls else 1)
+    free = torch.cuda.mem_get_info()[0]
+    if need * 1.2 > free:
+        return [dict(B=B, S=S, H=H, Hkv=Hkv, D=D, impl=i, skipped=f"needs {need / 2**30:.1f} GiB") for i in impls]
+    copies = max(1, min(8, math.ceil(3 * l2_bytes / kv_bytes(B, S, Hkv, D))))
+    if need * copies * 1.2 > free:
+        copies = 1
+    sets = []
+    for c in range(copies):
+        q, k, v = make_set(B, S, H, Hkv, D, seed=c)
+        lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+        extra = paged(k, v, seed=c) if "flashrt-paged" in impls else None
+        sets.append((q, k, v, lens, extra))
+    rows, calls = {}, {}
+    for impl in impls:
+        row = dict(B=B, S=S, H=H, Hkv=Hkv, D=D, impl=impl)
+        try:
+            fns = [call_of(impl, *s) for s in sets]
+            err = rel_err(fns[0](), *sets[0][:3])
+            row["err"] = err
+            if not err < 2e-2:
+                row["error"] = f"wrong answer: rel. error {err:.2e}"
+            else:
+                calls[impl] = fns
+        except Exception as exc:  # a backend that does not take this shape
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        rows[impl] = row
+    # Each implementation's calls captured once into a CUDA graph (as a serving loop runs them), so the timings
+    # are the GPU's, not the host's launch overhead.
+    reps = max(len(sets), 20 // len(sets) * len(sets))
+    graphs = {}
+    for impl, fns in calls.items():
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        graphs[impl] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[impl]):
+            for r in range(reps):
+                fns[r % len(fns)]()
+    times = {impl: [] for impl in calls}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(ROUNDS):
+        for impl, graph in graphs.items():
+            graph.replay()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[impl].append(start.elapsed_time(end) / reps)
+    for impl, ts in times.items():
+        ms = statistics.median(ts)
+        rows[impl].update(us=ms * 1e3, tbs=kv_bytes(B, S, Hkv, D) / (ms * 1e-3) / 1e12, copies=copies)
+    del sets, calls, graphs
+    torch.cuda.empty_cache()
+    return list(rows.values())
+
+
+def markdown(rows) -> str:
+    lines = ["| H/Hkv D | B x Sk | " + " | ".join(f"{i} TB/s" for i in IMPLS) + " | flashrt / best peer |",
+             "|---|---|" + "---|" * (len(IMPLS) + 1)]
+    keys = sorted({(r["H"], r["Hkv"], r["D"], r["B"], r["S"]) for r in rows},
+                  key=lambda t: (t[2], -t[0] // t[1], t[3], t[4]))
+    for H, Hkv, D, B, S in keys:
+        sel = {r["impl"]: r for r in rows if (r["H"], r["Hkv"], r["D"], r["B"], r["S"]) == (H, Hkv, D, B, S)}
+        cells = []
+        for i in IMPLS:
+            r = sel.get(i, {})
+            cells.append(f"{r['tbs']:.2f}" if "tbs" in r else ("skip" if "skipped" in r else "err" if r else "-"))
+        peers = [sel[i]["tbs"] for i in ("flash", "cudnn") if "tbs" in sel.get(i, {})]
+        ratio = f"{sel['flashrt']['tbs'] / max(peers):.2f}" if peers and "tbs" in sel.get("flashrt", {}) else "-"
+        lines.append(f"| {H}/{Hkv} {D} | {B} x {S // 1024}k | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def run(out: Path, quick: bool = False, points=None, heads=None, impls=IMPLS) -> str:
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    points = points or (QUICK if quick else POINTS)
+    heads = heads or (HEADS[:2] if quick else HEADS)
+    rows = []
+    for H, Hkv, D in heads:
+        for B, S in points:
+            for r in bench_point(B, S, H, Hkv, D, impls, l2):
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(device=props.name, torch=torch.__version__, flashrt=flashrt.__version__)
+    (out / "decode.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    text = f"Decode, {props.name}, K/V bytes read per second (TB/s)\n\n" + markdown(rows)
+    (out / "decode.md").write_text(text + "\n")
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="4 points at H/Hkv 32/8 and 8/1, head_dim 128")
+    ap.add_argument("--points", help="B:Sk,... e.g. 1:32768,16:8192")
+    ap.add_argument("--heads", help="H/Hkv/D,... e.g. 32/8/128")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = ap.parse_args()
+    points = [tuple(map(int, p.split(":"))) for p in args.points.split(",")] if args.points else None
+    heads = [tuple(map(int, h.split("/"))) for h in args.heads.split(",")] if args.heads else None
+    print(run(Path(args.out), args.quick, points, heads))
+
+
+if __name__ == "__main__":
+    main()

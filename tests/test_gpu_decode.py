@@ -1,0 +1,261 @@
+"""GPU tests of flashrt.decode and flashrt.combine: float64 references per sequence, paged caches, appends, splits,
+CUDA graphs, bad values. Run on a GPU machine with `pytest -m gpu`; they skip elsewhere."""
+import math
+
+import pytest
+
+import flashrt
+from flashrt import interop
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """flashrt's own uninitialised allocations (outputs, partials) start as NaN, so an unwritten element shows."""
+    real = interop.new_many
+
+    def new_many(x, specs):
+        out = real(x, specs)
+        for a, (_, kind, fill) in zip(out, specs):
+            if fill is None and kind != "i32":
+                a.fill_(float("nan")) if interop.is_torch(a) else a.fill(float("nan"))
+        return out
+    monkeypatch.setattr(interop, "new_many", new_many)
+
+
+def _dt(torch, dtype):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+def make_case(torch, B, Sq, H, Hkv, D, cap, dtype="bf16", page_size=0, new=True, seed=0, lens=None):
+    """Random q, caches (contiguous, or paged with a shuffled page table), new k / v and ragged lengths
+    (0 and a full cache among them)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = _dt(torch, dtype)
+    n_new = Sq if new else 0
+    if lens is None:
+        lens = torch.randint(0, cap - n_new + 1, (B,), generator=g, device="cuda", dtype=torch.int32)
+        lens[0] = 0 if n_new else min(cap, 1)  # (without new keys, a sequence of 0 sees nothing: checked apart)
+        if B > 1:
+            lens[1] = cap - n_new
+    q = torch.randn(B, Sq, H, D, generator=g, device="cuda", dtype=dt)
+    kn = torch.randn(B, Sq, Hkv, D, generator=g, device="cuda", dtype=dt) if new else None
+    vn = torch.randn(B, Sq, Hkv, D, generator=g, device="cuda", dtype=dt) if new else None
+    if page_size:
+        pages_per = -(-cap // page_size)
+        num_pages = B * pages_per + 3
+        perm = torch.randperm(num_pages, generator=g, device="cuda")[: B * pages_per]
+        table = perm.view(B, pages_per).to(torch.int32)
+        kc = torch.randn(num_pages, page_size, Hkv, D, generator=g, device="cuda", dtype=dt)
+        vc = torch.randn(num_pages, page_size, Hkv, D, generator=g, device="cuda", dtype=dt)
+    else:
+        table = None
+        kc = torch.randn(B, cap, Hkv, D, generator=g, device="cuda", dtype=dt)
+        vc = torch.randn(B, cap, Hkv, D, generator=g, device="cuda", dtype=dt)
+    return q, kc, vc, kn, vn, lens, table
+
+
+def logical_cache(kc, table, b, n):
+    """Sequence b's first n cache rows, (n, Hkv, D), through the page table if any."""
+    if table is None:
+        return kc[b, :n]
+    ps = kc.shape[1]
+    idx = [int(table[b, t // ps]) * ps + t % ps for t in range(n)]
+    return kc.reshape(-1, *kc.shape[2:])[idx]
+
+
+def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1), scale=None):
+    """float64 out (B, Sq, H, D) and lse (B, H, Sq) of decode's definition."""
+    B, Sq, H, D = q.shape
+    Hkv = kc.shape[2]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    out = torch.zeros(B, Sq, H, D, dtype=torch.float64, device="cuda")
+    lse = torch.full((B, H, Sq), -math.inf, dtype=torch.float64, device="cuda")
+    for b in range(B):
+        L0 = int(lens[b])
+        k = logical_cache(kc, table, b, L0).double()
+        v = logical_cache(vc, table, b, L0).double()
+        if kn is not None:
+            k, v = torch.cat([k, kn[b].double()]), torch.cat([v, vn[b].double()])
+        L = k.shape[0]
+        if L == 0:
+            continue
+        pos = (L - Sq + torch.arange(Sq, device="cuda"))[:, None]
+        key = torch.arange(L, device="cuda")[None, :]
+        vis = torch.ones(Sq, L, dtype=torch.bool, device="cuda")
+        if causal:
+            vis &= key <= pos
+        if window[0] >= 0:
+            vis &= key >= pos - window[0]
+        if window[1] >= 0:
+            vis &= key <= pos + window[1]
+        kk = k.repeat_interleave(H // Hkv, dim=1)  # (L, H, D)
+        vv = v.repeat_interleave(H // Hkv, dim=1)
+        s = torch.einsum("ihd,jhd->hij", q[b].double(), kk) * scale
+        s = s.masked_fill(~vis[None], -math.inf)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        denom = p.sum(-1, keepdim=True)
+        o = torch.einsum("hij,jhd->ihd", p / torch.where(denom > 0, denom, torch.ones_like(denom)), vv)
+        out[b] = o
+        lse[b] = torch.where(denom[..., 0] > 0, (m[..., 0] + torch.log(denom[..., 0])), -math.inf)
+    return out, lse
+
+
+def check(torch, out, lse, ref_out, ref_lse, dtype):
+    tol = 2e-2 if dtype == "bf16" else 4e-3
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    err = (out.double() - ref_out).abs().max().item()
+    assert err < tol, f"max |out - ref| = {err}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-3
+
+
+CASES = [  # B, Sq, H, Hkv, D, capacity, page_size, new, num_splits, dtype
+    (4, 1, 32, 8, 128, 1000, 0, True, 0, "bf16"),
+    (3, 1, 8, 1, 64, 3000, 0, True, 0, "fp16"),
+    (2, 4, 32, 8, 128, 700, 0, True, 3, "bf16"),
+    (2, 16, 8, 1, 128, 513, 0, True, 0, "bf16"),  # 128 packed rows: two row tiles of 64
+    (2, 16, 4, 4, 256, 300, 0, True, 1, "bf16"),
+    (3, 2, 6, 2, 72, 257, 0, False, 0, "bf16"),
+    (2, 1, 16, 2, 256, 2048, 0, False, 5, "fp16"),
+    (3, 1, 32, 8, 128, 1000, 16, True, 0, "bf16"),
+    (2, 3, 8, 2, 64, 900, 64, True, 2, "bf16"),
+    (2, 8, 8, 8, 128, 600, 256, True, 0, "fp16"),
+    (1, 1, 8, 1, 128, 20000, 0, True, 0, "bf16"),  # one sequence over many splits
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_matches_float64_reference(torch, poisoned, case):
+    B, Sq, H, Hkv, D, cap, ps, new, splits, dtype = case
+    q, kc, vc, kn, vn, lens, table = make_case(torch, B, Sq, H, Hkv, D, cap, dtype, ps, new, seed=hash(case) % 1000)
+    kc0, vc0 = kc.clone(), vc.clone()
+    ref_out, ref_lse = reference(torch, q, kc, vc, kn, vn, lens, table)
+    out, lse = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table, num_splits=splits,
+                              return_lse=True)
+    check(torch, out, lse, ref_out, ref_lse, dtype)
+    # the append: exactly the new rows changed, to k / v
+    expect_k, expect_v = kc0.clone(), vc0.clone()
+    if new:
+        for b in range(B):
+            for i in range(Sq):
+                t = int(lens[b]) + i
+                if table is None:
+                    expect_k[b, t], expect_v[b, t] = kn[b, i], vn[b, i]
+                else:
+                    page = int(table[b, t // ps])
+                    expect_k[page, t % ps], expect_v[page, t % ps] = kn[b, i], vn[b, i]
+    assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (100, -1)), (False, (37, 2)), (True, (0, 0))])
+def test_decode_masks(torch, poisoned, causal, window):
+    q, kc, vc, kn, vn, lens, table = make_case(torch, 3, 5, 8, 2, 128, 800, page_size=32, seed=7)
+    ref_out, ref_lse = reference(torch, q, kc, vc, kn, vn, lens, table, causal, window)
+    out, lse = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table, causal=causal,
+                              window=window, num_splits=3, return_lse=True)
+    check(torch, out, lse, ref_out, ref_lse, "bf16")
+
+
+def test_decode_empty_sequence_sees_nothing(torch, poisoned):
+    q, kc, vc, _, _, _, _ = make_case(torch, 2, 1, 8, 2, 64, 256, new=False)
+    lens = torch.tensor([0, 100], dtype=torch.int32, device="cuda")
+    out, lse = flashrt.decode(q, kc, vc, cache_seqlens=lens, return_lse=True)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == -math.inf)
+    ref_out, _ = reference(torch, q, kc, vc, None, None, lens, None)
+    assert (out[1].double() - ref_out[1]).abs().max() < 2e-2
+
+
+def test_decode_splits_are_deterministic(torch):
+    q, kc, vc, _, _, lens, _ = make_case(torch, 2, 2, 32, 8, 128, 8000, new=False, seed=3)
+    runs = [flashrt.decode(q, kc, vc, cache_seqlens=lens, num_splits=7, return_lse=True) for _ in range(3)]
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+def test_decode_cupy_inputs_agree_bitwise(torch, poisoned):
+    import cupy
+    q, kc, vc, kn, vn, lens, table = make_case(torch, 2, 2, 8, 2, 128, 512, page_size=64, seed=5)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table)
+    cp = [cupy.from_dlpack(x) for x in (q, kc2, vc2, kn, vn, lens, table)]
+    out2 = flashrt.decode(cp[0], cp[1], cp[2], cache_seqlens=cp[5], k=cp[3], v=cp[4], page_table=cp[6])
+    assert isinstance(out2, cupy.ndarray)
+    assert torch.equal(out, torch.from_dlpack(out2)) and torch.equal(kc, kc2)
+
+
+def test_decode_cuda_graph_replays_with_new_lengths(torch):
+    B, H, Hkv, D, cap = 4, 16, 4, 128, 2048
+    q, kc, vc, kn, vn, lens, table = make_case(torch, B, 1, H, Hkv, D, cap, page_size=64, seed=11)
+    lens.copy_(torch.tensor([5, 700, 1500, 30], dtype=torch.int32, device="cuda"))
+    flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table)  # warm-up: compile, plan
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table)
+    for step in range(3):
+        new_lens = torch.tensor([6 + step, 701 + step, 1501 + step, 31 + step], dtype=torch.int32, device="cuda")
+        lens.copy_(new_lens)
+        q.normal_(), kn.normal_(), vn.normal_()
+        ref_out, _ = reference(torch, q, kc, vc, kn, vn, lens, table)  # (before the replay appends)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (out.double() - ref_out).abs().max() < 2e-2
+
+
+def test_bad_values_give_nan_and_an_error(torch):
+    q, kc, vc, kn, vn, lens, table = make_case(torch, 2, 1, 8, 2, 64, 512, page_size=64, seed=2)
+    lens.copy_(torch.tensor([10, 512], dtype=torch.int32, device="cuda"))  # 512 + 1 new > 512
+    kc0 = kc.clone()
+    out = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 512"):
+        flashrt.synchronize()
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    expect = kc0.clone()
+    expect[int(table[0, 0]), 10] = kn[0, 0]  # sequence 0 appended; sequence 1 (bad) wrote nothing
+    assert torch.equal(kc, expect)
+    lens.copy_(torch.tensor([10, 100], dtype=torch.int32, device="cuda"))
+    table[0, 0] = 10_000
+    out = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table)
+    with pytest.raises(ValueError, match="page id 10000"):
+        flashrt.synchronize()
+    assert torch.isnan(out[0]).all() and not torch.isnan(out[1]).any()
+
+
+def test_argument_errors_are_clear(torch):
+    q, kc, vc, kn, _, lens, table = make_case(torch, 2, 1, 8, 2, 64, 256, page_size=64)
+    with pytest.raises(ValueError, match="1 to 16 new tokens"):
+        flashrt.decode(torch.zeros(2, 17, 8, 64, dtype=torch.bfloat16, device="cuda"), kc, vc, cache_seqlens=lens,
+                       page_table=table)
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        flashrt.decode(q, kc, vc, cache_seqlens=lens, page_table=table.long())
+    with pytest.raises(ValueError, match="cache_seqlens must be int32"):
+        flashrt.decode(q, kc, vc, cache_seqlens=lens[:1], page_table=table)
+    with pytest.raises(ValueError, match="needs page_table"):
+        flashrt.decode(q, kc, vc, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, page_table=table)
+
+
+def test_combine_of_key_halves_is_the_whole(torch):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, Sq, Sk, H, D = 2, 64, 1000, 4, 128
+    q, k, v = (torch.randn(B, s, H, D, generator=g, device="cuda", dtype=torch.bfloat16) for s in (Sq, Sk, Sk))
+    whole, whole_lse = flashrt.forward(q, k, v)
+    parts = [flashrt.forward(q, k[:, a:b], v[:, a:b]) for a, b in ((0, 300), (300, 1000))]
+    out, lse = flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
+    assert out.dtype == torch.bfloat16 and lse.shape == (B, H, Sq)
+    assert (out.double() - whole.double()).abs().max() < 2e-2
+    assert (lse - whole_lse).abs().max() < 1e-4
+    out32, lse32 = flashrt.combine(torch.stack([p[0].float() for p in parts]), torch.stack([p[1] for p in parts]))
+    assert out32.dtype == torch.float32 and torch.equal(lse32, lse)
+    again, _ = flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
+    assert torch.equal(again, out)
