@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import TYPE_CHECKING
 
 from . import _env
@@ -399,7 +400,7 @@ def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm
 # Decoding (kernels_cu/sm80/decode.cu, flashrt/decode.py)
 # ---------------------------------------------------------------------------
 DECODE_WARPS = 4
-DECODE_MIN_SPLIT_TILES = 8  # key tiles a split reads at least: its pipeline's fill and epilogue cost ~2-4 tiles' time
+DECODE_SPLIT_OVERHEAD_TILES = 2  # a split's pipeline fill and epilogue, in key tiles' time (an estimate)
 
 
 def decode_block_m(rows: int) -> int:
@@ -432,17 +433,19 @@ def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int) -> li
 
 def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, sm_count: int, smem_per_sm: int,
                   requested: int = 0) -> int:
-    """Blocks over each sequence's keys (decode.cu's grid x): `requested` if > 0, else enough that the launch fills
-    the SMs twice over at the blocks per SM its shared memory allows, with at least DECODE_MIN_SPLIT_TILES key tiles
-    of the cache's capacity each (the lengths are on the device: the capacity bounds them), at most 128."""
+    """Blocks over each sequence's keys (decode.cu's grid x): `requested` if > 0, else the count that wastes least
+    time, at most 128: the last wave's idle slots (blocks of equal work, as many running at once as the shared memory
+    allows) and each split's fixed cost, DECODE_SPLIT_OVERHEAD_TILES. The lengths are on the device: the cache's
+    capacity stands for them (docs/perf-notes.md, Decode: splits)."""
     tiles_max = _cdiv(max(capacity, 1), spec.block_n)
     most = max(1, min(128, tiles_max))
     if requested > 0:
         return min(requested, most)
-    blocks = B * Hkv * _cdiv(rows, spec.block_m)
-    per_sm = max(1, min(16, (smem_per_sm + 1024) // (spec.smem_bytes + 1024)))
-    want = _cdiv(2 * sm_count * per_sm, max(blocks, 1))
-    splits = min(want, _cdiv(tiles_max, DECODE_MIN_SPLIT_TILES))
-    # Little work (one sequence, one KV head): a block on every SM before long splits, down to 2 tiles each.
-    splits = max(splits, min(_cdiv(sm_count, max(blocks, 1)), tiles_max // 2))
-    return max(1, min(splits, most))
+    blocks = max(1, B * Hkv * _cdiv(rows, spec.block_m))
+    slots = sm_count * max(1, min(16, (smem_per_sm + 1024) // (spec.smem_bytes + 1024)))  # blocks running at once
+
+    def score(s: int) -> float:  # the share of the launch's time spent streaming keys
+        waves = blocks * s / slots
+        tiles = tiles_max / s
+        return waves / math.ceil(waves) * tiles / (tiles + DECODE_SPLIT_OVERHEAD_TILES)
+    return max(range(1, most + 1), key=lambda s: (round(score(s), 3), -s))

@@ -140,8 +140,14 @@ __device__ void decode(const DecodeParams& p) {
                 return;
             }
             int pg[LOADS];
+            if (p.page_shift >= 0 && (BN >> p.page_shift) == 0) {  // pages of BN keys or more: the tile in one page
+                const int one = pages[k0 >> p.page_shift];
 #pragma unroll
-            for (int u = 0; u < LOADS; ++u) pg[u] = pages[page_of(k0 + r0 + u * RS)];
+                for (int u = 0; u < LOADS; ++u) pg[u] = one;
+            } else {
+#pragma unroll
+                for (int u = 0; u < LOADS; ++u) pg[u] = pages[page_of(k0 + r0 + u * RS)];
+            }
 #pragma unroll
             for (int u = 0; u < LOADS; ++u) {
                 const int key = k0 + r0 + u * RS;
