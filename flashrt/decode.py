@@ -148,8 +148,9 @@ def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale,
     if splits > 1:
         allocs.append(_Alloc.parts([("o_part", splits * B * Sq * H * D), ("lse_part", splits * B * H * Sq)], "f32"))
         combiner = tiles.kernel_for("decode_combine", D, Q.dtype, False, dev)
-        structs.append((params.COMBINE, dict(n=splits, B=B, Sq=Sq, H=H, D=D), {}))
-        launches.append((combiner, launch.grid(combiner, B, H, Hkv, Sq, 0, dev.sm_count), 1))
+        rw = tiles.combine_row_warps(splits, B * Sq * H, dev.sm_count, combiner.warps)
+        structs.append((params.COMBINE, dict(n=splits, B=B, Sq=Sq, H=H, D=D, row_warps=rw), {}))
+        launches.append((combiner, launch.grid(combiner, B, H, Hkv, Sq, 0, dev.sm_count, row_warps=rw), 1))
     return _Plan(structs, tuple(names), allocs, launches, dev)
 
 
@@ -185,8 +186,9 @@ def combine(out_parts, lse_parts):
         return tuple(_Plan([], (), allocs, [], None).run((Op.obj, Lp.obj)))
     dev = launch.device(Op.device)
     spec = tiles.kernel_for(family, D, "bf16" if family == "combine_f32" else Op.dtype, False, dev)
-    plan = _Plan([(params.COMBINE, dict(n=n, B=B, Sq=Sq, H=H, D=D), {})], ("o_part", "lse_part"), allocs,
-                 [(spec, launch.grid(spec, B, H, H, Sq, 0, dev.sm_count), 0)], dev)
+    rw = tiles.combine_row_warps(n, B * Sq * H, dev.sm_count, spec.warps)
+    plan = _Plan([(params.COMBINE, dict(n=n, B=B, Sq=Sq, H=H, D=D, row_warps=rw), {})], ("o_part", "lse_part"),
+                 allocs, [(spec, launch.grid(spec, B, H, H, Sq, 0, dev.sm_count, row_warps=rw), 0)], dev)
     out, lse = plan.run((Op.obj, Lp.obj))
     return out, lse
 

@@ -73,7 +73,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132,
-         splits: int = 1) -> tuple[int, int, int]:
+         splits: int = 1, row_warps: int = 1) -> tuple[int, int, int]:
     """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu (fwd_sm90: a 1-D grid
     of work items, kernels_cu/attention/params.cuh: work_item)."""
     if spec.family == "fwd_sm90":
@@ -96,7 +96,7 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
         work = {"bwd_preprocess": (B * H * Sq, spec.warps),  # one warp per (b, h, query) row
                 "bwd_dkdv_reduce": (B * Hkv * Sk * spec.head_dim // 8, spec.threads),  # a thread per 8 elements
                 "bwd_dq_convert": (B * H * Sq * spec.head_dim // 8, spec.threads)}.get(
-                    spec.family, (B * H * Sq, spec.warps))  # the combines: one warp per row
+                    spec.family, (B * H * Sq * row_warps, spec.warps))  # the combines: row_warps warps per row
         g = (max(1, min(_cdiv(*work), 32 * sm_count)), 1, 1)
     else:
         raise ValueError(spec.family)

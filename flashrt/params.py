@@ -104,7 +104,7 @@ DECODE = np.dtype(
     align=True,
 )
 COMBINE = np.dtype([(n, _PTR) for n in ("o_part", "lse_part", "o", "lse")]
-                   + [(n, _I32) for n in ("n", "B", "Sq", "H", "D")], align=True)
+                   + [(n, _I32) for n in ("n", "B", "Sq", "H", "D", "row_warps")], align=True)
 
 C_NAMES = {FWD: "frt::FwdParams", BWD: "frt::BwdParams", CHECK: "frt::CheckParams", DECODE: "frt::DecodeParams",
            COMBINE: "frt::CombineParams"}

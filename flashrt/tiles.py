@@ -449,3 +449,13 @@ def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, 
         tiles = tiles_max / s
         return waves / math.ceil(waves) * tiles / (tiles + DECODE_SPLIT_OVERHEAD_TILES)
     return max(range(1, most + 1), key=lambda s: (round(score(s), 3), -s))
+
+
+def combine_row_warps(parts: int, rows: int, sm_count: int, warps: int) -> int:
+    """Warps that share one row's parts in combine.cu (1, 2, 4 or 8): as many as keep 4 parts or more each, while
+    the launch's warps stay within 4 per SM scheduler's worth (few rows, many parts: a single sequence's splits)."""
+    best = 1
+    for r in (2, 4, 8):
+        if r <= warps and parts >= 4 * r and rows * r <= 4 * 4 * sm_count:
+            best = r
+    return best

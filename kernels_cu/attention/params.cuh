@@ -178,6 +178,7 @@ struct CombineParams {
     void* o;
     float* lse;
     int n, B, Sq, H, D;
+    int row_warps;  // warps that share a row's parts: 1, 2, 4 or 8 (flashrt/decode.py: _combine_fields)
 };
 
 // ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 // lse = log(sum_s exp(lse_s)); the parts are added in index order, so the result is bitwise reproducible.
 // A part whose lse is -inf saw no key (weight 0); a NaN lse (decode.cu: a bad cache value) makes the row NaN.
 //
-// One warp per (b, token, head) row, grid-stride; lane l holds columns 8l .. 8l + 7 (and the lse of parts l, l + 32, ...). Families (spec.FAMILIES):
+// Warps per (b, token, head) row, grid-stride; lane l holds columns 8l .. 8l + 7 (and the lse of parts l, l + 32, ...). Families (spec.FAMILIES):
 // FRT_PART_F32 = 1: fp32 parts (decode.cu's partials), else parts of the 16-bit dtype; FRT_OUT_F32 = 1: fp32 out.
 #include "attention/params.cuh"
 
@@ -29,10 +29,16 @@ static_assert(32 * PARTS_PER_LANE == 256, "flashrt/decode.py: COMBINE_MAX_PARTS"
 template <class T>
 __device__ void combine(const CombineParams& p) {
     constexpr bool PART_F32 = FRT_PART_F32, OUT_F32 = FRT_OUT_F32;
-    const int lane = threadIdx.x & 31, c = lane * 8;
+    constexpr int WARPS = T::NW;
+    // p.row_warps warps per row (1, 2, 4 or 8: more where there are many parts and few rows), each over the parts
+    // wr, wr + row_warps, ...; their sums meet in shared memory and add in warp order.
+    __shared__ __align__(16) float partial[WARPS][256];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, c = lane * 8;
+    const int rw = p.row_warps, wr = warp % rw, rows_per_block = WARPS / rw;
     const i64 rows = (i64)p.B * p.Sq * p.H;
-    const int warps = blockDim.x / 32;
-    for (i64 row = (i64)blockIdx.x * warps + threadIdx.x / 32; row < rows; row += (i64)gridDim.x * warps) {
+    for (i64 base = (i64)blockIdx.x * rows_per_block; base < rows; base += (i64)gridDim.x * rows_per_block) {
+        const i64 row = base + warp / rw;
+        const bool live = row < rows;
         // row = (b * Sq + i) * H + h, as in out; lse is (B, H, Sq)
         const int h = (int)(row % p.H), i = (int)(row / p.H % p.Sq), b = (int)(row / ((i64)p.H * p.Sq));
         const i64 st = ((i64)b * p.H + h) * p.Sq + i, st_rows = (i64)p.B * p.H * p.Sq;
@@ -41,7 +47,7 @@ __device__ void combine(const CombineParams& p) {
 #pragma unroll
         for (int k = 0; k < PARTS_PER_LANE; ++k) {
             const int s = lane + 32 * k;
-            w[k] = s < p.n ? p.lse_part[s * st_rows + st] : -FRT_INF;
+            w[k] = live && s < p.n ? p.lse_part[s * st_rows + st] : -FRT_INF;
             nan |= w[k] != w[k];
             m = fmaxf(m, w[k]);
         }
@@ -56,13 +62,13 @@ __device__ void combine(const CombineParams& p) {
         }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        // The parts in index order (bitwise reproducible); a part of weight 0 is not read.
+        // This warp's parts in index order; a part of weight 0 is not read.
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < PARTS_PER_LANE; ++k) {
             if (32 * k >= p.n) break;
 #pragma unroll 8
-            for (int t = 0; t < 32; ++t) {
+            for (int t = wr; t < 32; t += rw) {
                 const int s = 32 * k + t;
                 if (s >= p.n) break;
                 const float ws = __shfl_sync(0xffffffffu, w[k], t);
@@ -74,6 +80,22 @@ __device__ void combine(const CombineParams& p) {
                 }
             }
         }
+        if (rw > 1) {
+            if (c < p.D) {
+                *reinterpret_cast<float4*>(&partial[warp][c]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                *reinterpret_cast<float4*>(&partial[warp][c + 4]) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            }
+            __syncthreads();
+            if (wr == 0 && c < p.D) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+                for (int x = 0; x < rw; ++x)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] += partial[warp + x][c + e];
+            }
+            __syncthreads();  // (the next rows' sums overwrite these)
+        }
+        if (wr != 0 || !live) continue;
         const float inv = sum > 0.f ? 1.f / sum : 0.f, qnan = __int_as_float(0x7fffffff);
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = nan ? qnan : acc[e] * inv;
