@@ -11,7 +11,7 @@ Tensors are (batch, seqlen, heads, head_dim), bf16 or fp16, torch or CuPy.
 """
 from ._version import __version__
 from .api import backward, forward
-from .decode import combine, decode
+from .decoding import combine, decode
 
 
 def synchronize() -> None:

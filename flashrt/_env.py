@@ -65,6 +65,11 @@ def no_tma() -> bool:
     return _flag("FLASHRT_NO_TMA")
 
 
+def no_decode_forward() -> bool:
+    """FLASHRT_NO_DECODE_FORWARD=1: flashrt.forward with 16 query rows or fewer keeps the forward kernels instead of decode's split-KV ones (A/B timing, a fallback)."""
+    return _flag("FLASHRT_NO_DECODE_FORWARD")
+
+
 def record() -> str | None:
     """FLASHRT_RECORD=<path>: every kernel variant this process looks up is added to the JSON manifest at <path> (merged with what it holds), for `flashrt prewarm --manifest <path>`."""
     return _text("FLASHRT_RECORD")
@@ -73,6 +78,7 @@ def record() -> str | None:
 VARIABLES = {
     "FLASHRT_NO_SM90": no_sm90.__doc__,
     "FLASHRT_NO_TMA": no_tma.__doc__,
+    "FLASHRT_NO_DECODE_FORWARD": no_decode_forward.__doc__,
     "FLASHRT_CACHE_DIR": cache_dir.__doc__,
     "FLASHRT_NVRTC": nvrtc.__doc__,
     "FLASHRT_NO_COMPILE": no_compile.__doc__,

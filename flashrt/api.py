@@ -238,6 +238,9 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict) ->
     allocs = [_Alloc(("o",), Q.shape, "like", fill[0]), _Alloc(("lse",), m.lse_shape(H), "f32", fill[1])]
     if empty:
         return _Plan([], (), allocs, [], None)
+    from . import decoding  # (it imports this module)
+    if not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
+        return decoding.forward_plan(Q4, K4, V4, m, scale)
     dev = launch.device(Q.device)
     spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
@@ -531,7 +534,7 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: 
             rest += (interop.stream(tensors[0]),)
     sig = _signatures(tensors)
     return None if sig is None else (kind, sig, options, rest, mode if mask_args else 0, _env.no_sm90(),
-                                     _env.no_tma())
+                                     _env.no_tma(), _env.no_decode_forward())
 
 
 def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: int, build) -> list:

@@ -92,14 +92,14 @@ CHECK = np.dtype(
     align=True,
 )
 
-# kernels_cu/sm80/decode.cu's and kernels_cu/helpers/combine.cu's (flashrt/decode.py fills them).
+# kernels_cu/sm80/decode.cu's and kernels_cu/helpers/combine.cu's (flashrt/decoding.py fills them).
 DECODE = np.dtype(
     [(n, _PTR) for n in ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_part", "lse_part",
                         "cache_seqlens", "page_table", "report")]
     + [(f"{t}_{axis}", _I64) for t in ("q", "kc", "kn", "o") for axis in ("sb", "ss", "sh")]
     + [("pt_sb", _I64)]
-    + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "capacity", "page_size", "page_shift", "num_pages", "splits",
-                           "causal", "win_left", "win_right")]
+    + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "capacity", "seqlen", "page_size", "page_shift", "num_pages",
+                           "splits", "causal", "win_left", "win_right")]
     + [("scale_log2", _F32)],
     align=True,
 )

@@ -38,7 +38,7 @@ FAMILIES = {
     "mask_cols": ("helpers/mask_classify.cu", params.FWD, {"FRT_CLASSIFY": 2}),
     # validate=True: the mask arrays checked on the device after the attention kernels (no host copy)
     "mask_check": ("helpers/mask_check.cu", params.CHECK, {}),
-    # decoding against a KV cache (flashrt/decode.py): split-KV over GQA-packed rows, then its fp32 partials merged
+    # decoding against a KV cache (flashrt/decoding.py): split-KV over GQA-packed rows, then its fp32 partials merged
     "decode": ("sm80/decode.cu", params.DECODE, {}),
     "decode_combine": ("helpers/combine.cu", params.COMBINE, {"FRT_PART_F32": 1, "FRT_OUT_F32": 0}),
     # flashrt.combine: parts in the 16-bit dtype, or fp32 parts and out
@@ -167,8 +167,8 @@ class KernelSpec:
     def programmatic(self) -> bool:
         """Launched as a programmatic dependent of the kernel before it (launch.Sequence): it may start while that
         kernel runs, and waits for it where it must (kernels_cu/common/common.cuh: wait_previous_grid). The device
-        check, from sm_90 on (docs/perf-notes.md: Device check of mask arrays)."""
-        return self.family == "mask_check" and int(ARCH_RE.fullmatch(self.arch).group(1)) >= 90
+        check and decode's combine, from sm_90 on (docs/perf-notes.md: Device check of mask arrays; Decode)."""
+        return self.family in ("mask_check", "decode_combine") and int(ARCH_RE.fullmatch(self.arch).group(1)) >= 90
 
     # -- geometry (mirrors the traits structs in kernels_cu/*.cu) ------------------
     def layout_problem(self) -> str | None:

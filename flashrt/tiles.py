@@ -397,7 +397,7 @@ def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm
 
 
 # ---------------------------------------------------------------------------
-# Decoding (kernels_cu/sm80/decode.cu, flashrt/decode.py)
+# Decoding (kernels_cu/sm80/decode.cu, flashrt/decoding.py)
 # ---------------------------------------------------------------------------
 DECODE_WARPS = 4
 DECODE_SPLIT_OVERHEAD_TILES = 2  # a split's pipeline fill and epilogue, in key tiles' time (an estimate)

@@ -259,3 +259,27 @@ def test_combine_of_key_halves_is_the_whole(torch):
     assert out32.dtype == torch.float32 and torch.equal(lse32, lse)
     again, _ = flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("Sq,causal,window", [(1, True, (-1, -1)), (5, True, (-1, -1)), (16, False, (-1, -1)),
+                                              (7, True, (50, -1)), (12, False, (20, 3)), (16, True, (0, 0))])
+def test_forward_with_few_queries_runs_decode_kernels(torch, poisoned, monkeypatch, Sq, causal, window):
+    """flashrt.forward with few query rows per KV head takes decode.cu (bottom-right causal, windows): the same answer as
+    the reference, and as the forward kernels (FLASHRT_NO_DECODE_FORWARD=1), and its lse feeds the backward."""
+    g = torch.Generator(device="cuda").manual_seed(Sq)
+    B, Sk, H, Hkv, D = 2, 1500, 4, 2, 128  # (up to 32 rows per KV head: decoding.FORWARD_MAX_ROWS)
+    q = torch.randn(B, Sq, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Sk, Hkv, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kw = dict(causal=causal) if window == (-1, -1) else dict(causal=causal, window=window)
+    out, lse = flashrt.forward(q, k, v, **kw)
+    lens = torch.full((B,), Sk, dtype=torch.int32, device="cuda")
+    ref_out, ref_lse = reference(torch, q, k, v, None, None, lens, None, causal, window)
+    check(torch, out, lse, ref_out, ref_lse, "bf16")
+    monkeypatch.setenv("FLASHRT_NO_DECODE_FORWARD", "1")
+    out2, lse2 = flashrt.forward(q, k, v, **kw)
+    assert (out.float() - out2.float()).abs().max() < 2e-2 and (lse - lse2).abs().max() < 1e-3
+    do = torch.randn_like(out)
+    grads = flashrt.backward(do, q, k, v, out, lse, **kw)
+    grads2 = flashrt.backward(do, q, k, v, out2, lse2, **kw)
+    for a, b in zip(grads, grads2):
+        assert (a.float() - b.float()).abs().max() < 5e-2

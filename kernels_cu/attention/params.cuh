@@ -143,7 +143,7 @@ struct CheckParams {
 
 // decode.cu: queries of a few new tokens against a KV cache, contiguous (B, capacity, Hkv, D) or paged
 // (num_pages, page_size, Hkv, D) through page_table (B, max_pages). Strides in elements; *_sb of a paged cache
-// steps pages. flashrt/decode.py checks every shape; the kernel checks the values (cache_seqlens, page ids).
+// steps pages. flashrt/decoding.py checks every shape; the kernel checks the values (cache_seqlens, page ids).
 struct DecodeParams {
     const u16* q;
     u16* k_cache;
@@ -154,7 +154,7 @@ struct DecodeParams {
     float* lse;        // splits == 1: (B, H, Sq)
     float* o_part;     // splits > 1: fp32 (splits, B, Sq, H, D), combined by combine.cu
     float* lse_part;   // splits > 1: (splits, B, H, Sq)
-    const int* cache_seqlens;  // (B,): tokens in the cache before this call
+    const int* cache_seqlens;  // (B,): tokens in the cache before this call (null: seqlen)
     const int* page_table;     // (B, max_pages) page ids; null: contiguous
     int* report;               // host-mapped (flashrt/launch.py: report_words): a bad value is reported here
     i64 q_sb, q_ss, q_sh;
@@ -164,6 +164,7 @@ struct DecodeParams {
     i64 pt_sb;
     int B, H, Hkv, Sq;
     int capacity;   // tokens a sequence can hold: the cache's seqlen axis, or max_pages * page_size
+    int seqlen;     // every sequence's cached tokens where cache_seqlens is null (flashrt.forward: Sk)
     int page_size, page_shift, num_pages;  // page_shift: log2(page_size) when a power of two, else -1
     int splits;     // blocks over each sequence's key range (grid x)
     int causal, win_left, win_right;  // bottom-right: query i sits at key position L - Sq + i
@@ -178,7 +179,7 @@ struct CombineParams {
     void* o;
     float* lse;
     int n, B, Sq, H, D;
-    int row_warps;  // warps that share a row's parts: 1, 2, 4 or 8 (flashrt/decode.py: _combine_fields)
+    int row_warps;  // warps that share a row's parts: 1, 2, 4 or 8 (flashrt/decoding.py: _combine_fields)
 };
 
 // ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ FRT_DEVICE void load8(const void* base, i64 at, float (&x)[8]) {
 
 // At most COMBINE_MAX_PARTS parts: lane l holds the lse of parts l, l + 32, ... (their loads in flight together).
 constexpr int PARTS_PER_LANE = 8;
-static_assert(32 * PARTS_PER_LANE == 256, "flashrt/decode.py: COMBINE_MAX_PARTS");
+static_assert(32 * PARTS_PER_LANE == 256, "flashrt/decoding.py: COMBINE_MAX_PARTS");
 
 template <class T>
 __device__ void combine(const CombineParams& p) {
@@ -36,6 +36,9 @@ __device__ void combine(const CombineParams& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, c = lane * 8;
     const int rw = p.row_warps, wr = warp % rw, rows_per_block = WARPS / rw;
     const i64 rows = (i64)p.B * p.Sq * p.H;
+    // decode_combine on sm_90 is decode.cu's programmatic dependent (spec.KernelSpec.programmatic): it was launched
+    // while decode ran, and its partials are complete and visible only from here.
+    wait_previous_grid();
     for (i64 base = (i64)blockIdx.x * rows_per_block; base < rows; base += (i64)gridDim.x * rows_per_block) {
         const i64 row = base + warp / rw;
         const bool live = row < rows;

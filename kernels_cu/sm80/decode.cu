@@ -1,4 +1,4 @@
-// Decoding against a KV cache (flashrt/decode.py): a few new query tokens per sequence, memory-bound.
+// Decoding against a KV cache (flashrt/decoding.py): a few new query tokens per sequence, memory-bound.
 //
 // Grid (splits, Hkv * row_tiles, B). A block owns one KV head's packed rows: the H / Hkv query heads x Sq
 // tokens that share that KV head (row r = token * group + head in group), BM of them, so each K/V byte is read
@@ -57,7 +57,7 @@ __device__ void decode(const DecodeParams& p) {
     const int row0 = rt * BM, rows = cmin(BM, R - row0);
 
     // The sequence: L0 cached keys, then n_new appended ones; query i sits at key position shift + i.
-    const int L0 = p.cache_seqlens[b], n_new = p.k_new ? p.Sq : 0;
+    const int L0 = p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen, n_new = p.k_new ? p.Sq : 0;
     const bool bad_len = L0 < 0 || L0 > p.capacity - n_new;
     const int L = bad_len ? 0 : L0 + n_new, shift = L - p.Sq;
     const int* pages = p.page_table ? p.page_table + b * p.pt_sb : nullptr;
@@ -110,7 +110,7 @@ __device__ void decode(const DecodeParams& p) {
         cp_async16(sQ + r * LD + c * 16, src, ok);
     }
     // Tile j's keys [lo, hi) into a stage (the rest zero: no NaN of an unwritten cache row reaches P V). k_cache and
-    // v_cache share their strides (decode.py), so one offset serves both; the offset is 32-bit arithmetic until its
+    // v_cache share their strides (decoding.py), so one offset serves both; the offset is 32-bit arithmetic until its
     // one widening multiply, and a power-of-two page size takes a shift (docs/perf-notes.md, Decode: the loader).
     // A thread's rows' page ids are loaded together first, so that their latencies overlap.
     constexpr int LOADS = ceil_div(BN * CPR, T::NTHREADS);

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from . import interop, launch, params, tiles
+from .params import MASK_BITS
 from .api import _LOG2E, _Alloc, _check_layout, _check_tensor, _Plan, _planned, _scale, _strides
 
 MAX_NEW_TOKENS = 16
@@ -124,8 +125,36 @@ def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale,
         raise ValueError(f"causal must be True or False (decode aligns to the bottom-right), got {causal!r}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an integer >= 0 (0: chosen), got {num_splits!r}")
-    scale = _scale(softmax_scale, D)
+    return _plan(A, names, capacity, page_size, slots if paged else 0, causal, window, _scale(softmax_scale, D),
+                 num_splits)
 
+
+FORWARD_MAX_ROWS = 32  # query rows per KV head (query heads per KV head x Sq) up to which flashrt.forward takes decode
+
+
+def forward_applies(m, Q: interop.Array, K: interop.Array, V: interop.Array) -> bool:
+    """Whether flashrt.forward runs decode's kernels (api._forward_plan): at most FORWARD_MAX_ROWS query rows per KV
+    head (each K/V byte is read once per KV head, the keys split over blocks), no mask but a bottom-right causal one
+    and a window, k and v of one layout (docs/perf-notes.md, Decode: flashrt.forward)."""
+    return (m.Sq * (Q.shape[2] // K.shape[2]) <= FORWARD_MAX_ROWS and not m.varlen and not m.mask_mod
+            and not m.bits & ~MASK_BITS["window"] and not m.fields.get("top_left") and _strides(K) == _strides(V))
+
+
+def forward_plan(Q, K, V, m, scale: float) -> _Plan:
+    """flashrt.forward's plan through decode.cu (forward_applies): k and v as a full contiguous cache."""
+    window = (m.fields.get("win_left", -1), m.fields.get("win_right", -1))
+    return _plan({"q": Q, "k_cache": K, "v_cache": V}, ["q", "k", "v"], K.shape[1], 0, 0, bool(m.causal), window,
+                 scale, 0)
+
+
+def _plan(A: dict, names: list, capacity: int, page_size: int, num_pages: int, causal: bool, window, scale: float,
+          num_splits: int) -> _Plan:
+    """The plan of checked arrays A (q, k_cache, v_cache [, cache_seqlens, k_new, v_new, page_table]), named by
+    `names` as the call's tensors are (without cache_seqlens, every sequence holds `capacity` tokens)."""
+    Q, KC = A["q"], A["k_cache"]
+    B, Sq, H, D = Q.shape
+    Hkv = KC.shape[2]
+    paged = "page_table" in A
     out_shape, lse_shape = (B, Sq, H, D), (B, H, Sq)
     allocs = [_Alloc(("o",), out_shape, "like"), _Alloc(("lse",), lse_shape, "f32")]
     if B * H == 0:
@@ -135,15 +164,16 @@ def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale,
     spec = tiles.decode_spec(D, Q.dtype, rows, dev.arch, dev.smem_optin)
     splits = tiles.decode_splits(spec, B, Hkv, rows, capacity, dev.sm_count, dev.smem_optin, num_splits)
     shift = page_size.bit_length() - 1 if page_size and page_size & (page_size - 1) == 0 else -1
-    p = dict(B=B, H=H, Hkv=Hkv, Sq=Sq, capacity=capacity, page_size=page_size, page_shift=shift,
-             num_pages=slots if paged else 0,
-             splits=splits, causal=int(causal), win_left=window[0], win_right=window[1], scale_log2=scale * _LOG2E,
-             report=launch.report_words(dev), pt_sb=A["page_table"].strides[0] if paged else 0)
+    p = dict(B=B, H=H, Hkv=Hkv, Sq=Sq, capacity=capacity, seqlen=capacity, page_size=page_size, page_shift=shift,
+             num_pages=num_pages, splits=splits, causal=int(causal), win_left=window[0], win_right=window[1],
+             scale_log2=scale * _LOG2E, report=launch.report_words(dev),
+             pt_sb=A["page_table"].strides[0] if paged else 0)
     for prefix, name in (("q", "q"), ("kc", "k_cache"), ("kn", "k_new")):
         if name in A:
             p[f"{prefix}_sb"], p[f"{prefix}_ss"], p[f"{prefix}_sh"] = _strides(A[name])
     p["o_sb"], p["o_ss"], p["o_sh"] = Sq * H * D, H * D, D
-    structs = [(params.DECODE, p, {})]
+    links = {"k_cache": "k", "v_cache": "v"} if "k" in names else {}  # (flashrt.forward's names)
+    structs = [(params.DECODE, p, links)]
     launches = [(spec, launch.grid(spec, B, H, Hkv, Sq, 0, dev.sm_count, splits), 0)]
     if splits > 1:
         allocs.append(_Alloc.parts([("o_part", splits * B * Sq * H * D), ("lse_part", splits * B * H * Sq)], "f32"))
