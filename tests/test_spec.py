@@ -371,3 +371,48 @@ def test_gpus_before_ampere_are_refused_with_a_reason():
     assert launch.arch_for(9, 0) == "sm_90a" and launch.arch_for(8, 6) == "sm_86" and launch.arch_for(12, 0) == "sm_120"
     with pytest.raises(launch.LaunchError, match=r"needs a GPU of compute capability 8\.0 or newer .*Tesla T4 is 7\.5"):
         launch.arch_for(7, 5, "Tesla T4")
+
+
+def test_decode_tiles_follow_the_packed_rows():
+    """tiles.decode_spec: the fewest 16-row multiples (up to 64) that hold the query heads per KV head x new tokens;
+    64-key tiles, 32 at 32 / 64 rows above head_dim 128; every choice a valid layout within the shared memory."""
+    for rows, bm in ((1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (512, 64)):
+        for d in (8, 64, 72, 128, 200, 256):
+            for arch, limit in (("sm_80", SMEM_OPTIN[80]), ("sm_90a", SMEM_OPTIN[90]), ("sm_86", SMEM_OPTIN[86])):
+                s = tiles.decode_spec(d, "bf16", rows, arch, limit)
+                assert s.block_m == bm and s.smem_bytes <= limit, s.name
+                if limit > 200 * 1024:  # (smaller tiles over fewer warps where these do not fit)
+                    assert s.block_n == (32 if d > 128 and bm >= 32 else 64) and s.warps == tiles.DECODE_WARPS
+                assert not s.causal and not s.mask and s.layout_problem() is None
+    with pytest.raises(ValueError, match="mask at run time"):
+        KernelSpec("decode", 128, "bf16", 16, 64, 4, True, "sm_90a")
+    with pytest.raises(ValueError, match="warps must tile"):
+        KernelSpec("decode", 128, "bf16", 16, 32, 4, False, "sm_90a")  # 8 keys per warp
+
+
+def test_decode_splits_fill_the_gpu_without_a_ragged_last_wave():
+    s = tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90])
+    slots = 132 * 2  # two blocks of this variant per SM
+    assert tiles.decode_splits(s, 16, 8, 4, 8192, 132, SMEM_OPTIN[90], requested=7) == 7
+    assert tiles.decode_splits(s, 16, 8, 4, 100, 132, SMEM_OPTIN[90], requested=50) == 2  # at most a split per tile
+    for B, Hkv, cap in ((1, 8, 32768), (16, 8, 8192), (64, 8, 4096), (128, 1, 1024), (1, 1, 131072), (3, 2, 777)):
+        n = tiles.decode_splits(s, B, Hkv, 4, cap, 132, SMEM_OPTIN[90])
+        assert 1 <= n <= min(128, -(-cap // s.block_n))
+        blocks = B * Hkv * n
+        if blocks > slots:  # several waves: the last one at least half full
+            assert blocks % slots == 0 or blocks % slots >= slots // 2, (B, Hkv, cap, n)
+    assert tiles.decode_splits(s, 1, 1, 4, 131072, 132, SMEM_OPTIN[90]) == 128  # one sequence, one KV head
+    assert tiles.decode_splits(s, 256, 8, 4, 4096, 132, SMEM_OPTIN[90]) == 1  # many blocks already
+
+
+def test_combine_row_warps():
+    assert tiles.combine_row_warps(128, 8, 132, 8) == 8     # one sequence's splits: a block per row
+    assert tiles.combine_row_warps(2, 4096, 132, 8) == 1    # two parts: a warp per row
+    assert tiles.combine_row_warps(16, 128, 132, 8) == 4
+    assert tiles.combine_row_warps(64, 100000, 132, 8) == 1  # rows enough for every warp
+
+
+def test_decode_params_carry_one_stride_set_for_both_caches():
+    names = params.DECODE.names
+    assert "kc_sb" in names and "vc_sb" not in names and "kn_sb" in names and "vn_sb" not in names
+    assert {"seqlen", "page_shift", "splits"} <= set(names)
