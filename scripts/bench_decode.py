@@ -90,10 +90,14 @@ def rel_err(out, q, k, v) -> float:
 
 
 def bench_point(B, S, H, Hkv, D, impls, l2_bytes) -> list[dict]:
-    need = kv_bytes(B, S, Hkv, D) * (2 if "flashrt-paged" in impls else 1)
     free = torch.cuda.mem_get_info()[0]
-    if need * 1.2 > free:
-        return [dict(B=B, S=S, H=H, Hkv=Hkv, D=D, impl=i, skipped=f"needs {need / 2**30:.1f} GiB") for i in impls]
+    if kv_bytes(B, S, Hkv, D) * 1.2 > free:
+        return [dict(B=B, S=S, H=H, Hkv=Hkv, D=D, impl=i, skipped=f"needs {kv_bytes(B, S, Hkv, D) / 2**30:.1f} GiB")
+                for i in impls]
+    if "flashrt-paged" in impls and 2 * kv_bytes(B, S, Hkv, D) * 1.2 > free:  # (the paged copy does not fit too)
+        return bench_point(B, S, H, Hkv, D, [i for i in impls if i != "flashrt-paged"], l2_bytes) + \
+            [dict(B=B, S=S, H=H, Hkv=Hkv, D=D, impl="flashrt-paged", skipped="no room for a second copy")]
+    need = kv_bytes(B, S, Hkv, D) * (2 if "flashrt-paged" in impls else 1)
     copies = max(1, min(8, math.ceil(3 * l2_bytes / kv_bytes(B, S, Hkv, D))))
     if need * copies * 1.2 > free:
         copies = 1
@@ -180,7 +184,39 @@ def run(out: Path, quick: bool = False, points=None, heads=None, impls=IMPLS) ->
     (out / "decode.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     text = f"Decode, {props.name}, K/V bytes read per second (TB/s)\n\n" + markdown(rows)
     (out / "decode.md").write_text(text + "\n")
+    plot(rows, out / "decode.png", props.name)
     return text
+
+
+def plot(rows, path: Path, device: str) -> None:
+    """TB/s against Sk, a panel per (H/Hkv, head_dim), a line per implementation and batch (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("pip install matplotlib for decode.png")
+        return
+    panels = sorted({(r["H"], r["Hkv"], r["D"]) for r in rows}, key=lambda t: (t[2], t[1]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    colors = dict(zip(IMPLS, ("C0", "C1", "C2", "C3")))
+    styles = dict(zip((1, 16, 64, 128), ("-", "--", "-.", ":")))
+    for ax, (H, Hkv, D) in zip(axes[0], panels):
+        for impl in IMPLS:
+            for B in styles:
+                pts = sorted((r["S"], r["tbs"]) for r in rows if (r["H"], r["Hkv"], r["D"], r["B"], r["impl"])
+                             == (H, Hkv, D, B, impl) and "tbs" in r)
+                if pts:
+                    ax.plot(*zip(*pts), styles[B], color=colors[impl], marker="o", ms=3,
+                            label=f"{impl} B={B}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"H/Hkv {H}/{Hkv}, head_dim {D}")
+        ax.set_xlabel("Sk")
+        ax.set_ylabel("TB/s")
+    axes[0][0].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"flashrt.decode vs SDPA, {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:

@@ -77,7 +77,8 @@ class SdpaCache:
         kk, vv = self.k[i][:, :L].transpose(1, 2), self.v[i][:, :L].transpose(1, 2)
         # bottom-right causal over the cache: query j of the S new rows sees keys up to L - S + j
         mask = torch.ones(S, L, dtype=torch.bool, device="cuda").tril(L - S)
-        return F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2)
 
 
 class FlashrtCache:
