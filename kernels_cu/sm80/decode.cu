@@ -112,9 +112,7 @@ __device__ void decode(const DecodeParams& p) {
     // Tile j's keys [lo, hi) into a stage (the rest zero: no NaN of an unwritten cache row reaches P V). k_cache and
     // v_cache share their strides (decoding.py), so one offset serves both; the offset is 32-bit arithmetic until its
     // one widening multiply, and a power-of-two page size takes a shift (docs/perf-notes.md, Decode: the loader).
-    // A thread's rows' page ids are loaded together first, so that their latencies overlap.
     constexpr int LOADS = ceil_div(BN * CPR, T::NTHREADS);
-    constexpr bool EVEN = LOADS * T::NTHREADS == BN * CPR;
     const i64 kv_gap = p.v_cache - p.k_cache;
     const u16* kbase = p.k_cache + hk * p.kc_sh + (pages ? 0 : b * p.kc_sb);
     const u16* nbase = p.k_new + b * p.kn_sb + hk * p.kn_sh;  // (unused without k_new)
@@ -124,6 +122,7 @@ __device__ void decode(const DecodeParams& p) {
     // 16-byte column of every RS-th row.
     constexpr bool FAST = T::NTHREADS % CPR == 0 && T::D % 16 == 0;
     constexpr int RS = T::NTHREADS / CPR;
+    static_assert(!FAST || BN % RS == 0, "the fast path's rows tile the key tile");
     const int r0 = tid / CPR, c0 = tid % CPR;
     auto load_kv = [&](u32 stage, int j) {
         const u32 sK = stage, sV = stage + BN * LD;
@@ -163,39 +162,26 @@ __device__ void decode(const DecodeParams& p) {
             }
             return;
         }
-        int page[LOADS];
-#pragma unroll
-        for (int u = 0; u < LOADS; ++u) {
-            const int idx = tid + u * T::NTHREADS, key = j * BN + idx / CPR;
-            const bool cached = (EVEN || idx < BN * CPR) && key >= lo && key < min(hi, L0);
-            page[u] = pages && cached ? pages[page_of(key)] : 0;
-        }
-#pragma unroll
-        for (int u = 0; u < LOADS; ++u) {
-            const int idx = tid + u * T::NTHREADS, r = idx / CPR, c = idx % CPR, key = j * BN + r;
-            if (!EVEN && idx >= BN * CPR) break;
+        // The general path (a split's first tile, the sequence's last, head_dims off the 16-byte grid): rolled,
+        // as it runs at most twice per block.
+#pragma unroll 1
+        for (int idx = tid; idx < BN * CPR; idx += T::NTHREADS) {
+            const int r = idx / CPR, c = idx % CPR, key = j * BN + r;
             bool ok = key >= lo && key < hi && (T::D % 16 == 0 || c * 8 < T::D);
             const u16* ks = p.q;
             i64 gap = 0;
             if (ok && key >= L0) {
                 ks = nbase + (key - L0) * p.kn_ss + c * 8, gap = nv_gap;
-            } else if (ok && pages) {
-                const int pg = page[u];
-                if ((unsigned)pg >= (unsigned)p.num_pages) {
-                    atomicOr(&bad_page, 1);
-                    atomicExch(&bad_page_id, pg);
-                    ok = false;
-                } else {
-                    ks = kbase + (pg * p.kc_sb + (key - page_of(key) * p.page_size) * p.kc_ss) + c * 8, gap = kv_gap;
-                }
             } else if (ok) {
-                ks = kbase + key * p.kc_ss + c * 8, gap = kv_gap;
+                const i64 at = cache_row(key);
+                ok = at >= 0;
+                if (ok) ks = p.k_cache + at + hk * p.kc_sh + c * 8, gap = kv_gap;
             }
             cp_async16(sK + r * LD + c * 16, ks, ok);
             cp_async16(sV + r * LD + c * 16, ks + gap, ok);
         }
     };
-#pragma unroll
+#pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < n_blocks) load_kv(sKV + s * T::SMEM_STAGE, first + s);
         cp_async_commit();
