@@ -128,25 +128,32 @@ __device__ void decode(const DecodeParams& p) {
         const u32 sK = stage, sV = stage + BN * LD;
         const int k0 = j * BN;
         if (FAST && k0 >= lo && k0 + BN <= min(hi, L0)) {
-            if (!pages) {
+            // Rows in one run of memory: contiguous, or paged with the tile inside one page (pages of BN keys or
+            // more, a power of two): a base pointer and a constant row step.
+            const bool one_page = pages && p.page_shift >= 0 && ((BN - 1) >> p.page_shift) == 0;
+            if (!pages || one_page) {
                 const u16* ks = kbase + (i64)(k0 + r0) * p.kc_ss + c0 * 8;
+                bool ok = true;
+                if (one_page) {
+                    const int pg = pages[k0 >> p.page_shift];
+                    ok = (unsigned)pg < (unsigned)p.num_pages;
+                    if (!ok) {
+                        atomicOr(&bad_page, 1);
+                        atomicExch(&bad_page_id, pg);
+                    }
+                    ks = kbase + (i64)pg * p.kc_sb + (i64)((k0 & (p.page_size - 1)) + r0) * p.kc_ss + c0 * 8;
+                }
 #pragma unroll
                 for (int u = 0; u < LOADS; ++u) {
-                    const u16* at = ks + u * RS * p.kc_ss;
-                    cp_async16(sK + (r0 + u * RS) * LD + c0 * 16, at, true);
-                    cp_async16(sV + (r0 + u * RS) * LD + c0 * 16, at + kv_gap, true);
+                    const u16* at = ok ? ks + u * RS * p.kc_ss : p.q;
+                    cp_async16(sK + (r0 + u * RS) * LD + c0 * 16, at, ok);
+                    cp_async16(sV + (r0 + u * RS) * LD + c0 * 16, ok ? at + kv_gap : p.q, ok);
                 }
                 return;
             }
             int pg[LOADS];
-            if (p.page_shift >= 0 && (BN >> p.page_shift) == 0) {  // pages of BN keys or more: the tile in one page
-                const int one = pages[k0 >> p.page_shift];
 #pragma unroll
-                for (int u = 0; u < LOADS; ++u) pg[u] = one;
-            } else {
-#pragma unroll
-                for (int u = 0; u < LOADS; ++u) pg[u] = pages[page_of(k0 + r0 + u * RS)];
-            }
+            for (int u = 0; u < LOADS; ++u) pg[u] = pages[page_of(k0 + r0 + u * RS)];
 #pragma unroll
             for (int u = 0; u < LOADS; ++u) {
                 const int key = k0 + r0 + u * RS;
