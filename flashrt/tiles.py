@@ -412,10 +412,12 @@ def decode_block_m(rows: int) -> int:
 
 def decode_spec(head_dim: int, dtype: str, rows: int, arch: str, smem_limit: int) -> KernelSpec:
     """The decode kernel for `rows` packed rows: 64-key tiles over DECODE_WARPS warps (16 keys per warp at 16 rows),
-    32 at 32 and 64 rows above head_dim 128 (64 keys spill there: 12-152 bytes, NVRTC 12.9); where those do not fit
-    the shared memory (sm_86 / sm_89: 99 KB), smaller tiles over fewer warps."""
+    32 at 32 and 64 rows above head_dim 128 (64 keys spill there: 12-152 bytes, NVRTC 12.9), 16 at 64 rows above
+    240 (32 spill 64-76 bytes at head_dim 248, NVRTC 12.9 and 13.0); where those do not fit the shared memory
+    (sm_86 / sm_89: 99 KB), smaller tiles over fewer warps."""
     bm, tried = decode_block_m(rows), []
-    for bn, nw in itertools.product((32, 16) if head_dim > 128 and bm >= 32 else (64, 32, 16), (DECODE_WARPS, 2, 1)):
+    widths = (64, 32, 16) if head_dim <= 128 or bm < 32 else (16,) if bm == 64 and head_dim > 240 else (32, 16)
+    for bn, nw in itertools.product(widths, (DECODE_WARPS, 2, 1)):
         try:
             spec = KernelSpec("decode", head_dim, dtype, bm, bn, nw, False, arch)
         except ValueError as exc:

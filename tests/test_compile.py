@@ -29,6 +29,7 @@ def _variants():
         for d in HEAD_DIMS:  # kernels_cu/sm80/decode.cu: one per block_m
             out.update(tiles.decode_variants(d, "bf16" if d % 16 else "fp16", arch, limit))
     out.update(tiles.decode_variants(128, "bf16", "sm_86", SMEM_OPTIN[86]))  # (smaller tiles, fewer warps: 99 KB)
+    out.update(tiles.decode_variants(248, "bf16", "sm_90a", SMEM_OPTIN[90]))  # (16-key tiles at 64 rows: spills)
     # Masked variants (kernels_cu/attention/mask.cuh): every feature at once, lengths alone (padding / varlen),
     # lengths with a window (Visibility::visible's branch-free form, taken without id arrays), and
     # segment ids alone (documents: before TileIntervals, two of these spilled where every feature did not).

@@ -375,14 +375,16 @@ def test_gpus_before_ampere_are_refused_with_a_reason():
 
 def test_decode_tiles_follow_the_packed_rows():
     """tiles.decode_spec: the fewest 16-row multiples (up to 64) that hold the query heads per KV head x new tokens;
-    64-key tiles, 32 at 32 / 64 rows above head_dim 128; every choice a valid layout within the shared memory."""
+    64-key tiles, 32 at 32 / 64 rows above head_dim 128, 16 at 64 rows above 240; every choice a valid layout within
+    the shared memory."""
     for rows, bm in ((1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (512, 64)):
         for d in (8, 64, 72, 128, 200, 256):
             for arch, limit in (("sm_80", SMEM_OPTIN[80]), ("sm_90a", SMEM_OPTIN[90]), ("sm_86", SMEM_OPTIN[86])):
                 s = tiles.decode_spec(d, "bf16", rows, arch, limit)
                 assert s.block_m == bm and s.smem_bytes <= limit, s.name
                 if limit > 200 * 1024:  # (smaller tiles over fewer warps where these do not fit)
-                    assert s.block_n == (32 if d > 128 and bm >= 32 else 64) and s.warps == tiles.DECODE_WARPS
+                    bn = 64 if d <= 128 or bm < 32 else 16 if bm == 64 and d > 240 else 32
+                    assert s.block_n == bn and s.warps == tiles.DECODE_WARPS, s.name
                 assert not s.causal and not s.mask and s.layout_problem() is None
     with pytest.raises(ValueError, match="mask at run time"):
         KernelSpec("decode", 128, "bf16", 16, 64, 4, True, "sm_90a")
