@@ -163,7 +163,7 @@ def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=()) -> list[Kern
              for t in dtypes if tiles.applies(f, d, arch, mask) and not (mask and f in ELEMENTWISE)
              and f != "combine_f32"}
     # (flashrt.combine of fp32 parts: no 16-bit dtype, compiled as bf16 whatever the dtypes)
-    specs.update(tiles.tiling("combine_f32", d, "bf16", False, arch, smem_limit) for d in head_dims)
+    specs.add(tiles.tiling("combine_f32", 256, "bf16", False, arch, smem_limit))
     specs.update(s for d in head_dims for t in dtypes for s in tiles.decode_variants(d, t, arch, smem_limit))
     specs.add(tiles.check_spec(arch))
     return sorted(specs, key=lambda s: s.name)

@@ -47,6 +47,9 @@ FAMILIES = {
 }
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
 ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert", "decode_combine", "combine", "combine_f32")
+# Families that take head_dim at run time (kernels_cu/helpers/combine.cu: p.D): one variant per dtype serves every
+# head_dim, compiled at 256 (tiles.tiling), and the name leaves it out.
+ANY_HEAD_DIM = ("decode_combine", "combine", "combine_f32")
 # Families whose tiles tiles.decode_spec chooses from the packed rows (query heads per KV head x new tokens), not
 # tiles.tiling; their mask is a run-time argument (no causal or mask bits in the variant).
 PACKED_ROWS = ("decode",)
@@ -134,6 +137,8 @@ class KernelSpec:
             raise ValueError("a mask_mod expression goes with the mod mask bit, and tensors with an expression")
         if self.family == "mask_map" and not self.mask_mod:
             raise ValueError("mask_map evaluates a mask_mod expression; it needs one")
+        if self.family in ANY_HEAD_DIM and self.head_dim != 256:
+            raise ValueError(f"{self.family} takes head_dim at run time: its variant is compiled at 256")
         if self.family in PACKED_ROWS and (self.mask or self.causal):
             raise ValueError(f"{self.family} takes its mask at run time: no causal or mask bits")
         if self.family in ("mask_rows", "mask_cols", "mask_check") and (self.mask or self.causal):
@@ -149,6 +154,8 @@ class KernelSpec:
     def name(self) -> str:
         if self.family == "mask_check":
             return f"flashrt_mask_check_w{self.warps}_{self.arch}"
+        if self.family in ANY_HEAD_DIM:
+            return f"flashrt_{self.family}_{self.dtype}_w{self.warps}_{self.arch}"
         if self.family in ELEMENTWISE:
             return f"flashrt_{self.family}_hd{self.head_dim}_{self.dtype}_w{self.warps}_{self.arch}"
         mask = "causal" if self.causal else "full"

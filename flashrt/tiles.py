@@ -24,7 +24,7 @@ import math
 from typing import TYPE_CHECKING
 
 from . import _env
-from .spec import ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SM90_HEAD_DIMS, KernelSpec
+from .spec import ANY_HEAD_DIM, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SM90_HEAD_DIMS, KernelSpec
 
 if TYPE_CHECKING:
     from .launch import Device
@@ -285,6 +285,8 @@ def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem
     kernel_for is this for a device (what a call runs); this form serves prewarm and tests, with no GPU.
     """
     elementwise = family in ELEMENTWISE
+    if family in ANY_HEAD_DIM:  # (head_dim is a run-time argument there)
+        head_dim = 256
     tried = []
     for bm, bn, nw, mb in candidates(family, head_dim, mask):
         try:

@@ -7,7 +7,7 @@ import pytest
 
 from flashrt import cache, launch, masks, params, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS, KernelSpec
+from flashrt.spec import ANY_HEAD_DIM, FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS, KernelSpec
 
 
 def spec(**kw):
@@ -85,7 +85,7 @@ def test_tiling_fits_every_head_dim(arch, limit):
             if family == "bwd_fused_sm90" and family != tiles.fused_family(d, arch, limit):
                 continue  # the fused backward is bwd_dkdv.cu's there
             s = tiles.tiling(family, d, "bf16", True, arch, limit)
-            assert s.smem_bytes <= limit and s.head_dim == d and s.arch == arch
+            assert s.smem_bytes <= limit and s.head_dim == (256 if family in ANY_HEAD_DIM else d) and s.arch == arch
             assert s.layout_problem() is None
 
 
@@ -418,3 +418,11 @@ def test_decode_params_carry_one_stride_set_for_both_caches():
     names = params.DECODE.names
     assert "kc_sb" in names and "vc_sb" not in names and "kn_sb" in names and "vn_sb" not in names
     assert {"seqlen", "page_shift", "splits"} <= set(names)
+
+
+def test_combines_are_one_variant_per_dtype():
+    """combine.cu takes head_dim at run time: every head_dim maps to one variant (compiled at 256), named without it."""
+    names = {tiles.tiling("decode_combine", d, "bf16", False, "sm_90a", SMEM_OPTIN[90]).name for d in HEAD_DIMS}
+    assert names == {"flashrt_decode_combine_bf16_w8_sm_90a"}
+    with pytest.raises(ValueError, match="run time"):
+        KernelSpec("combine", 128, "bf16", 0, 0, 8, False, "sm_90a")
