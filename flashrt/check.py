@@ -12,6 +12,7 @@ SHAPES = [
     (2, 257, 193, 8, 2, 128, True),
     (1, 100, 300, 8, 1, 256, True),
     (2, 384, 384, 6, 3, 96, False),
+    (3, 4, 1500, 16, 4, 128, True),  # a few queries per KV head: decode's split-KV kernels (decoding.forward_applies)
 ]
 # Relative-error bounds against float64 (bf16/fp16 inputs, fp32 accumulation).
 TOLERANCE = {"bf16": 2e-2, "fp16": 4e-3}
