@@ -15,7 +15,7 @@ from .params import MASK_BITS
 from .api import _LOG2E, _Alloc, _check_layout, _check_tensor, _Plan, _planned, _scale, _strides
 
 MAX_NEW_TOKENS = 16
-COMBINE_MAX_PARTS = 256  # kernels_cu/helpers/combine.cu: PARTS_PER_LANE x 32
+COMBINE_MAX_PARTS = 256  # kernels_cu/helpers/combine.cu: PARTS_PER_LANE x 32 (decode takes at most 128)
 
 
 def _check_int32(a: interop.Array, name: str, shape: tuple, q: interop.Array) -> None:

@@ -404,6 +404,9 @@ def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm
 # ---------------------------------------------------------------------------
 DECODE_WARPS = 4
 DECODE_SPLIT_OVERHEAD_TILES = 2  # a split's pipeline fill and epilogue, in key tiles' time (an estimate)
+# Splits at most: 256 (combine.cu's most) ran 0.72 against 0.94 TB/s at 8/1 D=128 1 x 32k, 1.61 against 1.88 at 128k
+# (H100, scripts/probes/decode_max_splits.py): 2-tile splits and a 256-part combine cost more than they spread.
+DECODE_MAX_SPLITS = 128
 
 
 def decode_block_m(rows: int) -> int:
@@ -440,11 +443,11 @@ def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int) -> li
 def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, sm_count: int, smem_per_sm: int,
                   requested: int = 0) -> int:
     """Blocks over each sequence's keys (decode.cu's grid x): `requested` if > 0, else the count that wastes least
-    time, at most 128: the last wave's idle slots (blocks of equal work, as many running at once as the shared memory
+    time, at most DECODE_MAX_SPLITS: the last wave's idle slots (blocks of equal work, as many running at once as the shared memory
     allows) and each split's fixed cost, DECODE_SPLIT_OVERHEAD_TILES. The lengths are on the device: the cache's
     capacity stands for them (docs/perf-notes.md, Decode: splits)."""
     tiles_max = _cdiv(max(capacity, 1), spec.block_n)
-    most = max(1, min(128, tiles_max))
+    most = max(1, min(DECODE_MAX_SPLITS, tiles_max))
     if requested > 0:
         return min(requested, most)
     blocks = max(1, B * Hkv * _cdiv(rows, spec.block_m))

@@ -399,7 +399,7 @@ def test_decode_splits_fill_the_gpu_without_a_ragged_last_wave():
     assert tiles.decode_splits(s, 16, 8, 4, 100, 132, SMEM_OPTIN[90], requested=50) == 2  # at most a split per tile
     for B, Hkv, cap in ((1, 8, 32768), (16, 8, 8192), (64, 8, 4096), (128, 1, 1024), (1, 1, 131072), (3, 2, 777)):
         n = tiles.decode_splits(s, B, Hkv, 4, cap, 132, SMEM_OPTIN[90])
-        assert 1 <= n <= min(128, -(-cap // s.block_n))
+        assert 1 <= n <= min(tiles.DECODE_MAX_SPLITS, -(-cap // s.block_n))
         blocks = B * Hkv * n
         if blocks > slots:  # several waves: the last one at least half full
             assert blocks % slots == 0 or blocks % slots >= slots // 2, (B, Hkv, cap, n)
