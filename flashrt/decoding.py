@@ -47,13 +47,27 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, page_table=Non
     Bad values are found on the GPU (no host copy): a cache_seqlens entry outside [0, capacity - Sq with k / v]
     or a page id outside [0, num_pages) is never used for an access; the rows it concerns get NaN, and a
     ValueError names it at the next flashrt call (or flashrt.synchronize()).
+    Under torch.compile it is the custom op flashrt::decode (no graph break; the caches declared mutated).
     """
+    if _compiling(q):  # torch.compile: the custom op flashrt::decode (torch_ops.py), which calls back here
+        from .torch_ops import decode_traced
+        out, lse = decode_traced(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, window, softmax_scale,
+                                 num_splits)
+        return (out, lse) if return_lse else out
     result = _planned("decode", _present(q, k_cache, v_cache, cache_seqlens, k, v, page_table),
                       (k is not None, page_table is not None, causal, tuple(window) if isinstance(window, (tuple, list))
                        else window, softmax_scale, num_splits), {}, 0,
                       lambda tensors: _decode_plan(tensors, k is not None, page_table is not None, causal, window,
                                                    softmax_scale, num_splits))
     return (result[0], result[1]) if return_lse else result[0]
+
+
+def _compiling(q) -> bool:
+    """Whether q is a torch tensor being traced by torch.compile (torch is imported only if q's module is torch)."""
+    if not interop.is_torch(q):
+        return False
+    import torch
+    return torch.compiler.is_compiling()
 
 
 def _present(*tensors) -> tuple:

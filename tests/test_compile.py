@@ -26,8 +26,8 @@ def _variants():
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
                         out.add(tiles.tiling(family, d, dtype, causal, arch, limit))
-        for d in HEAD_DIMS:  # kernels_cu/sm80/decode.cu: one per block_m
-            out.update(tiles.decode_variants(d, "bf16" if d % 16 else "fp16", arch, limit))
+        for d in (8, 72, 128, 256):  # kernels_cu/sm80/decode.cu, one per block_m: off the 16-byte grid, 128, 256
+            out.update(tiles.decode_variants(d, "bf16" if d % 16 else "fp16", arch, limit))  # (all: the GPU run)
     out.update(tiles.decode_variants(128, "bf16", "sm_86", SMEM_OPTIN[86]))  # (smaller tiles, fewer warps: 99 KB)
     out.update(tiles.decode_variants(248, "bf16", "sm_90a", SMEM_OPTIN[90]))  # (16-key tiles at 64 rows: spills)
     # Masked variants (kernels_cu/attention/mask.cuh): every feature at once, lengths alone (padding / varlen),

@@ -264,8 +264,8 @@ def test_combine_of_key_halves_is_the_whole(torch):
 @pytest.mark.parametrize("Sq,causal,window", [(1, True, (-1, -1)), (5, True, (-1, -1)), (16, False, (-1, -1)),
                                               (7, True, (50, -1)), (12, False, (20, 3)), (16, True, (0, 0))])
 def test_forward_with_few_queries_runs_decode_kernels(torch, poisoned, monkeypatch, Sq, causal, window):
-    """flashrt.forward with few query rows per KV head takes decode.cu (bottom-right causal, windows): the same answer as
-    the reference, and as the forward kernels (FLASHRT_NO_DECODE_FORWARD=1), and its lse feeds the backward."""
+    """flashrt.forward with few query rows per KV head takes decode.cu (bottom-right causal, windows): the same answer
+    as the reference, and as the forward kernels (FLASHRT_NO_DECODE_FORWARD=1), and its lse feeds the backward."""
     g = torch.Generator(device="cuda").manual_seed(Sq)
     B, Sk, H, Hkv, D = 2, 1500, 4, 2, 128  # (up to 32 rows per KV head: decoding.FORWARD_MAX_ROWS)
     q = torch.randn(B, Sq, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -283,3 +283,21 @@ def test_forward_with_few_queries_runs_decode_kernels(torch, poisoned, monkeypat
     grads2 = flashrt.backward(do, q, k, v, out2, lse2, **kw)
     for a, b in zip(grads, grads2):
         assert (a.float() - b.float()).abs().max() < 5e-2
+
+
+def test_decode_under_torch_compile(torch):
+    """torch.compile(fullgraph=True) traces flashrt.decode as the custom op flashrt::decode: the same outputs and
+    the same appended caches as eager."""
+    q, kc, vc, kn, vn, lens, table = make_case(torch, 2, 2, 8, 2, 128, 512, page_size=64, seed=9)
+    kc2, vc2 = kc.clone(), vc.clone()
+
+    def step(q, kc, vc, lens, kn, vn, table):
+        out, lse = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table, return_lse=True)
+        return out * 2, lse
+
+    compiled = torch.compile(step, fullgraph=True)
+    out, lse = compiled(q, kc, vc, lens, kn, vn, table)
+    ref, ref_lse = step(q, kc2, vc2, lens, kn, vn, table)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    torch.library.opcheck(torch.ops.flashrt.decode.default, (q, kc, vc, lens, kn, vn, table, True, [-1, -1], None, 0))
