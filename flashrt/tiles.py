@@ -287,12 +287,20 @@ def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem
     elementwise = family in ELEMENTWISE
     if family in ANY_HEAD_DIM:  # (head_dim is a run-time argument there)
         head_dim = 256
+    return _first_fit(family, head_dim, smem_limit, candidates(family, head_dim, mask),
+                      lambda bm, bn, nw, mb: KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise,
+                                                        arch, 0 if elementwise else mask,
+                                                        "" if elementwise else mask_mod,
+                                                        () if elementwise else tuple(mod_tensors), mb))
+
+
+def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> KernelSpec:
+    """The first of `shapes` whose spec (make(*shape)) is a valid layout at this head_dim and fits `smem_limit`
+    bytes of shared memory; TilingError naming each one tried otherwise."""
     tried = []
-    for bm, bn, nw, mb in candidates(family, head_dim, mask):
+    for shape in shapes:
         try:
-            spec = KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise, arch,
-                              0 if elementwise else mask, "" if elementwise else mask_mod,
-                              () if elementwise else tuple(mod_tensors), mb)
+            spec = make(*shape)
         except ValueError as exc:  # this tiling does not divide this head_dim; try the next
             tried.append(str(exc))
             continue
@@ -420,19 +428,10 @@ def decode_spec(head_dim: int, dtype: str, rows: int, arch: str, smem_limit: int
     32 at 32 and 64 rows above head_dim 128 (64 keys spill there: 12-152 bytes, NVRTC 12.9), 16 at 64 rows above
     240 (32 spill 64-76 bytes at head_dim 248, NVRTC 12.9 and 13.0); where those do not fit the shared memory
     (sm_86 / sm_89: 99 KB), smaller tiles over fewer warps."""
-    bm, tried = decode_block_m(rows), []
+    bm = decode_block_m(rows)
     widths = (64, 32, 16) if head_dim <= 128 or bm < 32 else (16,) if bm == 64 and head_dim > 240 else (32, 16)
-    for bn, nw in itertools.product(widths, (DECODE_WARPS, 2, 1)):
-        try:
-            spec = KernelSpec("decode", head_dim, dtype, bm, bn, nw, False, arch)
-        except ValueError as exc:
-            tried.append(str(exc))
-            continue
-        if spec.smem_bytes <= smem_limit:
-            return spec
-        tried.append(f"{spec.name}: {spec.smem_bytes} B")
-    raise TilingError(f"no decode tiling for head_dim={head_dim} fits {smem_limit} bytes of shared memory: "
-                      + ", ".join(tried))
+    return _first_fit("decode", head_dim, smem_limit, itertools.product(widths, (DECODE_WARPS, 2, 1)),
+                      lambda bn, nw: KernelSpec("decode", head_dim, dtype, bm, bn, nw, False, arch))
 
 
 def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int) -> list[KernelSpec]:
