@@ -89,6 +89,43 @@ def rel_err(out, q, k, v) -> float:
     return ((o - ref).norm() / ref.norm()).item()
 
 
+def copies_for(nbytes: int, l2_bytes: int) -> int:
+    """Input sets a timed run rotates through: enough to exceed 3x L2 (else the caches are read from L2), at most 8."""
+    return max(1, min(8, math.ceil(3 * l2_bytes / nbytes)))
+
+
+def decode_calls(sets, lens) -> list:
+    """flashrt.decode on each (q, k, v) set, contiguous caches holding lens tokens: a list of calls for capture."""
+    return [lambda q=q, k=k, v=v: flashrt.decode(q, k, v, cache_seqlens=lens) for q, k, v in sets]
+
+
+def capture(fns, reps: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `reps` calls cycling through fns (each called once first: kernels compiled, plans made)."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(reps):
+            fns[r % len(fns)]()
+    return graph
+
+
+def replay_ms(graphs: dict, reps: int, rounds: int = ROUNDS) -> dict:
+    """Median ms per call of each graph of `reps` calls (capture), over interleaved rounds (one replay to warm)."""
+    times = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            graph.replay()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / reps)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def bench_point(B, S, H, Hkv, D, impls, l2_bytes) -> list[dict]:
     free = torch.cuda.mem_get_info()[0]
     if kv_bytes(B, S, Hkv, D) * 1.2 > free:
@@ -98,7 +135,7 @@ def bench_point(B, S, H, Hkv, D, impls, l2_bytes) -> list[dict]:
         return bench_point(B, S, H, Hkv, D, [i for i in impls if i != "flashrt-paged"], l2_bytes) + \
             [dict(B=B, S=S, H=H, Hkv=Hkv, D=D, impl="flashrt-paged", skipped="no room for a second copy")]
     need = kv_bytes(B, S, Hkv, D) * (2 if "flashrt-paged" in impls else 1)
-    copies = max(1, min(8, math.ceil(3 * l2_bytes / kv_bytes(B, S, Hkv, D))))
+    copies = copies_for(kv_bytes(B, S, Hkv, D), l2_bytes)
     if need * copies * 1.2 > free:
         copies = 1
     sets = []
@@ -124,29 +161,10 @@ def bench_point(B, S, H, Hkv, D, impls, l2_bytes) -> list[dict]:
     # Each implementation's calls captured once into a CUDA graph (as a serving loop runs them), so the timings
     # are the GPU's, not the host's launch overhead.
     reps = max(len(sets), 20 // len(sets) * len(sets))
-    graphs = {}
-    for impl, fns in calls.items():
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        graphs[impl] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[impl]):
-            for r in range(reps):
-                fns[r % len(fns)]()
-    times = {impl: [] for impl in calls}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for impl, graph in graphs.items():
-            graph.replay()
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[impl].append(start.elapsed_time(end) / reps)
-    for impl, ts in times.items():
-        ms = statistics.median(ts)
+    times = replay_ms({impl: capture(fns, reps) for impl, fns in calls.items()}, reps)
+    for impl, ms in times.items():
         rows[impl].update(us=ms * 1e3, tbs=kv_bytes(B, S, Hkv, D) / (ms * 1e-3) / 1e12, copies=copies)
-    del sets, calls, graphs
+    del sets, calls
     torch.cuda.empty_cache()
     return list(rows.values())
 
