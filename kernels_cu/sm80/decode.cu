@@ -77,15 +77,20 @@ __device__ void decode(const DecodeParams& p) {
 
     if (tid == 0) bad_page = 0;
     __syncthreads();
+    // Whether a page id lies in the pool; one that does not is flagged for the report (and read as nothing).
+    auto page_ok = [&](int page) {
+        const bool ok = (unsigned)page < (unsigned)p.num_pages;
+        if (!ok) {
+            atomicOr(&bad_page, 1);
+            atomicExch(&bad_page_id, page);
+        }
+        return ok;
+    };
     // Cache row `key`: its element offset (k_cache and v_cache share strides), or -1 for a bad page id.
     auto cache_row = [&](int key) -> i64 {
         if (!pages) return b * p.kc_sb + key * p.kc_ss;
         const int page = pages[key / p.page_size];
-        if ((unsigned)page >= (unsigned)p.num_pages) {
-            atomicOr(&bad_page, 1);
-            atomicExch(&bad_page_id, page);
-            return -1;
-        }
+        if (!page_ok(page)) return -1;
         return page * p.kc_sb + (key % p.page_size) * p.kc_ss;
     };
     // The appended keys' pages, checked by every block of the sequence (each reports the same outputs bad).
@@ -136,11 +141,7 @@ __device__ void decode(const DecodeParams& p) {
                 bool ok = true;
                 if (one_page) {
                     const int pg = pages[k0 >> p.page_shift];
-                    ok = (unsigned)pg < (unsigned)p.num_pages;
-                    if (!ok) {
-                        atomicOr(&bad_page, 1);
-                        atomicExch(&bad_page_id, pg);
-                    }
+                    ok = page_ok(pg);
                     ks = kbase + (i64)pg * p.kc_sb + (i64)((k0 & (p.page_size - 1)) + r0) * p.kc_ss + c0 * 8;
                 }
 #pragma unroll
@@ -157,11 +158,7 @@ __device__ void decode(const DecodeParams& p) {
 #pragma unroll
             for (int u = 0; u < LOADS; ++u) {
                 const int key = k0 + r0 + u * RS;
-                const bool ok = (unsigned)pg[u] < (unsigned)p.num_pages;
-                if (!ok) {
-                    atomicOr(&bad_page, 1);
-                    atomicExch(&bad_page_id, pg[u]);
-                }
+                const bool ok = page_ok(pg[u]);
                 const u16* at = ok ? kbase + (pg[u] * p.kc_sb + (key - page_of(key) * p.page_size) * p.kc_ss) + c0 * 8
                                    : p.q;
                 cp_async16(sK + (r0 + u * RS) * LD + c0 * 16, at, ok);
