@@ -1,0 +1,330 @@
+"""Context parallelism over torch.distributed: ring attention, forward and backward, on any number of GPUs.
+
+    import flashrt.distributed as fd
+    q, k, v = (fd.shard_sequence(x, group) for x in (q, k, v))        # (B, S/world, H, D) each, zigzag
+    out = fd.ring_attention(q, k, v, group=group, causal=True)          # this rank's rows of the output
+    pos = fd.position_ids(S, group, device=q.device)                   # global positions, for RoPE
+
+Each rank holds a shard of the sequence (flashrt/ring.py: the layouts and the step plan). The keys and values
+travel around the ring by NCCL point-to-point (torch.distributed.batch_isend_irecv) while the held block is
+computed, so the transfer hides behind the kernels. Every step's (out, lse) merges into fp32 accumulators by
+its lse; the backward sends the dK/dV accumulators (fp32) around the ring behind the keys. The order of every
+addition is fixed, so with deterministic=True results are bitwise reproducible for a given world size.
+
+The forward and backward are torch custom ops (flashrt::ring_fwd, flashrt::ring_bwd) with an autograd
+formula: torch.compile sees one opaque op (no graph break), and DDP / FSDP see ordinary autograd.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+try:
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError as _exc:
+    if _exc.name != "torch":
+        raise
+    from . import _torch_missing
+    raise _torch_missing("flashrt.distributed") from _exc
+
+from . import api, ring
+from .ring import LAYOUTS  # noqa: F401  (part of this module's interface)
+
+
+def _group(group):
+    """A ProcessGroup from None (the default group), a ProcessGroup, or a 1-D DeviceMesh."""
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("flashrt.distributed needs torch.distributed initialised (torch.distributed."
+                               "init_process_group('nccl')) or an explicit group")
+        return dist.group.WORLD
+    if hasattr(group, "get_group"):  # a DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"pass a 1-D DeviceMesh (mesh['cp'] of a larger mesh), got a {group.ndim}-D mesh")
+        return group.get_group()
+    return group
+
+
+def _world_rank(group, world, rank) -> tuple[int, int]:
+    if world is None or rank is None:
+        g = _group(group)
+        return dist.get_world_size(g), dist.get_rank(g)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, world), got rank {rank}, world {world}")
+    return world, rank
+
+
+def shard_sequence(x: torch.Tensor, group=None, *, layout: str = "zigzag", dim: int = 1, world: int | None = None,
+                   rank: int | None = None) -> torch.Tensor:
+    """This rank's shard of a whole sequence `x` along `dim` (a contiguous copy): the tokens ring_attention
+    expects from it. `world`/`rank` may be given instead of a group (no torch.distributed needed)."""
+    world, rank = _world_rank(group, world, rank)
+    ranges = ring.local_ranges(layout, world, rank, x.shape[dim])
+    return torch.cat([x.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
+
+
+def unshard_sequence(x: torch.Tensor, group=None, *, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's shard `x` (an all-gather; every rank gets it). No gradient."""
+    g = _group(group)
+    world = dist.get_world_size(g)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=g)
+    return merge_shards(parts, layout=layout, dim=dim)
+
+
+def merge_shards(parts: list, *, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """The whole sequence from the list of every rank's shard, in rank order (unshard_sequence without the
+    all-gather)."""
+    world = len(parts)
+    n = parts[0].shape[dim] * world
+    pieces = []
+    for r, part in enumerate(parts):
+        offset = 0
+        for a, b in ring.local_ranges(layout, world, r, n):
+            pieces.append((a, part.narrow(dim, offset, b - a)))
+            offset += b - a
+    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
+
+
+def position_ids(seqlen: int, group=None, *, layout: str = "zigzag", device=None, world: int | None = None,
+                 rank: int | None = None) -> torch.Tensor:
+    """The global positions (int64) of this rank's tokens of a `seqlen`-token sequence, for RoPE."""
+    world, rank = _world_rank(group, world, rank)
+    return torch.cat([torch.arange(a, b, device=device) for a, b in ring.local_ranges(layout, world, rank, seqlen)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ring
+
+
+def _peers(g) -> tuple[int, int]:
+    """Global ranks of the next and the previous rank of group g."""
+    world, rank = dist.get_world_size(g), dist.get_rank(g)
+    return dist.get_global_rank(g, (rank + 1) % world), dist.get_global_rank(g, (rank - 1) % world)
+
+
+def _pass_on(g, tensors: tuple) -> tuple[tuple, list]:
+    """Start sending `tensors` to the next rank and receiving their successors from the previous one."""
+    nxt, prv = _peers(g)
+    received = tuple(torch.empty_like(t) for t in tensors)
+    ops = [dist.P2POp(dist.isend, t, nxt, g) for t in tensors] + [dist.P2POp(dist.irecv, t, prv, g)
+                                                                  for t in received]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()  # (makes the current stream wait for NCCL's; no host synchronisation)
+
+
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
+
+
+def _check_ranks(g, q, k, causal: bool, layout: str, has_ids: bool) -> None:
+    """Every rank must pass the same shapes and options, or the transfers would hang or mix tensors: an all-gather
+    of each rank's signature (one host synchronisation), skipped while a CUDA graph is being captured."""
+    if torch.cuda.is_current_stream_capturing():
+        return
+    sig = [*q.shape, *k.shape, _DTYPE_CODES.get(q.dtype, 0), int(causal), ring.LAYOUTS.index(layout), int(has_ids)]
+    mine = torch.tensor(sig, dtype=torch.int64, device=q.device)
+    every = torch.empty((dist.get_world_size(g), len(sig)), dtype=torch.int64, device=q.device)
+    dist.all_gather_into_tensor(every, mine, group=g)
+    rows = every.tolist()
+    if any(r != rows[0] for r in rows):
+        names = "q shape (4), k shape (4), dtype, causal, layout, ids"
+        raise ValueError(f"ring_attention needs the same shapes and options on every rank; per rank [{names}]: "
+                         + "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows)))
+
+
+def _ids_per_rank(g, layout: str, local_len: int, segment_ids, cu_seqlens) -> list | None:
+    """The key-side document ids of every rank's shard ((B, local_len) int32 each), or None without ids."""
+    if segment_ids is None and cu_seqlens is None:
+        return None
+    world = dist.get_world_size(g)
+    n = local_len * world
+    if cu_seqlens is not None:  # packed sequences: document i holds tokens [cu[i], cu[i+1])
+        token = torch.arange(n, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+        whole = (torch.searchsorted(cu_seqlens[1:].contiguous(), token, right=True).to(torch.int32))[None]
+        return [shard_sequence(whole, layout=layout, world=world, rank=r) for r in range(world)]
+    parts = [torch.empty_like(segment_ids) for _ in range(world)]
+    dist.all_gather(parts, segment_ids.contiguous(), group=g)
+    return parts
+
+
+def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """acc (B, s, H, D) fp32 and acc_lse (B, H, s) become the merge of themselves and (out, lse), in place."""
+    new = torch.logaddexp(acc_lse, lse)
+    safe = torch.where(new == -math.inf, 0.0, new)  # rows that saw no key yet: both weights 0
+    w_acc = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    acc.mul_(w_acc).add_(out.float() * w_new)
+    acc_lse.copy_(new)
+
+
+def _masks(step, ids, rank) -> dict:
+    if ids is None:
+        return {}
+    return dict(segment_ids_q=ids[rank][:, step.q0:step.q1].contiguous(),
+                segment_ids_k=ids[step.src][:, step.k0:step.k1].contiguous())
+
+
+def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids):
+    world, rank = dist.get_world_size(g), dist.get_rank(g)
+    B, S, H, D = q.shape
+    steps = ring.ring_steps(layout, world, rank, S, causal)
+    held = (k.contiguous(), v.contiguous())
+    acc = acc_lse = None
+    for i, step in enumerate(steps):
+        if i + 1 < world:
+            coming, works = _pass_on(g, held)
+        if step is not None:
+            kh, vh = (t[:, step.k0:step.k1] for t in held)
+            o, lse = api.forward(q[:, step.q0:step.q1], kh, vh, causal=step.causal, softmax_scale=scale,
+                                 **_masks(step, ids, rank))
+            if acc is None:  # step 0: every row, the rank's own keys
+                acc, acc_lse = o.float(), lse
+            else:
+                _merge(acc[:, step.q0:step.q1], acc_lse[:, :, step.q0:step.q1], o, lse)
+        if i + 1 < world:
+            _wait(works)
+            held = coming
+    return acc.to(q.dtype), acc_lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale, impl: str, deterministic: bool,
+                   ids):
+    world, rank = dist.get_world_size(g), dist.get_rank(g)
+    S = q.shape[1]
+    steps = ring.ring_steps(layout, world, rank, S, causal)
+    held = (k.contiguous(), v.contiguous())
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    grads, grad_works = None, []  # the fp32 dK/dV of the held keys, added to by every rank they have visited
+    for i, step in enumerate(steps):
+        if i + 1 < world:
+            coming, works = _pass_on(g, held)
+        if step is not None:
+            qs, ks = slice(step.q0, step.q1), slice(step.k0, step.k1)
+            dq_s, dk_s, dv_s = api.backward(dout[:, qs], q[:, qs], held[0][:, ks], held[1][:, ks], out[:, qs],
+                                            lse[:, :, qs].contiguous(), causal=step.causal, softmax_scale=scale,
+                                            impl=impl, deterministic=deterministic, validate=False,
+                                            **_masks(step, ids, rank))
+            dq[:, qs] += dq_s
+        _wait(grad_works)  # the accumulators of the held keys, from the previous rank
+        if grads is None:
+            grads = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in held)
+        if step is not None:
+            grads[0][:, ks] += dk_s
+            grads[1][:, ks] += dv_s
+        if world > 1:  # on to the rank that holds these keys next (after the last step: their owner)
+            grads, grad_works = _pass_on(g, grads)
+        if i + 1 < world:
+            _wait(works)
+            held = coming
+    _wait(grad_works)
+    return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The custom ops: the group travels by name (op schemas take no ProcessGroup), the ids as optional tensors.
+
+
+def _resolve(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(group_name)
+
+
+@torch.library.custom_op("flashrt::ring_fwd", mutates_args=())
+def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool, layout: str,
+              softmax_scale: Optional[float], impl: str, deterministic: bool, segment_ids: Optional[torch.Tensor],
+              cu_seqlens: Optional[torch.Tensor], check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _resolve(group_name)
+    if check:
+        _check_ranks(g, q, k, causal, layout, segment_ids is not None or cu_seqlens is not None)
+    ids = _ids_per_rank(g, layout, q.shape[1], segment_ids, cu_seqlens)
+    return _ring_forward(q, k, v, g, causal, layout, softmax_scale, ids)
+
+
+@_ring_fwd.register_fake
+def _ring_fwd_fake(q, k, v, group_name, causal, layout, softmax_scale, impl, deterministic, segment_ids, cu_seqlens,
+                   check):
+    B, S, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashrt::ring_bwd", mutates_args=())
+def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, group_name: str, causal: bool, layout: str, softmax_scale: Optional[float], impl: str,
+              deterministic: bool, segment_ids: Optional[torch.Tensor],
+              cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .torch_ops import _kernel_ready
+    g = _resolve(group_name)
+    ids = _ids_per_rank(g, layout, q.shape[1], segment_ids, cu_seqlens)
+    return _ring_backward(_kernel_ready(dout), q, k, v, o, lse, g, causal, layout, softmax_scale, impl,
+                          deterministic, ids)
+
+
+@_ring_bwd.register_fake
+def _ring_bwd_fake(dout, q, k, v, o, lse, group_name, causal, layout, softmax_scale, impl, deterministic,
+                   segment_ids, cu_seqlens):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, group_name, causal, layout, softmax_scale, impl, deterministic, segment_ids, cu_seqlens, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, segment_ids, cu_seqlens)
+    ctx.options = (group_name, causal, layout, softmax_scale, impl, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, segment_ids, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashrt.ring_bwd.default(dout, q, k, v, out, lse, *ctx.options, segment_ids, cu_seqlens)
+    return dq, dk, dv, *(None,) * 9
+
+
+_ring_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "zigzag",
+                   softmax_scale: Optional[float] = None, impl: str = "auto", deterministic: bool = True,
+                   segment_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                   return_lse: bool = False, check: bool = True):
+    """Attention over a sequence sharded across the ranks of `group` (None: the default group; or a 1-D
+    DeviceMesh), differentiable.
+
+    q (B, S_local, H, D) and k, v (B, S_local, Hkv, D) are this rank's shard, laid out as shard_sequence
+    makes it (`layout`: "zigzag" balances a causal mask; "contiguous"); returns this rank's rows of the
+    output (and lse (B, H, S_local) fp32 with return_lse=True, without a gradient). Every rank must call it
+    with the same shapes and options.
+    causal: each query sees the keys at or before its global position.
+    segment_ids: (B, S_local) int32, this rank's shard of document ids that do not decrease along the whole
+      sequence: a query sees only keys of its own document (packed documents split over shards).
+    cu_seqlens: instead, the whole packed sequence's (n+1,) int32 document offsets (every rank the same);
+      q, k, v may then be packed (S_local, H, D) (returned the same way, lse (H, S_local)).
+    impl, deterministic: the backward's kernels (flashrt.backward). With deterministic=True the same inputs
+      give bitwise the same results on the same world size.
+    check: all-gather every rank's shapes first and raise on a mismatch (one host synchronisation per call;
+      skipped while a CUDA graph is captured).
+    """
+    ring.check_layout(layout)
+    api._check_impl(impl)
+    if segment_ids is not None and cu_seqlens is not None:
+        raise ValueError("pass segment_ids or cu_seqlens, not both")
+    if causal not in (False, True):
+        raise ValueError(f"causal must be True or False (the global positions align both ways), got {causal!r}")
+    packed = q.dim() == 3
+    if packed:
+        if cu_seqlens is None:
+            raise ValueError(f"q has shape {tuple(q.shape)}: packed (S_local, H, D) tensors need cu_seqlens")
+        q, k, v = q[None], k[None], v[None]
+    g = _group(group)
+    from .torch_ops import _autocast
+    q, k, v = _autocast(q, k, v)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    out, lse = torch.ops.flashrt.ring_fwd.default(q, k, v, g.group_name, bool(causal), layout, scale, impl,
+                                                  bool(deterministic), segment_ids, cu_seqlens, bool(check))
+    if packed:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out

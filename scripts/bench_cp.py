@@ -1,0 +1,142 @@
+"""Context-parallel benchmark: flashrt.distributed.ring_attention on every visible GPU against one GPU running
+the whole sequence, causal, bf16, forward and forward+backward.
+
+    python3 scripts/bench_cp.py [--seqlens 32768,65536,131072] [--heads 16/16/128] [--layout zigzag] [--out DIR]
+
+Per point, interleaved rounds (medians; CUDA events, after a warm-up), each rank timing its own calls and the
+slowest rank counting:
+  ring: ring_attention over the world; ring (no comm): the same kernels with the transfers replaced by the
+  local keys (what the steps cost with nothing to hide); single: flashrt.attention on one GPU, whole sequence.
+Per-GPU TF/s = FLOPs / world / time (FLOPs: 4*B*H*S^2*D halved for causal, x2.5 for the backward); scaling
+efficiency = single time / (world * ring time); hidden = no-comm time / ring time.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _timed(fn, rounds_out: list):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    rounds_out.append(start.elapsed_time(end))
+
+
+def _slowest(ms: float) -> float:
+    t = torch.tensor([ms], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _worker(rank, world, path, args, results_path):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    import flashrt
+    import flashrt.distributed as fd
+    H, Hkv, D = map(int, args.heads.split("/"))
+    rows = []
+    real_pass_on = fd._pass_on
+    for S in map(int, args.seqlens.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(S)
+        whole = [torch.randn(1, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16) for h in (H, Hkv, Hkv, H)]
+        local = [fd.shard_sequence(t, layout=args.layout) for t in whole]
+
+        def ring_fwd():
+            fd.ring_attention(*local[:3], causal=True, layout=args.layout, check=False)
+
+        def ring_fb():
+            x = [t.requires_grad_() for t in local[:3]]
+            out = fd.ring_attention(*x, causal=True, layout=args.layout, check=False)
+            torch.autograd.grad(out, x, local[3])
+
+        def single(fb):
+            def run():
+                if rank == 0:
+                    x = [t.requires_grad_(fb) for t in whole[:3]]
+                    out = flashrt.attention(*x, causal=True)
+                    if fb:
+                        torch.autograd.grad(out, x, whole[3])
+            return run
+
+        def no_comm(fn):
+            def run():
+                fd._pass_on = lambda group, tensors: (tensors, [])
+                try:
+                    fn()
+                finally:
+                    fd._pass_on = real_pass_on
+            return run
+
+        cases = {"ring fwd": ring_fwd, "ring fwd (no comm)": no_comm(ring_fwd), "single fwd": single(False),
+                 "ring fwd+bwd": ring_fb, "ring fwd+bwd (no comm)": no_comm(ring_fb), "single fwd+bwd": single(True)}
+        times = {name: [] for name in cases}
+        for fn in cases.values():  # warm-up (compiles the kernels)
+            fn()
+        for _ in range(args.rounds):
+            for name, fn in cases.items():
+                _timed(fn, times[name])
+        med = {name: _slowest(statistics.median(t)) for name, t in times.items()}
+        flops = 4 * H * S * S * D / 2
+        for kind, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
+            ring_ms, alone_ms, single_ms = med[f"ring {kind}"], med[f"ring {kind} (no comm)"], med[f"single {kind}"]
+            rows.append(dict(S=S, H=H, Hkv=Hkv, D=D, world=world, layout=args.layout, kind=kind, ring_ms=ring_ms,
+                             no_comm_ms=alone_ms, single_ms=single_ms,
+                             ring_tfs_per_gpu=flops * mult / world / ring_ms / 1e9,
+                             single_tfs=flops * mult / single_ms / 1e9,
+                             efficiency=single_ms / (world * ring_ms), hidden=alone_ms / ring_ms))
+        whole = local = cases = None  # (frees them before the next length)
+        torch.cuda.empty_cache()
+    if rank == 0:
+        with open(results_path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqlens", default="32768,65536,131072")
+    ap.add_argument("--heads", default="16/16/128", help="H/Hkv/D")
+    ap.add_argument("--layout", default="zigzag")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--world", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        results = os.path.join(d, "results.json")
+        mp.spawn(_worker, args=(args.world, os.path.join(d, "rendezvous"), args, results), nprocs=args.world)
+        with open(results) as f:
+            data = json.load(f)
+    lines = [f"Context parallel, {data['device']} x{args.world}, causal bf16, {args.layout}, medians of "
+             f"{args.rounds} rounds", "",
+             "| S | H/Hkv/D | pass | ring ms | no-comm ms | single-GPU ms | per-GPU TF/s (ring) | single TF/s | "
+             "efficiency | hidden |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['S'] // 1024}k | {r['H']}/{r['Hkv']}/{r['D']} | {r['kind']} | {r['ring_ms']:.2f} | "
+                     f"{r['no_comm_ms']:.2f} | {r['single_ms']:.2f} | {r['ring_tfs_per_gpu']:.0f} | "
+                     f"{r['single_tfs']:.0f} | {r['efficiency']:.1%} | {r['hidden']:.1%} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "cp.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "cp.json"), "w") as f:
+            json.dump(data, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

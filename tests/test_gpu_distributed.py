@@ -1,0 +1,165 @@
+"""flashrt.distributed.ring_attention on 2 GPUs (NCCL), against single-GPU flashrt on the gathered sequence
+and a float64 reference: causal or not, zigzag and contiguous, GQA, documents split over shards (segment ids,
+packed cu_seqlens), bitwise repeatability, torch.compile, and the errors. Each test spawns one process per
+GPU (torch.multiprocessing); a failure on a rank fails the test with that rank's traceback."""
+import os
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
+              pytest.mark.skipif(_gpus() < 2, reason=f"needs 2 GPUs for NCCL ring tests, {_gpus()} visible")]
+WORLD = 2
+
+
+def _spawn(fn, *args):
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(fn, os.path.join(d, "rendezvous"), args), nprocs=WORLD, join=True)
+
+
+def _entry(rank, fn, path, args):
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=WORLD,
+                            device_id=torch.device("cuda", rank))
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _inputs(B, S, H, Hkv, D, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)  # the same whole sequence on every rank
+    make = lambda h: torch.randn(B, S, h, D, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    return make(H), make(Hkv), make(Hkv), make(H)
+
+
+def _reference(q, k, v, dout, causal, segment_ids=None):
+    """float64 (out, dq, dk, dv) of the whole sequence, as torch tensors."""
+    import cupy
+    from flashrt import reference
+    arrays = [cupy.asarray(t.float()) for t in (q, k, v, dout)]
+    B, S = q.shape[:2]
+    mask = None
+    if segment_ids is not None:
+        ids = cupy.asarray(segment_ids)
+        mask = reference.visible(B, S, S, segment_ids_q=ids, segment_ids_k=ids, xp=cupy)
+    out, _, dq, dk, dv = reference.attention(*arrays[:3], causal=causal, dout=arrays[3], mask=mask)
+    return [torch.as_tensor(x, device="cuda") for x in (out, dq, dk, dv)]
+
+
+def _rel(x, ref):
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+def _ring_vs_single(rank, cases):
+    import flashrt
+    import flashrt.distributed as fd
+    failures = []
+    for i, (B, S, H, Hkv, D, causal, layout, docs) in enumerate(cases):
+        q, k, v, dout = _inputs(B, S, H, Hkv, D, seed=100 + i)
+        ids = None
+        if docs:  # documents of uneven lengths, several of them split over the shards
+            bounds = torch.tensor([0, S // 8, S // 3, S // 2 + 5, S], device="cuda")
+            ids = (torch.searchsorted(bounds[1:], torch.arange(S, device="cuda"), right=True)
+                   .to(torch.int32)[None].repeat(B, 1).contiguous())
+        mask = dict(segment_ids_q=ids, segment_ids_k=ids) if docs else {}
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        single = flashrt.attention(*whole, causal=causal, **mask)
+        single_grads = torch.autograd.grad(single, whole, dout)
+        local = [fd.shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        seg = fd.shard_sequence(ids, layout=layout) if docs else None
+        out = fd.ring_attention(*local, causal=causal, layout=layout, segment_ids=seg)
+        grads = torch.autograd.grad(out, local, fd.shard_sequence(dout, layout=layout))
+        ring_all = [fd.unshard_sequence(t, layout=layout) for t in (out, *grads)]
+        ref = _reference(q, k, v, dout, causal, ids)
+        for name, got, want, r in zip(("out", "dq", "dk", "dv"), ring_all, (single, *single_grads), ref):
+            e_ring, e_single = _rel(got, r), _rel(want, r)
+            if not (e_ring <= 2 * e_single + 1e-3 and e_ring < 2e-2):
+                failures.append(f"case {cases[i]} {name}: ring error {e_ring:.2e}, single-GPU {e_single:.2e}")
+    assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+def test_ring_matches_single_gpu():
+    cases = [(2, 1024, 4, 4, 64, causal, layout, False) for causal in (False, True) for layout in ("zigzag",
+                                                                                                 "contiguous")]
+    cases += [(1, 2048, 8, 2, 128, True, "zigzag", False),   # GQA
+              (1, 512, 2, 1, 256, True, "zigzag", False),    # MQA, head_dim 256
+              (2, 1024, 4, 2, 64, True, "zigzag", True),     # documents split over shards
+              (1, 1024, 4, 4, 128, False, "contiguous", True)]
+    _spawn(_ring_vs_single, cases)
+
+
+def _packed_and_repeatable(rank):
+    import flashrt
+    import flashrt.distributed as fd
+    S, H, D = 1536, 4, 64
+    q, k, v, dout = (t[0] for t in _inputs(1, S, H, H, D, seed=7))
+    cu = torch.tensor([0, 100, 700, 701, 1300, S], dtype=torch.int32, device="cuda")
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    single = flashrt.attention(*whole, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=600,
+                               max_seqlen_k=600)
+    single_grads = torch.autograd.grad(single, whole, dout)
+    results = []
+    for _ in range(2):
+        local = [fd.shard_sequence(t, dim=0).requires_grad_() for t in (q, k, v)]
+        out, lse = fd.ring_attention(*local, causal=True, cu_seqlens=cu, return_lse=True)
+        assert out.shape == local[0].shape and lse.shape == (H, S // WORLD)
+        grads = torch.autograd.grad(out, local, fd.shard_sequence(dout, dim=0))
+        results.append([out, lse, *grads])
+    for a, b in zip(*results):  # bitwise the same, run after run
+        assert torch.equal(a, b)
+    for got, want in zip(results[0][:1] + results[0][2:], (single, *single_grads)):
+        got = fd.unshard_sequence(got, dim=0)
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got - want).abs().max()
+
+
+def test_packed_documents_and_bitwise_repeatability():
+    _spawn(_packed_and_repeatable)
+
+
+def _errors(rank):
+    import flashrt.distributed as fd
+    q, k, v, _ = _inputs(1, 512 if rank == 0 else 1024, 2, 2, 64, seed=1)
+    with pytest.raises(ValueError, match="same shapes and options on every rank"):
+        fd.ring_attention(q, k, v, causal=True)
+    q, k, v, _ = _inputs(1, 255, 2, 2, 64, seed=1)
+    with pytest.raises(ValueError, match="even number of tokens"):
+        fd.ring_attention(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="equal chunks"):
+        fd.shard_sequence(torch.zeros(1, 510, device="cuda"))
+    with pytest.raises(ValueError, match="layout must be"):
+        fd.ring_attention(q, k, v, layout="striped")
+
+
+def test_errors_name_the_problem():
+    _spawn(_errors)
+
+
+def _compiled(rank):
+    import flashrt.distributed as fd
+    q, k, v, dout = (fd.shard_sequence(t) for t in _inputs(1, 1024, 4, 2, 128, seed=3))
+
+    def layer(q, k, v):
+        return fd.ring_attention(q * 1.0, k, v, causal=True) * 2.0
+
+    compiled = torch.compile(layer, fullgraph=True)
+    results = []
+    for f in (layer, compiled):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = f(*x)
+        results.append([out, *torch.autograd.grad(out, x, dout)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph():
+    _spawn(_compiled)
