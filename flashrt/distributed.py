@@ -28,7 +28,7 @@ except ModuleNotFoundError as _exc:
     from . import _torch_missing
     raise _torch_missing("flashrt.distributed") from _exc
 
-from . import api, ring
+from . import api, masks, ring, torch_ops
 from .ring import LAYOUTS  # noqa: F401  (part of this module's interface)
 
 
@@ -194,35 +194,52 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids):
 
 def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale, impl: str, deterministic: bool,
                    ids):
+    """The dK/dV of rank s's keys: s's own step-0 part stays on s (fp32); the others' parts travel as one
+    accumulator that starts on rank s+1 at step 1, gains a part on each rank it reaches and returns to s after
+    the last step. While it holds one part it travels in the kernels' dtype (exact), then in fp32."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     S = q.shape[1]
     steps = ring.ring_steps(layout, world, rank, S, causal)
     held = (k.contiguous(), v.contiguous())
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    grads, grad_works = None, []  # the fp32 dK/dV of the held keys, added to by every rank they have visited
+    dq = own = travelling = None
+    grad_works = []
     for i, step in enumerate(steps):
         if i + 1 < world:
             coming, works = _pass_on(g, held)
+        part = None  # (key rows, dK, dV) of this step
         if step is not None:
             qs, ks = slice(step.q0, step.q1), slice(step.k0, step.k1)
             dq_s, dk_s, dv_s = api.backward(dout[:, qs], q[:, qs], held[0][:, ks], held[1][:, ks], out[:, qs],
                                             lse[:, :, qs].contiguous(), causal=step.causal, softmax_scale=scale,
                                             impl=impl, deterministic=deterministic, validate=False,
                                             **_masks(step, ids, rank))
-            dq[:, qs] += dq_s
-        _wait(grad_works)  # the accumulators of the held keys, from the previous rank
-        if grads is None:
-            grads = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in held)
-        if step is not None:
-            grads[0][:, ks] += dk_s
-            grads[1][:, ks] += dv_s
-        if world > 1:  # on to the rank that holds these keys next (after the last step: their owner)
-            grads, grad_works = _pass_on(g, grads)
+            if dq is None:  # step 0: every row
+                dq = dq_s.float()
+            else:
+                dq[:, qs] += dq_s
+            part = (ks, dk_s, dv_s)
+        if i == 0:  # this rank's own keys; step 0 covers every key row
+            own = (dk_s.float(), dv_s.float())
+        else:
+            if i == 1:  # the accumulator starts as this step's part alone
+                whole = step is not None and (step.k0, step.k1) == (0, S)
+                travelling = part[1:] if whole else tuple(torch.zeros_like(t) for t in held)
+                add = None if whole else part
+            else:
+                _wait(grad_works)
+                travelling, add = tuple(t.float() for t in travelling), part
+            if add is not None:
+                for acc, p in zip(travelling, add[1:]):
+                    acc[:, add[0]] += p
+            travelling, grad_works = _pass_on(g, travelling)  # to the next holder; after the last step, the owner
         if i + 1 < world:
             _wait(works)
             held = coming
-    _wait(grad_works)
-    return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
+    if world > 1:
+        _wait(grad_works)
+        for acc, part in zip(own, travelling):
+            acc += part
+    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -257,10 +274,9 @@ def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               lse: torch.Tensor, group_name: str, causal: bool, layout: str, softmax_scale: Optional[float], impl: str,
               deterministic: bool, segment_ids: Optional[torch.Tensor],
               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .torch_ops import _kernel_ready
     g = _resolve(group_name)
     ids = _ids_per_rank(g, layout, q.shape[1], segment_ids, cu_seqlens)
-    return _ring_backward(_kernel_ready(dout), q, k, v, o, lse, g, causal, layout, softmax_scale, impl,
+    return _ring_backward(torch_ops._kernel_ready(dout), q, k, v, o, lse, g, causal, layout, softmax_scale, impl,
                           deterministic, ids)
 
 
@@ -320,11 +336,80 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
             raise ValueError(f"q has shape {tuple(q.shape)}: packed (S_local, H, D) tensors need cu_seqlens")
         q, k, v = q[None], k[None], v[None]
     g = _group(group)
-    from .torch_ops import _autocast
-    q, k, v = _autocast(q, k, v)
+    q, k, v = torch_ops._autocast(q, k, v)
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = torch.ops.flashrt.ring_fwd.default(q, k, v, g.group_name, bool(causal), layout, scale, impl,
                                                   bool(deterministic), segment_ids, cu_seqlens, bool(check))
     if packed:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# All-to-all (Ulysses): trade the sequence shard for a head shard, attend on the whole sequence, trade back.
+
+
+def _heads_to_sequence(x, g, world: int, layout: str):
+    """(B, S/world, H, D) of this rank's tokens -> (B, S, H/world, D): every token of this rank's head group,
+    in sequence order."""
+    from torch.distributed import _functional_collectives as funcol
+    B, n, H, D = x.shape
+    send = x.reshape(B, n, world, H // world, D).permute(2, 0, 1, 3, 4).contiguous()
+    got = funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, g))  # (world: source rank, ...)
+    if layout == "zigzag":  # rank r holds chunks r and 2*world-1-r
+        got = got.reshape(world, B, 2, n // 2, H // world, D)
+        got = torch.cat([got[:, :, 0], got[:, :, 1].flip(0)])  # (2*world chunks in order, B, n/2, h, D)
+    return got.permute(1, 0, 2, 3, 4).reshape(B, n * world, H // world, D)
+
+
+def _sequence_to_heads(x, g, world: int, layout: str):
+    """The inverse of _heads_to_sequence."""
+    from torch.distributed import _functional_collectives as funcol
+    B, S, h, D = x.shape
+    n = S // world
+    if layout == "zigzag":
+        chunks = x.reshape(B, 2 * world, n // 2, h, D).transpose(0, 1)
+        x = torch.stack([chunks[:world], chunks[world:].flip(0)], dim=2)  # (world, B, 2, n/2, h, D)
+    else:
+        x = x.reshape(B, world, n, h, D).transpose(0, 1)
+    send = x.reshape(world, B, n, h, D).contiguous()
+    got = funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, g))  # (world: head group, ...)
+    return got.permute(1, 2, 0, 3, 4).reshape(B, n, world * h, D)
+
+
+def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigzag",
+                      softmax_scale: Optional[float] = None, impl: str = "auto", deterministic: bool = True,
+                      **mask_args):
+    """Attention over a sequence sharded across the ranks of `group` by all-to-all (DeepSpeed-Ulysses):
+    q, k, v are this rank's shard (as ring_attention takes them); four all-to-alls trade it for every token
+    of H/world heads, flashrt.attention runs there, and the output comes back as this rank's rows.
+
+    H must be a multiple of the world size; with fewer KV heads than ranks, each KV head is repeated to one
+    per rank (Hkv must divide the world size, or be a multiple of it). Mask arguments (window, segment_ids_q/k,
+    block ids, causal="top_left", ...) describe the whole sequence, as flashrt.attention takes them, the same
+    on every rank; a mask_mod expression may not name the head (h): each rank holds its own head group.
+    Differentiable and traceable by torch.compile (torch's functional all-to-all).
+    """
+    ring.check_layout(layout)
+    g = _group(group)
+    world = dist.get_world_size(g)
+    B, n, H, D = q.shape
+    Hkv = k.shape[2]
+    if H % world:
+        raise ValueError(f"ulysses_attention needs the query heads ({H}) to be a multiple of the ranks ({world}); "
+                         f"use ring_attention")
+    if Hkv % world and world % Hkv:
+        raise ValueError(f"ulysses_attention needs the KV heads ({Hkv}) to divide the ranks ({world}) or be a "
+                         f"multiple of them; use ring_attention")
+    if layout == "zigzag" and n % 2:
+        raise ValueError(f"the zigzag layout needs an even number of tokens per rank (2 chunks each), got {n}")
+    mod = mask_args.get("mask_mod")
+    if mod and "h" in masks._IDENTIFIER.findall(mod):
+        raise ValueError("ulysses_attention cannot take a mask_mod that names the head (h): each rank attends "
+                         "with its own group of heads; use ring_attention")
+    if Hkv < world:
+        k, v = (t.repeat_interleave(world // Hkv, dim=2) for t in (k, v))
+    q, k, v = (_heads_to_sequence(t, g, world, layout) for t in (q, k, v))
+    out = torch_ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, impl=impl,
+                              deterministic=deterministic, **mask_args)
+    return _sequence_to_heads(out, g, world, layout)

@@ -6,9 +6,11 @@ the whole sequence, causal, bf16, forward and forward+backward.
 Per point, interleaved rounds (medians; CUDA events, after a warm-up), each rank timing its own calls and the
 slowest rank counting:
   ring: ring_attention over the world; ring (no comm): the same kernels with the transfers replaced by the
-  local keys (what the steps cost with nothing to hide); single: flashrt.attention on one GPU, whole sequence.
+  local keys (what the steps cost with nothing to hide); ulysses: ulysses_attention (all-to-all); single:
+  flashrt.attention on one GPU, whole sequence.
 Per-GPU TF/s = FLOPs / world / time (FLOPs: 4*B*H*S^2*D halved for causal, x2.5 for the backward); scaling
-efficiency = single time / (world * ring time); hidden = no-comm time / ring time.
+efficiency = single time / (world * ring time); hidden = no-comm time / ring time; K/V pass: one step's
+transfer alone (each rank's keys and values to the next rank).
 """
 import argparse
 import json
@@ -63,6 +65,14 @@ def _worker(rank, world, path, args, results_path):
             out = fd.ring_attention(*x, causal=True, layout=args.layout, check=False)
             torch.autograd.grad(out, x, local[3])
 
+        def ulysses(fb):
+            def run():
+                x = [t.requires_grad_(fb) for t in local[:3]]
+                out = fd.ulysses_attention(*x, causal=True, layout=args.layout)
+                if fb:
+                    torch.autograd.grad(out, x, local[3])
+            return run
+
         def single(fb):
             def run():
                 if rank == 0:
@@ -81,8 +91,13 @@ def _worker(rank, world, path, args, results_path):
                     fd._pass_on = real_pass_on
             return run
 
-        cases = {"ring fwd": ring_fwd, "ring fwd (no comm)": no_comm(ring_fwd), "single fwd": single(False),
-                 "ring fwd+bwd": ring_fb, "ring fwd+bwd (no comm)": no_comm(ring_fb), "single fwd+bwd": single(True)}
+        def kv_pass():  # the forward's transfer alone: this rank's keys and values to the next rank
+            fd._wait(real_pass_on(dist.group.WORLD, tuple(local[1:3]))[1])
+
+        cases = {"kv pass": kv_pass, "ring fwd": ring_fwd, "ring fwd (no comm)": no_comm(ring_fwd),
+                 "ulysses fwd": ulysses(False), "single fwd": single(False), "ring fwd+bwd": ring_fb,
+                 "ring fwd+bwd (no comm)": no_comm(ring_fb), "ulysses fwd+bwd": ulysses(True),
+                 "single fwd+bwd": single(True)}
         times = {name: [] for name in cases}
         for fn in cases.values():  # warm-up (compiles the kernels)
             fn()
@@ -97,7 +112,9 @@ def _worker(rank, world, path, args, results_path):
                              no_comm_ms=alone_ms, single_ms=single_ms,
                              ring_tfs_per_gpu=flops * mult / world / ring_ms / 1e9,
                              single_tfs=flops * mult / single_ms / 1e9,
-                             efficiency=single_ms / (world * ring_ms), hidden=alone_ms / ring_ms))
+                             efficiency=single_ms / (world * ring_ms), hidden=alone_ms / ring_ms,
+                             kv_pass_ms=med["kv pass"], ulysses_ms=med[f"ulysses {kind}"],
+                             ulysses_efficiency=single_ms / (world * med[f"ulysses {kind}"])))
         whole = local = cases = None  # (frees them before the next length)
         torch.cuda.empty_cache()
     if rank == 0:
@@ -123,11 +140,13 @@ def main():
     lines = [f"Context parallel, {data['device']} x{args.world}, causal bf16, {args.layout}, medians of "
              f"{args.rounds} rounds", "",
              "| S | H/Hkv/D | pass | ring ms | no-comm ms | single-GPU ms | per-GPU TF/s (ring) | single TF/s | "
-             "efficiency | hidden |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "efficiency | hidden | K/V pass ms | Ulysses ms | Ulysses efficiency |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         lines.append(f"| {r['S'] // 1024}k | {r['H']}/{r['Hkv']}/{r['D']} | {r['kind']} | {r['ring_ms']:.2f} | "
                      f"{r['no_comm_ms']:.2f} | {r['single_ms']:.2f} | {r['ring_tfs_per_gpu']:.0f} | "
-                     f"{r['single_tfs']:.0f} | {r['efficiency']:.1%} | {r['hidden']:.1%} |")
+                     f"{r['single_tfs']:.0f} | {r['efficiency']:.1%} | {r['hidden']:.1%} | {r['kv_pass_ms']:.2f} | "
+                     f"{r['ulysses_ms']:.2f} | {r['ulysses_efficiency']:.1%} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

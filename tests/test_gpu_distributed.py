@@ -144,12 +144,76 @@ def test_errors_name_the_problem():
     _spawn(_errors)
 
 
+def _ddp(rank):
+    """A causal attention layer under DistributedDataParallel, each rank on its shard of one sequence, in fp32
+    under bf16 autocast: the ranks' averaged parameter gradients times the world size equal the whole
+    sequence's on one GPU (each rank's loss is its tokens' share of the sum)."""
+    import flashrt
+    import flashrt.distributed as fd
+    from torch.nn.parallel import DistributedDataParallel
+    S, H, D = 1024, 4, 64
+    E = H * D
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.proj = torch.nn.Linear(E, 3 * E), torch.nn.Linear(E, E)
+
+        def forward(self, x, attend):
+            q, k, v = self.qkv(x).unflatten(-1, (3, H, D)).unbind(2)
+            return self.proj(attend(q, k, v).flatten(-2))
+
+    torch.manual_seed(0)
+    single = Layer().cuda()
+    ddp = DistributedDataParallel(Layer().cuda(), device_ids=[rank])
+    ddp.module.load_state_dict(single.state_dict())
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x, w = torch.randn(1, S, E, device="cuda", generator=g), torch.randn(1, S, E, device="cuda", generator=g)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (single(x, lambda q, k, v: flashrt.attention(q, k, v, causal=True)).float() * w).sum().backward()
+        out = ddp(fd.shard_sequence(x), lambda q, k, v: fd.ring_attention(q, k, v, causal=True))
+        (out.float() * fd.shard_sequence(w)).sum().backward()
+    for (name, a), b in zip(single.named_parameters(), ddp.module.parameters()):
+        err = float((b.grad * WORLD - a.grad).norm() / a.grad.norm())
+        assert err < 2e-2, (name, err)
+
+
+def test_ddp_training_step():
+    _spawn(_ddp)
+
+
+def _ulysses(rank):
+    import flashrt
+    import flashrt.distributed as fd
+    cases = [(2, 1024, 4, 4, 64, True, "zigzag", {}), (1, 1024, 4, 1, 128, True, "contiguous", {}),
+             (1, 2048, 8, 2, 64, False, "zigzag", {"window": (100, 37)})]
+    for i, (B, S, H, Hkv, D, causal, layout, mask) in enumerate(cases):
+        q, k, v, dout = _inputs(B, S, H, Hkv, D, seed=40 + i)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        single = flashrt.attention(*whole, causal=causal, **mask)
+        single_grads = torch.autograd.grad(single, whole, dout)
+        local = [fd.shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        out = fd.ulysses_attention(*local, causal=causal, layout=layout, **mask)
+        grads = torch.autograd.grad(out, local, fd.shard_sequence(dout, layout=layout))
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (single, *single_grads)):
+            got = fd.unshard_sequence(got, layout=layout)
+            err = float((got.double() - want.double()).norm() / want.double().norm())
+            assert err < 1e-2, (cases[i], name, err)
+    q, k, v, _ = _inputs(1, 256, 3, 3, 64, seed=1)
+    with pytest.raises(ValueError, match="multiple of the ranks"):
+        fd.ulysses_attention(q, k, v)
+
+
+def test_ulysses_matches_single_gpu():
+    _spawn(_ulysses)
+
+
 def _compiled(rank):
     import flashrt.distributed as fd
     q, k, v, dout = (fd.shard_sequence(t) for t in _inputs(1, 1024, 4, 2, 128, seed=3))
 
     def layer(q, k, v):
-        return fd.ring_attention(q * 1.0, k, v, causal=True) * 2.0
+        return fd.ring_attention(q * 1.0, k, v, causal=True) * 2.0 + fd.ulysses_attention(q, k, v, causal=True)
 
     compiled = torch.compile(layer, fullgraph=True)
     results = []

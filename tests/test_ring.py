@@ -93,3 +93,31 @@ def test_merge_is_the_lse_weighted_sum(w):
                                                                                 dtype=torch.float64)
     fd._merge(empty, empty_lse, torch.ones_like(empty), torch.full_like(empty_lse, -torch.inf))
     assert (empty == 0).all() and (empty_lse == -torch.inf).all()  # no key anywhere: 0 and -inf, no NaN
+
+
+def _all_to_all_round_trip(rank, path, world):
+    import torch
+    import torch.distributed as dist
+    import flashrt.distributed as fd
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        B, S, H, D = 2, 8 * world, 2 * world, 3
+        x = torch.arange(B * S * H * D, dtype=torch.float32).reshape(B, S, H, D)
+        h = H // world
+        for layout in ring.LAYOUTS:
+            local = fd.shard_sequence(x, layout=layout)
+            whole = fd._heads_to_sequence(local, dist.group.WORLD, world, layout)
+            assert torch.equal(whole, x[:, :, rank * h:(rank + 1) * h]), layout  # every token, this rank's heads
+            assert torch.equal(fd._sequence_to_heads(whole, dist.group.WORLD, world, layout), local), layout
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_all_to_all_round_trip_on_cpu(world, tmp_path):
+    """ulysses_attention's exchanges (gloo, CPU processes): a rank's sequence shard becomes the whole sequence of
+    its head group, in sequence order for both layouts, and back."""
+    pytest.importorskip("torch")
+    mp = pytest.importorskip("torch.multiprocessing")
+    pytest.importorskip("flashrt.distributed")
+    mp.spawn(_all_to_all_round_trip, args=(str(tmp_path / "rendezvous"), world), nprocs=world)
