@@ -105,6 +105,7 @@ def _worker(rank, world, path, args, results_path):
             for name, fn in cases.items():
                 _timed(fn, times[name])
         med = {name: _slowest(statistics.median(t)) for name, t in times.items()}
+        spread = {name: (_slowest(min(t)), _slowest(max(t))) for name, t in times.items()}
         flops = 4 * H * S * S * D / 2
         for kind, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
             ring_ms, alone_ms, single_ms = med[f"ring {kind}"], med[f"ring {kind} (no comm)"], med[f"single {kind}"]
@@ -114,7 +115,8 @@ def _worker(rank, world, path, args, results_path):
                              single_tfs=flops * mult / single_ms / 1e9,
                              efficiency=single_ms / (world * ring_ms), hidden=alone_ms / ring_ms,
                              kv_pass_ms=med["kv pass"], ulysses_ms=med[f"ulysses {kind}"],
-                             ulysses_efficiency=single_ms / (world * med[f"ulysses {kind}"])))
+                             ulysses_efficiency=single_ms / (world * med[f"ulysses {kind}"]),
+                             min_max_ms={n: spread[n] for n in spread if n.endswith(kind) or n == "kv pass"}))
         whole = local = cases = None  # (frees them before the next length)
         torch.cuda.empty_cache()
     if rank == 0:

@@ -188,7 +188,7 @@ def without_torch(monkeypatch):
     """torch as if not installed (`import torch` raises ModuleNotFoundError); flashrt's torch modules load anew."""
     import flashrt
     monkeypatch.setitem(sys.modules, "torch", None)
-    for name in ("torch", "torch_ops"):
+    for name in ("torch", "torch_ops", "distributed"):
         monkeypatch.delitem(sys.modules, f"flashrt.{name}", raising=False)
         if name in vars(flashrt):  # (getattr would run flashrt's lazy import, which raises without torch)
             monkeypatch.delattr(flashrt, name)
@@ -207,6 +207,12 @@ def test_import_flashrt_torch_without_torch_names_the_extra(without_torch):
     with pytest.raises(ImportError, match=r"flashrt\.torch " + NEEDS_TORCH):
         without_torch.torch  # noqa: B018  (the lazy attribute imports it)
     assert "flashrt.torch" not in sys.modules
+
+
+def test_import_flashrt_distributed_without_torch_names_the_extra(without_torch):
+    with pytest.raises(ImportError, match=r"flashrt\.distributed " + NEEDS_TORCH):
+        importlib.import_module("flashrt.distributed")
+    assert "flashrt.distributed" not in sys.modules
 
 
 def test_flashrt_imports_and_forward_checks_without_torch(without_torch):
