@@ -116,7 +116,7 @@ def _worker(rank, world, path, args, results_path):
                              efficiency=single_ms / (world * ring_ms), hidden=alone_ms / ring_ms,
                              kv_pass_ms=med["kv pass"], ulysses_ms=med[f"ulysses {kind}"],
                              ulysses_efficiency=single_ms / (world * med[f"ulysses {kind}"]),
-                             min_max_ms={n: spread[n] for n in spread if n.endswith(kind) or n == "kv pass"}))
+                             min_max_ms={n: spread[n] for n in spread if kind in n.split() or n == "kv pass"}))
         whole = local = cases = None  # (frees them before the next length)
         torch.cuda.empty_cache()
     if rank == 0:
