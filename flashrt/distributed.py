@@ -158,7 +158,7 @@ def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: tor
     safe = torch.where(new == -math.inf, 0.0, new)  # rows that saw no key yet: both weights 0
     w_acc = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    acc.mul_(w_acc).add_(out.float() * w_new)
+    acc.mul_(w_acc).addcmul_(out, w_new)
     acc_lse.copy_(new)
 
 
