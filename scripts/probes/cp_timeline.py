@@ -1,0 +1,74 @@
+"""Timeline of one ring_attention forward+backward on rank 0 (torch.profiler, CUDA activity): each kernel's
+stream, start and duration relative to the first, so that the NCCL transfers can be seen against the steps.
+
+    python3 scripts/probes/cp_timeline.py [S] [H/Hkv/D]     (every visible GPU; prints rank 0's timeline)
+"""
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def _worker(rank, world, path, S, heads):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    import flashrt.distributed as fd
+    H, Hkv, D = heads
+    g = torch.Generator(device="cuda").manual_seed(S)
+    local = [fd.shard_sequence(torch.randn(1, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16))
+             for h in (H, Hkv, Hkv, H)]
+    x = [t.requires_grad_() for t in local[:3]]
+
+    def step():
+        out = fd.ring_attention(*x, causal=True, check=False)
+        torch.autograd.grad(out, x, local[3])
+
+    for _ in range(2):
+        step()
+    real_pass_on = fd._pass_on
+
+    def timed(comm: bool) -> float:
+        fd._pass_on = real_pass_on if comm else (lambda group, tensors: (tensors, []))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        torch.cuda.synchronize()
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        fd._pass_on = real_pass_on
+        return start.elapsed_time(end)
+
+    times = [(timed(True), timed(False)) for _ in range(5)]  # (ring, no comm), interleaved
+    print(f"rank {rank}: ring / no-comm ms per fwd+bwd: " + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in times))
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    if rank == 0:
+        import json
+        trace = os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(trace)
+        kernels = [e for e in json.load(open(trace))["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy",
+                                                                                          "gpu_memset")]
+        t0 = min(e["ts"] for e in kernels)
+        for e in sorted(kernels, key=lambda e: e["ts"]):
+            if e["dur"] >= 50:
+                stream = e["args"].get("stream", "?")
+                print(f"{(e['ts'] - t0) / 1e3:9.2f} ms  +{e['dur'] / 1e3:7.2f}  stream {stream:>3}  {e['name'][:80]}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    S = int(sys.argv[1]) if len(sys.argv) > 1 else 65536
+    heads = tuple(map(int, (sys.argv[2] if len(sys.argv) > 2 else "16/16/128").split("/")))
+    world = torch.cuda.device_count()
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, os.path.join(d, "rendezvous"), S, heads), nprocs=world)
