@@ -6,6 +6,7 @@
     out = flashrt.torch.scaled_dot_product_attention(q, k, v, is_causal=True)  # torch's (B, H, S, D) SDPA API
     out = flashrt.decode(q, k_cache, v_cache, cache_seqlens=lens, k=k_new, v=v_new)  # KV-cache decoding
     out, lse = flashrt.combine(out_parts, lse_parts)  # merge attention over disjoint key ranges
+    out = flashrt.distributed.ring_attention(q, k, v, causal=True)  # one sequence over several GPUs (torch)
 
 Tensors are (batch, seqlen, heads, head_dim), bf16 or fp16, torch or CuPy.
 """
@@ -54,11 +55,11 @@ def _torch_missing(what: str) -> ModuleNotFoundError:
 
 
 def __getattr__(name):
-    # flashrt.torch (torch's SDPA signature) imports torch, so it loads on first use: `import flashrt` stays
-    # torch-free. Inside torch.compile'd code, `import flashrt.torch` first.
-    if name == "torch":
+    # flashrt.torch (torch's SDPA signature) and flashrt.distributed import torch, so they load on first use:
+    # `import flashrt` stays torch-free. Inside torch.compile'd code, `import flashrt.torch` first.
+    if name in ("torch", "distributed"):
         import importlib
-        return importlib.import_module(".torch", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 

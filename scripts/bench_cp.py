@@ -101,9 +101,14 @@ def _worker(rank, world, path, args, results_path):
         times = {name: [] for name in cases}
         for fn in cases.values():  # warm-up (compiles the kernels)
             fn()
-        for _ in range(args.rounds):
+        if args.grouped:  # every round of one case, then the next case's
             for name, fn in cases.items():
-                _timed(fn, times[name])
+                for _ in range(args.rounds):
+                    _timed(fn, times[name])
+        else:
+            for _ in range(args.rounds):
+                for name, fn in cases.items():
+                    _timed(fn, times[name])
         med = {name: _slowest(statistics.median(t)) for name, t in times.items()}
         spread = {name: (_slowest(min(t)), _slowest(max(t))) for name, t in times.items()}
         flops = 4 * H * S * S * D / 2
@@ -132,6 +137,7 @@ def main():
     ap.add_argument("--layout", default="zigzag")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--world", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--grouped", action="store_true", help="run a case's rounds back to back (default: interleaved)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
