@@ -1,7 +1,8 @@
-"""flashrt.distributed.ring_attention on 2 GPUs (NCCL), against single-GPU flashrt on the gathered sequence
-and a float64 reference: causal or not, zigzag and contiguous, GQA, documents split over shards (segment ids,
-packed cu_seqlens), bitwise repeatability, torch.compile, and the errors. Each test spawns one process per
-GPU (torch.multiprocessing); a failure on a rank fails the test with that rank's traceback."""
+"""flashrt.distributed on every visible GPU (2 to 8; NCCL): ring_attention against single-GPU flashrt on the
+gathered sequence and a float64 reference (causal or not, zigzag and contiguous, GQA, documents split over
+shards by segment ids and packed cu_seqlens), bitwise repeatability, DDP, ulysses_attention, torch.compile, and
+the errors. Each test spawns one process per GPU (torch.multiprocessing); a failure on a rank fails the test with
+that rank's traceback."""
 import os
 import tempfile
 
@@ -16,7 +17,7 @@ def _gpus() -> int:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
               pytest.mark.skipif(_gpus() < 2, reason=f"needs 2 GPUs for NCCL ring tests, {_gpus()} visible")]
-WORLD = 2
+WORLD = min(max(_gpus(), 2), 8)  # every visible GPU (the code is written for any world size)
 
 
 def _spawn(fn, *args):
