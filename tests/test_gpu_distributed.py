@@ -210,20 +210,29 @@ def test_ulysses_matches_single_gpu():
 
 
 def _compiled(rank):
+    """torch.compile(fullgraph=True) traces both: the ring is one opaque op (bitwise the eager result); Ulysses'
+    exchanges and reshapes are traced, and where KV heads are repeated to one per rank Inductor may fuse the
+    gradient's sum over the copies with the adds around it (one rounding instead of two): close, not bitwise."""
     import flashrt.distributed as fd
     q, k, v, dout = (fd.shard_sequence(t) for t in _inputs(1, 1024, 4, 2, 128, seed=3))
 
-    def layer(q, k, v):
-        return fd.ring_attention(q * 1.0, k, v, causal=True) * 2.0 + fd.ulysses_attention(q, k, v, causal=True)
+    def ring_layer(q, k, v):
+        return fd.ring_attention(q * 1.0, k, v, causal=True) * 2.0
 
-    compiled = torch.compile(layer, fullgraph=True)
-    results = []
-    for f in (layer, compiled):
-        x = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = f(*x)
-        results.append([out, *torch.autograd.grad(out, x, dout)])
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    def ulysses_layer(q, k, v):
+        return fd.ulysses_attention(q * 1.0, k, v, causal=True) * 2.0
+
+    for layer, exact in ((ring_layer, True), (ulysses_layer, False)):
+        results = []
+        for f in (layer, torch.compile(layer, fullgraph=True)):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = f(*x)
+            results.append([out, *torch.autograd.grad(out, x, dout)])
+        for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+            if exact:
+                assert torch.equal(a, b), (layer.__name__, name)
+            else:
+                assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), (layer.__name__, name)
 
 
 def test_torch_compile_fullgraph():
