@@ -145,13 +145,12 @@ def test_errors_name_the_problem():
     _spawn(_errors)
 
 
-def _ddp(rank):
-    """A causal attention layer under DistributedDataParallel, each rank on its shard of one sequence, in fp32
-    under bf16 autocast: the ranks' averaged parameter gradients times the world size equal the whole
-    sequence's on one GPU (each rank's loss is its tokens' share of the sum)."""
+def _training_step(rank, wrapper):
+    """A causal attention layer under DistributedDataParallel or FSDP2 (fully_shard), each rank on its shard of
+    one sequence, fp32 weights under bf16 autocast: the ranks' averaged parameter gradients times the world size
+    equal the whole sequence's on one GPU (each rank's loss is its tokens' share of the sum)."""
     import flashrt
     import flashrt.distributed as fd
-    from torch.nn.parallel import DistributedDataParallel
     S, H, D = 1024, 4, 64
     E = H * D
 
@@ -165,22 +164,29 @@ def _ddp(rank):
             return self.proj(attend(q, k, v).flatten(-2))
 
     torch.manual_seed(0)
-    single = Layer().cuda()
-    ddp = DistributedDataParallel(Layer().cuda(), device_ids=[rank])
-    ddp.module.load_state_dict(single.state_dict())
+    single, sharded = Layer().cuda(), Layer().cuda()
+    sharded.load_state_dict(single.state_dict())
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(sharded, device_ids=[rank])
+    else:
+        from torch.distributed.fsdp import fully_shard
+        model = fully_shard(sharded)
     g = torch.Generator(device="cuda").manual_seed(5)
     x, w = torch.randn(1, S, E, device="cuda", generator=g), torch.randn(1, S, E, device="cuda", generator=g)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         (single(x, lambda q, k, v: flashrt.attention(q, k, v, causal=True)).float() * w).sum().backward()
-        out = ddp(fd.shard_sequence(x), lambda q, k, v: fd.ring_attention(q, k, v, causal=True))
+        out = model(fd.shard_sequence(x), lambda q, k, v: fd.ring_attention(q, k, v, causal=True))
         (out.float() * fd.shard_sequence(w)).sum().backward()
-    for (name, a), b in zip(single.named_parameters(), ddp.module.parameters()):
-        err = float((b.grad * WORLD - a.grad).norm() / a.grad.norm())
-        assert err < 2e-2, (name, err)
+    for (name, a), b in zip(single.named_parameters(), sharded.parameters()):
+        grad = b.grad.full_tensor() if hasattr(b.grad, "full_tensor") else b.grad  # (FSDP2: a sharded DTensor)
+        err = float((grad * WORLD - a.grad).norm() / a.grad.norm())
+        assert err < 2e-2, (wrapper, name, err)
 
 
-def test_ddp_training_step():
-    _spawn(_ddp)
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_training_step_under_ddp_and_fsdp2(wrapper):
+    _spawn(_training_step, wrapper)
 
 
 def _ulysses(rank):
