@@ -1,4 +1,5 @@
-"""Context parallelism over torch.distributed: ring attention, forward and backward, on any number of GPUs.
+"""Context parallelism over torch.distributed, forward and backward, on any number of GPUs: ring attention,
+and the all-to-all form (ulysses_attention).
 
     import flashrt.distributed as fd
     q, k, v = (fd.shard_sequence(x, group) for x in (q, k, v))        # (B, S/world, H, D) each, zigzag
@@ -8,8 +9,9 @@
 Each rank holds a shard of the sequence (flashrt/ring.py: the layouts and the step plan). The keys and values
 travel around the ring by NCCL point-to-point (torch.distributed.batch_isend_irecv) while the held block is
 computed, so the transfer hides behind the kernels. Every step's (out, lse) merges into fp32 accumulators by
-its lse; the backward sends the dK/dV accumulators (fp32) around the ring behind the keys. The order of every
-addition is fixed, so with deterministic=True results are bitwise reproducible for a given world size.
+its lse; in the backward each key shard's dK/dV parts from the other ranks travel around the ring behind the
+keys as one accumulator, back to the shard's owner (_ring_backward). The order of every addition is fixed, so
+with deterministic=True results are bitwise reproducible for a given world size.
 
 The forward and backward are torch custom ops (flashrt::ring_fwd, flashrt::ring_bwd) with an autograd
 formula: torch.compile sees one opaque op (no graph break), and DDP / FSDP see ordinary autograd.
