@@ -121,3 +121,87 @@ def test_ulysses_all_to_all_round_trip_on_cpu(world, tmp_path):
     mp = pytest.importorskip("torch.multiprocessing")
     pytest.importorskip("flashrt.distributed")
     mp.spawn(_all_to_all_round_trip, args=(str(tmp_path / "rendezvous"), world), nprocs=world)
+
+
+class _Float64Attention:
+    """flashrt.forward / backward's contract in float64 torch on the CPU (exact up to rounding), standing in for
+    the kernels so that the ring's schedule, merges and gradient routing can be checked over gloo."""
+
+    @staticmethod
+    def _probs(q, k, causal, segment_ids_q=None, segment_ids_k=None, softmax_scale=None):
+        import torch
+        group = q.shape[2] // k.shape[2]
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2)) * (softmax_scale or q.shape[-1] ** -0.5)
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool)
+        if causal:  # (the ring asks for it only on square blocks)
+            keep = torch.tril(keep)
+        keep = keep[None, None]
+        if segment_ids_q is not None:
+            keep = keep & (segment_ids_q[:, None, :, None] == segment_ids_k[:, None, None, :])
+        s = s.masked_fill(~keep, -torch.inf)
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(lse == -torch.inf, 0.0, lse)[..., None])
+        return p, lse, group
+
+    def forward(self, q, k, v, *, causal, softmax_scale=None, **ids):
+        import torch
+        p, lse, group = self._probs(q, k, causal, softmax_scale=softmax_scale, **ids)
+        return torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, 2)), lse
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale=None, impl, deterministic, validate, **ids):
+        import torch
+        scale = softmax_scale or q.shape[-1] ** -0.5
+        group = q.shape[2] // k.shape[2]
+        ke, ve = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale
+        p0, _, _ = self._probs(q, k, causal, softmax_scale=softmax_scale, **ids)
+        p = torch.where(p0 > 0, torch.exp(s - lse[..., None]), 0.0)  # normalised by the whole row's lse
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout, ve)
+        ds = p * (dp - (dout * out).sum(-1).transpose(1, 2)[..., None])
+        fold = lambda g: g.unflatten(2, (k.shape[2], group)).sum(3)  # noqa: E731
+        return (torch.einsum("bhqk,bkhd->bqhd", ds, ke) * scale, fold(torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale),
+                fold(torch.einsum("bhqk,bqhd->bkhd", p, dout)))
+
+
+def _ring_on_cpu(rank, path, world, layout, causal, docs):
+    import torch
+    import torch.distributed as dist
+    import flashrt.distributed as fd
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    fd.api = _Float64Attention()  # (this process only)
+    try:
+        B, S, H, Hkv, D = 2, 12 * world, 4, 2, 8
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(B, S, h, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv, H))
+        ids = torch.tensor([0] * (S // 3) + [1] * (S // 2) + [2] * (S - S // 3 - S // 2), dtype=torch.int32)
+        ids = ids[None].repeat(B, 1)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        mask = torch.tril(torch.ones(S, S, dtype=torch.bool)) if causal else torch.ones(S, S, dtype=torch.bool)
+        mask = mask[None, None] & ((ids[:, None, :, None] == ids[:, None, None, :]) if docs else True)
+        s = torch.einsum("bqhd,bkhd->bhqk", whole[0], whole[1].repeat_interleave(2, 2)) * D ** -0.5
+        want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~mask, -torch.inf), -1),
+                            whole[2].repeat_interleave(2, 2))
+        want_grads = torch.autograd.grad(want, whole, dout)
+        local = [fd.shard_sequence(t, layout=layout) for t in (q, k, v, dout)]
+        per_rank = [fd.shard_sequence(ids, layout=layout, world=world, rank=r) for r in range(world)] if docs else None
+        out, lse = fd._ring_forward(*local[:3], dist.group.WORLD, causal, layout, None, per_rank)
+        grads = fd._ring_backward(local[3], *local[:3], out, lse, dist.group.WORLD, causal, layout, None, "auto",
+                                  True, per_rank)
+        for name, got, full in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
+            expect = fd.shard_sequence(full.detach(), layout=layout)
+            # (the ring's accumulators are fp32, as for the kernels' 16-bit parts)
+            assert torch.allclose(got, expect, rtol=1e-5, atol=1e-6), (name, (got - expect).abs().max())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, layout, causal, docs", [(3, "zigzag", True, True), (4, "contiguous", True, False),
+                                                         (3, "contiguous", False, True), (4, "zigzag", True, False)])
+def test_ring_schedule_merges_and_gradient_routing_on_cpu(world, layout, causal, docs, tmp_path):
+    """flashrt.distributed's ring (gloo, CPU processes, float64 stand-ins for the kernels): out, dq, dk and dv of
+    every rank's shard equal whole-sequence attention's, for odd and even world sizes, both layouts, documents
+    split over shards, and the steps a contiguous causal ring skips."""
+    pytest.importorskip("torch")
+    mp = pytest.importorskip("torch.multiprocessing")
+    pytest.importorskip("flashrt.distributed")
+    mp.spawn(_ring_on_cpu, args=(str(tmp_path / "rendezvous"), world, layout, causal, docs), nprocs=world)
