@@ -8,7 +8,7 @@ Either way a rank's tokens are in increasing global order, so a causal mask betw
 each (query slice, key slice) pair that the ring computes, either none or top-left causal (`ring_steps`).
 
 At ring step i, rank r holds the keys and values of rank (r - i) mod world (they move one rank on per step).
-flashrt/distributed.py runs these steps; tests/test_spec.py checks them against the mask, pair by pair.
+flashrt/distributed.py runs these steps; tests/test_ring.py checks them against the mask, pair by pair.
 """
 from __future__ import annotations
 
