@@ -337,6 +337,9 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
         if cu_seqlens is None:
             raise ValueError(f"q has shape {tuple(q.shape)}: packed (S_local, H, D) tensors need cu_seqlens")
         q, k, v = q[None], k[None], v[None]
+    elif cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens describes one packed sequence: q must be (S_local, H, D) or (1, S_local, H, D), "
+                         f"got {tuple(q.shape)}; for a batch of sequences, pass segment_ids (B, S_local)")
     g = _group(group)
     q, k, v = torch_ops._autocast(q, k, v)
     scale = None if softmax_scale is None else float(softmax_scale)
@@ -392,6 +395,7 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigza
     on every rank; a mask_mod expression may not name the head (h): each rank holds its own head group.
     Differentiable and traceable by torch.compile (torch's functional all-to-all).
     """
+    masks.check_names(mask_args, "ulysses_attention")
     ring.check_layout(layout)
     g = _group(group)
     world = dist.get_world_size(g)

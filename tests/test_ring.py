@@ -73,6 +73,23 @@ def test_shard_merge_and_positions(layout):
         fd.shard_sequence(x, layout=layout, world=2, rank=2)
 
 
+def test_argument_errors_come_before_any_communication():
+    torch = pytest.importorskip("torch")
+    fd = pytest.importorskip("flashrt.distributed")
+    q = torch.zeros(2, 8, 2, 8)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one packed sequence"):
+        fd.ring_attention(q, q, q, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="need cu_seqlens"):
+        fd.ring_attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="not both"):
+        fd.ring_attention(q, q, q, cu_seqlens=cu, segment_ids=torch.zeros(2, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="causal must be True or False"):
+        fd.ring_attention(q, q, q, causal="top_left")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'return_lse'"):
+        fd.ulysses_attention(q, q, q, return_lse=True)
+
+
 @pytest.mark.parametrize("w", [1, 3])
 def test_merge_is_the_lse_weighted_sum(w):
     torch = pytest.importorskip("torch")
