@@ -123,35 +123,89 @@ def _wait(works: list) -> None:
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 
-def _check_ranks(g, q, k, causal: bool, layout: str, has_ids: bool) -> None:
-    """Every rank must pass the same shapes and options, or the transfers would hang or mix tensors: an all-gather
-    of each rank's signature (one host synchronisation), skipped while a CUDA graph is being captured."""
-    if torch.cuda.is_current_stream_capturing():
-        return
-    sig = [*q.shape, *k.shape, _DTYPE_CODES.get(q.dtype, 0), int(causal), ring.LAYOUTS.index(layout), int(has_ids)]
-    mine = torch.tensor(sig, dtype=torch.int64, device=q.device)
-    every = torch.empty((dist.get_world_size(g), len(sig)), dtype=torch.int64, device=q.device)
+def _dtype_code(t) -> int:
+    return _DTYPE_CODES.get(t.dtype, 0)
+
+
+def _agree(g, device, sig: list, names: str, what: str) -> None:
+    """Raise on every rank at once unless every rank's `sig` (ints) is the same: an all-gather and one host
+    synchronisation. Shapes that differ between ranks would otherwise hang the transfers or mix tensors."""
+    mine = torch.tensor(sig, dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size(g) * len(sig), dtype=torch.int64, device=device)  # (flat: gloo too)
     dist.all_gather_into_tensor(every, mine, group=g)
-    rows = every.tolist()
+    rows = every.view(-1, len(sig)).tolist()
     if any(r != rows[0] for r in rows):
-        names = "q shape (4), k shape (4), dtype, causal, layout, ids"
-        raise ValueError(f"ring_attention needs the same shapes and options on every rank; per rank [{names}]: "
+        raise ValueError(f"{what} needs the same shapes and options on every rank; per rank [{names}]: "
                          + "; ".join(f"rank {i}: {r}" for i, r in enumerate(rows)))
 
 
-def _ids_per_rank(g, layout: str, local_len: int, segment_ids, cu_seqlens) -> list | None:
-    """The key-side document ids of every rank's shard ((B, local_len) int32 each), or None without ids."""
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _take_report():
+    """The failure an earlier flashrt call's device check reported (masks.raise_reported), taken instead of raised:
+    raised on one rank in the middle of the ring, it would leave the other ranks waiting on its transfers."""
+    try:
+        masks.raise_reported()
+    except ValueError as exc:
+        return exc
+    return None
+
+
+def _check_ranks(g, q, k, v, causal: bool, layout: str, segment_ids, cu_seqlens, pending) -> None:
+    """ring_attention's arguments agree on every rank (_agree), and no rank holds a reported failure (`pending`):
+    that rank raises it, the others say which rank did."""
+    ids = (1, *segment_ids.shape) if segment_ids is not None else (2, cu_seqlens.numel(), 0) if cu_seqlens \
+        is not None else (0, 0, 0)
+    sig = [*q.shape, *k.shape, *v.shape, _dtype_code(q), _dtype_code(k), _dtype_code(v), int(causal),
+           ring.LAYOUTS.index(layout), *ids]
+    names = "q, k, v shapes (4 each), their dtypes, causal, layout, ids (kind, shape)"
+    flags = torch.tensor([pending is not None], dtype=torch.int64, device=q.device)
+    _agree(g, q.device, sig, names, "ring_attention")
+    dist.all_reduce(flags, group=g)
+    if pending is not None:
+        raise pending
+    if int(flags):
+        raise ValueError("ring_attention: another rank holds a failure reported by an earlier flashrt call's device "
+                         "check (its ValueError says what); no rank started the ring")
+
+
+def _ids_per_rank(g, layout: str, local_len: int, segment_ids, cu_seqlens) -> tuple | None:
+    """The query-side and key-side document ids of every rank's shard ((B, local_len) int32 each), or None.
+
+    With cu_seqlens, tokens outside [cu[0], cu[-1]) (padding) take query and key ids that match nothing, so they
+    attend to nothing and are attended by nothing (out 0, lse -inf, zero gradients), as flashrt's varlen rows are."""
     if segment_ids is None and cu_seqlens is None:
         return None
     world = dist.get_world_size(g)
     n = local_len * world
     if cu_seqlens is not None:  # packed sequences: document i holds tokens [cu[i], cu[i+1])
-        token = torch.arange(n, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-        whole = (torch.searchsorted(cu_seqlens[1:].contiguous(), token, right=True).to(torch.int32))[None]
-        return [shard_sequence(whole, layout=layout, world=world, rank=r) for r in range(world)]
+        cu = cu_seqlens.to(torch.int64)
+        token = torch.arange(n, device=cu.device)
+        doc = torch.searchsorted(cu[1:].contiguous(), token, right=True)
+        docs = cu.numel() - 1
+        before, after = token < cu[0], token >= cu[-1]
+        q_ids = torch.where(before, -2, torch.where(after, docs, doc)).to(torch.int32)[None]
+        k_ids = torch.where(before, -1, torch.where(after, docs + 1, doc)).to(torch.int32)[None]
+        return tuple([shard_sequence(x, layout=layout, world=world, rank=r) for r in range(world)]
+                     for x in (q_ids, k_ids))
     parts = [torch.empty_like(segment_ids) for _ in range(world)]
     dist.all_gather(parts, segment_ids.contiguous(), group=g)
-    return parts
+    return parts, parts
+
+
+def _check_ids(ids, layout: str, cu_seqlens) -> None:
+    """Document ids that decrease along the whole sequence (or cu_seqlens that do) would give wrong answers: one
+    host synchronisation; every rank holds the same data, so every rank raises."""
+    if cu_seqlens is not None:
+        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise ValueError("cu_seqlens must be non-decreasing")
+        return
+    whole = merge_shards(ids[0], layout=layout)
+    if bool((whole[:, 1:] < whole[:, :-1]).any()):
+        raise ValueError("segment_ids must not decrease along the whole sequence (each rank passes its shard, laid "
+                         "out as shard_sequence makes it)")
 
 
 def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -167,11 +221,13 @@ def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: tor
 def _masks(step, ids, rank) -> dict:
     if ids is None:
         return {}
-    return dict(segment_ids_q=ids[rank][:, step.q0:step.q1].contiguous(),
-                segment_ids_k=ids[step.src][:, step.k0:step.k1].contiguous())
+    return dict(segment_ids_q=ids[0][rank][:, step.q0:step.q1].contiguous(),
+                segment_ids_k=ids[1][step.src][:, step.k0:step.k1].contiguous())
 
 
-def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids):
+def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: list):
+    """This rank's (out, lse). Before each kernel call, a failure an earlier call reported is taken into
+    `reports` (_take_report), to be raised after the ring."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     B, S, H, D = q.shape
     steps = ring.ring_steps(layout, world, rank, S, causal)
@@ -181,9 +237,10 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids):
         if i + 1 < world:
             coming, works = _pass_on(g, held)
         if step is not None:
+            reports.append(_take_report())
             kh, vh = (t[:, step.k0:step.k1] for t in held)
             o, lse = api.forward(q[:, step.q0:step.q1], kh, vh, causal=step.causal, softmax_scale=scale,
-                                 **_masks(step, ids, rank))
+                                 validate=False, **_masks(step, ids, rank))  # (the ids are checked up front)
             if acc is None:  # step 0: every row, the rank's own keys
                 acc, acc_lse = o.float(), lse
             else:
@@ -195,10 +252,11 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids):
 
 
 def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale, impl: str, deterministic: bool,
-                   ids):
+                   ids, reports: list):
     """The dK/dV of rank s's keys: s's own step-0 part stays on s (fp32); the others' parts travel as one
     accumulator that starts on rank s+1 at step 1, gains a part on each rank it reaches and returns to s after
-    the last step. While it holds one part it travels in the kernels' dtype (exact), then in fp32."""
+    the last step. While it holds one part it travels in the kernels' dtype (exact), then in fp32. Reports are taken
+    into `reports` as in _ring_forward."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     S = q.shape[1]
     steps = ring.ring_steps(layout, world, rank, S, causal)
@@ -210,6 +268,7 @@ def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale,
             coming, works = _pass_on(g, held)
         part = None  # (key rows, dK, dV) of this step
         if step is not None:
+            reports.append(_take_report())
             qs, ks = slice(step.q0, step.q1), slice(step.k0, step.k1)
             dq_s, dk_s, dv_s = api.backward(dout[:, qs], q[:, qs], held[0][:, ks], held[1][:, ks], out[:, qs],
                                             lse[:, :, qs].contiguous(), causal=step.causal, softmax_scale=scale,
@@ -258,10 +317,23 @@ def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str
               softmax_scale: Optional[float], impl: str, deterministic: bool, segment_ids: Optional[torch.Tensor],
               cu_seqlens: Optional[torch.Tensor], check: bool) -> tuple[torch.Tensor, torch.Tensor]:
     g = _resolve(group_name)
+    reports = [_take_report()]
+    check = check and not _capturing()
     if check:
-        _check_ranks(g, q, k, causal, layout, segment_ids is not None or cu_seqlens is not None)
+        _check_ranks(g, q, k, v, causal, layout, segment_ids, cu_seqlens, reports.pop())
     ids = _ids_per_rank(g, layout, q.shape[1], segment_ids, cu_seqlens)
-    return _ring_forward(q, k, v, g, causal, layout, softmax_scale, ids)
+    if check and ids is not None:
+        _check_ids(ids, layout, cu_seqlens)
+    out, lse = _ring_forward(q, k, v, g, causal, layout, softmax_scale, ids, reports)
+    _raise_first(reports)
+    return out, lse
+
+
+def _raise_first(reports: list) -> None:
+    """After the ring (every rank took part in every transfer): the first failure taken, if any."""
+    for r in reports:
+        if r is not None:
+            raise r
 
 
 @_ring_fwd.register_fake
@@ -278,8 +350,11 @@ def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = _resolve(group_name)
     ids = _ids_per_rank(g, layout, q.shape[1], segment_ids, cu_seqlens)
-    return _ring_backward(torch_ops._kernel_ready(dout), q, k, v, o, lse, g, causal, layout, softmax_scale, impl,
-                          deterministic, ids)
+    reports = [_take_report()]
+    grads = _ring_backward(torch_ops._kernel_ready(dout), q, k, v, o, lse, g, causal, layout, softmax_scale, impl,
+                           deterministic, ids, reports)
+    _raise_first(reports)
+    return grads
 
 
 @_ring_bwd.register_fake
@@ -320,11 +395,15 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     segment_ids: (B, S_local) int32, this rank's shard of document ids that do not decrease along the whole
       sequence: a query sees only keys of its own document (packed documents split over shards).
     cu_seqlens: instead, the whole packed sequence's (n+1,) int32 document offsets (every rank the same);
-      q, k, v may then be packed (S_local, H, D) (returned the same way, lse (H, S_local)).
+      q, k, v may then be packed (S_local, H, D) (returned the same way, lse (H, S_local)). Tokens outside
+      [cu[0], cu[-1]) (the padding to 2*world chunks) are no document: out 0, lse -inf, zero gradients.
     impl, deterministic: the backward's kernels (flashrt.backward). With deterministic=True the same inputs
       give bitwise the same results on the same world size.
-    check: all-gather every rank's shapes first and raise on a mismatch (one host synchronisation per call;
-      skipped while a CUDA graph is captured).
+    check: before the ring, all-gather every rank's shapes and options and raise on every rank on a mismatch,
+      or when a rank holds a failure that an earlier flashrt call's device check reported, and check that the
+      document ids do not decrease (one host synchronisation, two with ids; skipped while a CUDA graph is
+      captured). Without it, such a failure is raised after the ring, on its rank, and bad ids give wrong
+      answers (never an access outside the tensors).
     """
     ring.check_layout(layout)
     api._check_impl(impl)
@@ -340,6 +419,9 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     elif cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"cu_seqlens describes one packed sequence: q must be (S_local, H, D) or (1, S_local, H, D), "
                          f"got {tuple(q.shape)}; for a batch of sequences, pass segment_ids (B, S_local)")
+    if k.shape != v.shape or k.dim() != 4 or q.dim() != 4 or k.shape[:2] != q.shape[:2]:
+        raise ValueError(f"k and v must have one shape (B, S_local, Hkv, D), with q's batch and S_local: got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     g = _group(group)
     q, k, v = torch_ops._autocast(q, k, v)
     scale = None if softmax_scale is None else float(softmax_scale)
@@ -384,7 +466,7 @@ def _sequence_to_heads(x, g, world: int, layout: str):
 
 def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigzag",
                       softmax_scale: Optional[float] = None, impl: str = "auto", deterministic: bool = True,
-                      **mask_args):
+                      check: bool = True, **mask_args):
     """Attention over a sequence sharded across the ranks of `group` by all-to-all (DeepSpeed-Ulysses):
     q, k, v are this rank's shard (as ring_attention takes them); four all-to-alls trade it for every token
     of H/world heads, flashrt.attention runs there, and the output comes back as this rank's rows.
@@ -394,6 +476,8 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigza
     block ids, causal="top_left", ...) describe the whole sequence, as flashrt.attention takes them, the same
     on every rank; a mask_mod expression may not name the head (h): each rank holds its own head group.
     Differentiable and traceable by torch.compile (torch's functional all-to-all).
+    check: all-gather every rank's shapes first and raise on every rank on a mismatch (one host synchronisation;
+    skipped under torch.compile and while a CUDA graph is captured).
     """
     masks.check_names(mask_args, "ulysses_attention")
     ring.check_layout(layout)
@@ -413,6 +497,10 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigza
     if mod and "h" in masks._IDENTIFIER.findall(mod):
         raise ValueError("ulysses_attention cannot take a mask_mod that names the head (h): each rank attends "
                          "with its own group of heads; use ring_attention")
+    if check and not torch.compiler.is_compiling() and not _capturing():
+        _agree(g, q.device, [*q.shape, *k.shape, *v.shape, _dtype_code(q), _dtype_code(k), _dtype_code(v),
+                             masks.CAUSAL_MODES.index(causal), ring.LAYOUTS.index(layout)],
+               "q, k, v shapes (4 each), their dtypes, causal, layout", "ulysses_attention")
     if Hkv < world:
         k, v = (t.repeat_interleave(world // Hkv, dim=2) for t in (k, v))
     q, k, v = (_heads_to_sequence(t, g, world, layout) for t in (q, k, v))

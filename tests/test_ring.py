@@ -145,6 +145,11 @@ class _Float64Attention:
     the kernels so that the ring's schedule, merges and gradient routing can be checked over gloo."""
 
     @staticmethod
+    def _check_impl(impl):
+        from flashrt import api
+        api._check_impl(impl)
+
+    @staticmethod
     def _probs(q, k, causal, segment_ids_q=None, segment_ids_k=None, softmax_scale=None):
         import torch
         group = q.shape[2] // k.shape[2]
@@ -160,7 +165,7 @@ class _Float64Attention:
         p = torch.exp(s - torch.where(lse == -torch.inf, 0.0, lse)[..., None])
         return p, lse, group
 
-    def forward(self, q, k, v, *, causal, softmax_scale=None, **ids):
+    def forward(self, q, k, v, *, causal, softmax_scale=None, validate=True, **ids):
         import torch
         p, lse, group = self._probs(q, k, causal, softmax_scale=softmax_scale, **ids)
         return torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, 2)), lse
@@ -181,29 +186,51 @@ class _Float64Attention:
 
 
 def _ring_on_cpu(rank, path, world, layout, causal, docs):
+    """docs: None, "segments" (segment_ids split over shards) or "cu" (packed offsets with padding before cu[0]
+    and after cu[-1], which must see nothing and be seen by nothing)."""
     import torch
     import torch.distributed as dist
     import flashrt.distributed as fd
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     fd.api = _Float64Attention()  # (this process only)
     try:
-        B, S, H, Hkv, D = 2, 12 * world, 4, 2, 8
+        B, S, H, Hkv, D = 2 if docs != "cu" else 1, 12 * world, 4, 2, 8
         g = torch.Generator().manual_seed(0)
         q, k, v, dout = (torch.randn(B, S, h, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv, H))
         ids = torch.tensor([0] * (S // 3) + [1] * (S // 2) + [2] * (S - S // 3 - S // 2), dtype=torch.int32)
         ids = ids[None].repeat(B, 1)
-        whole = [t.clone().requires_grad_() for t in (q, k, v)]
-        mask = torch.tril(torch.ones(S, S, dtype=torch.bool)) if causal else torch.ones(S, S, dtype=torch.bool)
-        mask = mask[None, None] & ((ids[:, None, :, None] == ids[:, None, None, :]) if docs else True)
-        s = torch.einsum("bqhd,bkhd->bhqk", whole[0], whole[1].repeat_interleave(2, 2)) * D ** -0.5
-        want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~mask, -torch.inf), -1),
-                            whole[2].repeat_interleave(2, 2))
-        want_grads = torch.autograd.grad(want, whole, dout)
+        cu = torch.tensor([2, S // 3, S // 2 + 1, S - 3], dtype=torch.int32)
+        per_rank = None
+        if docs == "segments":
+            shards = [fd.shard_sequence(ids, layout=layout, world=world, rank=r) for r in range(world)]
+            per_rank = (shards, shards)
+        elif docs == "cu":
+            per_rank = fd._ids_per_rank(dist.group.WORLD, layout, S // world, None, cu)
         local = [fd.shard_sequence(t, layout=layout) for t in (q, k, v, dout)]
-        per_rank = [fd.shard_sequence(ids, layout=layout, world=world, rank=r) for r in range(world)] if docs else None
-        out, lse = fd._ring_forward(*local[:3], dist.group.WORLD, causal, layout, None, per_rank)
+        reports = []
+        out, lse = fd._ring_forward(*local[:3], dist.group.WORLD, causal, layout, None, per_rank, reports)
         grads = fd._ring_backward(local[3], *local[:3], out, lse, dist.group.WORLD, causal, layout, None, "auto",
-                                  True, per_rank)
+                                  True, per_rank, reports)
+        assert reports and not any(reports)
+        if docs == "cu":  # the reference: the stand-in itself over the whole sequence, padding rows and keys apart
+            t = torch.arange(S)
+            doc = torch.searchsorted(cu[1:].long(), t, right=True)
+            pad = (t < cu[0]) | (t >= cu[-1])
+            ids_q, ids_k = torch.where(pad, -2, doc)[None], torch.where(pad, -1, doc)[None]
+            attn = _Float64Attention()
+            want, want_lse = attn.forward(q, k, v, causal=causal, segment_ids_q=ids_q, segment_ids_k=ids_k)
+            want_grads = attn.backward(dout, q, k, v, want, want_lse, causal=causal, impl="auto", deterministic=True,
+                                       validate=False, segment_ids_q=ids_q, segment_ids_k=ids_k)
+            assert (want[:, pad] == 0).all() and (want_lse[:, :, pad] == -torch.inf).all()
+            assert (want_grads[0][:, pad] == 0).all() and (want_grads[1][:, pad] == 0).all()
+        else:
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            mask = torch.tril(torch.ones(S, S, dtype=torch.bool)) if causal else torch.ones(S, S, dtype=torch.bool)
+            mask = mask[None, None] & ((ids[:, None, :, None] == ids[:, None, None, :]) if docs else True)
+            s = torch.einsum("bqhd,bkhd->bhqk", whole[0], whole[1].repeat_interleave(2, 2)) * D ** -0.5
+            want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.masked_fill(~mask, -torch.inf), -1),
+                                whole[2].repeat_interleave(2, 2))
+            want_grads = torch.autograd.grad(want, whole, dout)
         for name, got, full in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
             expect = fd.shard_sequence(full.detach(), layout=layout)
             # (the ring's accumulators are fp32, as for the kernels' 16-bit parts)
@@ -212,13 +239,64 @@ def _ring_on_cpu(rank, path, world, layout, causal, docs):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, layout, causal, docs", [(3, "zigzag", True, True), (4, "contiguous", True, False),
-                                                         (3, "contiguous", False, True), (4, "zigzag", True, False)])
+@pytest.mark.parametrize("world, layout, causal, docs", [
+    (3, "zigzag", True, "segments"), (4, "contiguous", True, None), (3, "contiguous", False, "segments"),
+    (4, "zigzag", True, None), (2, "zigzag", True, "cu"), (3, "contiguous", False, "cu")])
 def test_ring_schedule_merges_and_gradient_routing_on_cpu(world, layout, causal, docs, tmp_path):
     """flashrt.distributed's ring (gloo, CPU processes, float64 stand-ins for the kernels): out, dq, dk and dv of
     every rank's shard equal whole-sequence attention's, for odd and even world sizes, both layouts, documents
-    split over shards, and the steps a contiguous causal ring skips."""
+    split over shards (segment ids, or packed offsets with padding that sees nothing), and the steps a contiguous
+    causal ring skips."""
     pytest.importorskip("torch")
     mp = pytest.importorskip("torch.multiprocessing")
     pytest.importorskip("flashrt.distributed")
     mp.spawn(_ring_on_cpu, args=(str(tmp_path / "rendezvous"), world, layout, causal, docs), nprocs=world)
+
+
+def _ring_op_on_cpu(rank, path, world):
+    """ring_attention itself (the custom op, its autograd formula, the cross-rank checks) over gloo with the
+    float64 stand-ins; and the checks' errors, raised on every rank."""
+    import torch
+    import torch.distributed as dist
+    import flashrt.distributed as fd
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    fd.api = _Float64Attention()
+    try:
+        B, S, H, D = 2, 8 * world, 2, 8
+        g = torch.Generator().manual_seed(1)
+        q, k, v, dout = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64) for _ in range(4))
+        ids = (torch.arange(S) // 5).to(torch.int32)[None].repeat(B, 1)
+        attn = _Float64Attention()
+        want, want_lse = attn.forward(q, k, v, causal=True, segment_ids_q=ids, segment_ids_k=ids)
+        want_grads = attn.backward(dout, q, k, v, want, want_lse, causal=True, impl="auto", deterministic=True,
+                                   validate=False, segment_ids_q=ids, segment_ids_k=ids)
+        local = [fd.shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        out, lse = fd.ring_attention(*local, causal=True, segment_ids=fd.shard_sequence(ids), return_lse=True)
+        grads = torch.autograd.grad(out, local, fd.shard_sequence(dout))
+        assert torch.allclose(lse, fd.shard_sequence(want_lse, dim=2), rtol=1e-5, atol=1e-6)
+        for got, full in zip((out, *grads), (want, *want_grads)):
+            assert torch.allclose(got, fd.shard_sequence(full), rtol=1e-5, atol=1e-6)
+        x = [t.detach() for t in local]
+        bad = fd.shard_sequence(ids).clone()
+        if rank == 1:
+            bad[:, 0] = 99  # decreasing on one rank only
+        with pytest.raises(ValueError, match="must not decrease"):
+            fd.ring_attention(*x, causal=True, segment_ids=bad)
+        with pytest.raises(ValueError, match="same shapes and options on every rank"):
+            fd.ring_attention(*(t[:, :4] if rank == 0 else t for t in x), causal=True)
+        if rank == 1:  # a failure that an earlier call's device check reported, on one rank
+            reports = [ValueError("a reported failure")]
+            fd._take_report = lambda: reports.pop() if reports else None
+        with pytest.raises(ValueError, match="a reported failure" if rank == 1 else "another rank holds a failure"):
+            fd.ring_attention(*x, causal=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_attention_op_and_its_checks_on_cpu(tmp_path):
+    """The whole call path over gloo: the custom op and its autograd agree with whole-sequence attention, and a
+    mismatch, decreasing ids or a reported failure on one rank raise on every rank before any transfer."""
+    pytest.importorskip("torch")
+    mp = pytest.importorskip("torch.multiprocessing")
+    pytest.importorskip("flashrt.distributed")
+    mp.spawn(_ring_op_on_cpu, args=(str(tmp_path / "rendezvous"), 2), nprocs=2)
