@@ -155,12 +155,12 @@ def _take_report():
 
 def _check_ranks(g, q, k, v, causal: bool, layout: str, segment_ids, cu_seqlens, pending) -> None:
     """ring_attention's arguments agree on every rank (_agree), and no rank holds a reported failure (`pending`):
-    that rank raises it, the others say which rank did."""
-    ids = (1, *segment_ids.shape) if segment_ids is not None else (2, cu_seqlens.numel(), 0) if cu_seqlens \
-        is not None else (0, 0, 0)
+    that rank raises it, the others say that another rank holds one."""
+    a = segment_ids if segment_ids is not None else cu_seqlens  # (a fixed length: the all-gather needs one)
+    ids = (0, 0, 0, 0) if a is None else (1 if a is segment_ids else 2, a.dim(), a.numel(), a.dtype == torch.int32)
     sig = [*q.shape, *k.shape, *v.shape, _dtype_code(q), _dtype_code(k), _dtype_code(v), int(causal),
            ring.LAYOUTS.index(layout), *ids]
-    names = "q, k, v shapes (4 each), their dtypes, causal, layout, ids (kind, shape)"
+    names = "q, k, v shapes (4 each), their dtypes, causal, layout, ids (kind, dims, size, int32)"
     flags = torch.tensor([pending is not None], dtype=torch.int64, device=q.device)
     _agree(g, q.device, sig, names, "ring_attention")
     dist.all_reduce(flags, group=g)
