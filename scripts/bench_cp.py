@@ -26,7 +26,30 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _timed(fn, rounds_out: list):
+def join(rank: int, world: int, path: str) -> None:
+    """This process as rank `rank` of an NCCL group on GPU `rank` (a file rendezvous at `path`)."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+
+
+def no_comm(fn):
+    """fn with the ring's transfers replaced by the local keys (flashrt.distributed._pass_on): the steps' cost
+    with nothing to hide."""
+    import flashrt.distributed as fd
+
+    def run():
+        real = fd._pass_on
+        fd._pass_on = lambda group, tensors: (tensors, [])
+        try:
+            return fn()
+        finally:
+            fd._pass_on = real
+    return run
+
+
+def timed_ms(fn) -> float:
+    """One call of fn on every rank at once (a barrier first), in ms by CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     dist.barrier()
     torch.cuda.synchronize()
@@ -34,7 +57,7 @@ def _timed(fn, rounds_out: list):
     fn()
     end.record()
     torch.cuda.synchronize()
-    rounds_out.append(start.elapsed_time(end))
+    return start.elapsed_time(end)
 
 
 def _slowest(ms: float) -> float:
@@ -44,14 +67,11 @@ def _slowest(ms: float) -> float:
 
 
 def _worker(rank, world, path, args, results_path):
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    join(rank, world, path)
     import flashrt
     import flashrt.distributed as fd
     H, Hkv, D = map(int, args.heads.split("/"))
     rows = []
-    real_pass_on = fd._pass_on
     for S in map(int, args.seqlens.split(",")):
         g = torch.Generator(device="cuda").manual_seed(S)
         whole = [torch.randn(1, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16) for h in (H, Hkv, Hkv, H)]
@@ -82,17 +102,8 @@ def _worker(rank, world, path, args, results_path):
                         torch.autograd.grad(out, x, whole[3])
             return run
 
-        def no_comm(fn):
-            def run():
-                fd._pass_on = lambda group, tensors: (tensors, [])
-                try:
-                    fn()
-                finally:
-                    fd._pass_on = real_pass_on
-            return run
-
         def kv_pass():  # the forward's transfer alone: this rank's keys and values to the next rank
-            fd._wait(real_pass_on(dist.group.WORLD, tuple(local[1:3]))[1])
+            fd._wait(fd._pass_on(dist.group.WORLD, tuple(local[1:3]))[1])
 
         cases = {"kv pass": kv_pass, "ring fwd": ring_fwd, "ring fwd (no comm)": no_comm(ring_fwd),
                  "ulysses fwd": ulysses(False), "single fwd": single(False), "ring fwd+bwd": ring_fb,
@@ -104,11 +115,11 @@ def _worker(rank, world, path, args, results_path):
         if args.grouped:  # every round of one case, then the next case's
             for name, fn in cases.items():
                 for _ in range(args.rounds):
-                    _timed(fn, times[name])
+                    times[name].append(timed_ms(fn))
         else:
             for _ in range(args.rounds):
                 for name, fn in cases.items():
-                    _timed(fn, times[name])
+                    times[name].append(timed_ms(fn))
         med = {name: _slowest(statistics.median(t)) for name, t in times.items()}
         spread = {name: (_slowest(min(t)), _slowest(max(t))) for name, t in times.items()}
         flops = 4 * H * S * S * D / 2

@@ -12,12 +12,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_cp import join, no_comm, timed_ms  # noqa: E402
 
 
 def _worker(rank, world, path, S, heads):
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    join(rank, world, path)
     import flashrt.distributed as fd
     H, Hkv, D = heads
     g = torch.Generator(device="cuda").manual_seed(S)
@@ -31,21 +31,7 @@ def _worker(rank, world, path, S, heads):
 
     for _ in range(2):
         step()
-    real_pass_on = fd._pass_on
-
-    def timed(comm: bool) -> float:
-        fd._pass_on = real_pass_on if comm else (lambda group, tensors: (tensors, []))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        torch.cuda.synchronize()
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        fd._pass_on = real_pass_on
-        return start.elapsed_time(end)
-
-    times = [(timed(True), timed(False)) for _ in range(5)]  # (ring, no comm), interleaved
+    times = [(timed_ms(step), timed_ms(no_comm(step))) for _ in range(5)]  # (ring, no comm), interleaved
     print(f"rank {rank}: ring / no-comm ms per fwd+bwd: " + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in times))
     torch.cuda.synchronize()
     dist.barrier()
