@@ -95,7 +95,8 @@ def _check_grad_inputs(Q: Array, dO: Array, O: Array, L: Array, lse_shape: tuple
         raise ValueError(f"lse must be {Q.lib} float32 of shape {lse_shape} on cuda:{Q.device} (as returned by "
                          f"flashrt.forward), got {L.lib} {L.dtype} {L.shape} on cuda:{L.device}")
     contiguous = tuple(int(math.prod(lse_shape[i + 1:])) for i in range(len(lse_shape)))
-    if math.prod(lse_shape) and L.strides != contiguous:
+    # (an axis of size 1 is never stepped along: its stride may be anything, as torch's is_contiguous() has it)
+    if math.prod(lse_shape) and any(n > 1 and s != c for n, s, c in zip(lse_shape, L.strides, contiguous)):
         raise ValueError(f"lse must be contiguous, got strides {L.strides}; pass lse.contiguous()")
 
 

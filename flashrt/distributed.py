@@ -209,12 +209,16 @@ def _check_ids(ids, layout: str, cu_seqlens) -> None:
 
 
 def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """acc (B, s, H, D) fp32 and acc_lse (B, H, s) become the merge of themselves and (out, lse), in place."""
+    """acc (B, s, H, D) and acc_lse (B, H, s) become the merge of themselves and (out, lse), in place, computed in
+    fp32 (acc fp32, or the kernels' dtype when this is the rows' last merge)."""
     new = torch.logaddexp(acc_lse, lse)
     safe = torch.where(new == -math.inf, 0.0, new)  # rows that saw no key yet: both weights 0
     w_acc = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    acc.mul_(w_acc).addcmul_(out, w_new)
+    if acc.dtype == torch.float32:
+        acc.mul_(w_acc).addcmul_(out, w_new)
+    else:  # the same fp32 sum, rounded once into the kernels' dtype
+        acc.copy_((acc * w_acc).addcmul_(out, w_new))
     acc_lse.copy_(new)
 
 
@@ -233,6 +237,7 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
     steps = ring.ring_steps(layout, world, rank, S, causal)
     held = (k.contiguous(), v.contiguous())
     acc = acc_lse = None
+    fp32 = world > 2  # with two ranks a row merges at most once: its one rounding can go straight to q's dtype
     for i, step in enumerate(steps):
         if i + 1 < world:
             coming, works = _pass_on(g, held)
@@ -242,7 +247,7 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
             o, lse = api.forward(q[:, step.q0:step.q1], kh, vh, causal=step.causal, softmax_scale=scale,
                                  validate=False, **_masks(step, ids, rank))  # (the ids are checked up front)
             if acc is None:  # step 0: every row, the rank's own keys
-                acc, acc_lse = o.float(), lse
+                acc, acc_lse = (o.float() if fp32 else o), lse
             else:
                 _merge(acc[:, step.q0:step.q1], acc_lse[:, :, step.q0:step.q1], o, lse)
         if i + 1 < world:
@@ -253,7 +258,7 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
 
 def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale, impl: str, deterministic: bool,
                    ids, reports: list):
-    """The dK/dV of rank s's keys: s's own step-0 part stays on s (fp32); the others' parts travel as one
+    """The dK/dV of rank s's keys: s's own step-0 part stays on s; the others' parts travel as one
     accumulator that starts on rank s+1 at step 1, gains a part on each rank it reaches and returns to s after
     the last step. While it holds one part it travels in the kernels' dtype (exact), then in fp32. Reports are taken
     into `reports` as in _ring_forward."""
@@ -274,13 +279,13 @@ def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale,
                                             lse[:, :, qs].contiguous(), causal=step.causal, softmax_scale=scale,
                                             impl=impl, deterministic=deterministic, validate=False,
                                             **_masks(step, ids, rank))
-            if dq is None:  # step 0: every row
-                dq = dq_s.float()
+            if dq is None:  # step 0: every row (in fp32 where rows add more than once, as in _ring_forward)
+                dq = dq_s.float() if world > 2 else dq_s
             else:
                 dq[:, qs] += dq_s
             part = (ks, dk_s, dv_s)
-        if i == 0:  # this rank's own keys; step 0 covers every key row
-            own = (dk_s.float(), dv_s.float())
+        if i == 0:  # this rank's own keys; step 0 covers every key row. The accumulator is added to it at the end
+            own = (dk_s, dv_s)  # in fp32 and rounded once (an in-place add to a bf16 tensor computes in fp32)
         else:
             if i == 1:  # the accumulator starts as this step's part alone
                 whole = step is not None and (step.k0, step.k1) == (0, S)

@@ -95,6 +95,8 @@ def test_size_one_axes_ignore_their_stride():
     a = arr((1, 1, 1, 64), strides=(3, 5, 7, 1))
     api._check_layout(a, "q")
     assert api._strides(a) == (0, 0, 0)
+    q, lse = arr((1, 64, 4, 64)), arr((1, 4, 64), strides=(8 * 64, 64, 1), dtype="float32")  # lse[:, :4] of 8 heads
+    api._check_grad_inputs(q, q, q, lse, (1, 4, 64))
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
