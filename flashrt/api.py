@@ -218,19 +218,34 @@ MASK_DOC = """
 """
 
 
-def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, validate=True, **mask_args):
-    """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library."""
+def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, sinks=None, validate=True, **mask_args):
+    """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library.
+
+    sinks: optional (H,) float32 attention-sink logits, one per query head in the scaled scores' units: each joins
+    every row's softmax denominator and adds no value (gpt-oss). lse includes it; a row that sees no key then gets
+    out = 0 and lse = its head's sink. Pass the same sinks to backward, which returns their gradient.
+    """
     masks.check_names(mask_args, "forward")
     mode = masks.validate_mode(validate)
-    result = _planned("forward", (q, k, v), (causal, softmax_scale), mask_args, mode,
-                      lambda tensors: _forward_plan(tensors, causal, softmax_scale, mode, mask_args))
+    tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
+    result = _planned("forward", tensors, (causal, softmax_scale), mask_args, mode,
+                      lambda tensors: _forward_plan(tensors, causal, softmax_scale, mode, mask_args, sinks is not None))
     return result[0], result[1]  # (mask_mod's tile lists follow out and lse)
 
 
-def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict) -> "_Plan":
+def _check_sinks(S: Array, Q: Array, H: int) -> None:
+    if S.lib != Q.lib or S.device != Q.device or S.dtype != "float32" or S.shape != (H,) or (H > 1 and S.strides[0] != 1):
+        raise ValueError(f"sinks must be a contiguous {Q.lib} float32 array of shape ({H},) (one logit per query head) "
+                         f"on cuda:{Q.device}, got {S.lib} {S.dtype} {S.shape} with strides {S.strides} on "
+                         f"cuda:{S.device}")
+
+
+def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, sinks: bool = False) -> "_Plan":
     q, k, v = tensors[:3]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
+    if sinks:
+        _check_sinks(interop.describe(tensors[3], "sinks"), Q, H)
     scale = _scale(softmax_scale, D)
     # Varlen: rows outside every sequence are not written by the kernel: zeros, lse -inf. Nothing to
     # attend to: out = 0, lse = -inf, no launch.
@@ -238,9 +253,12 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict) ->
     fill = (0.0, -math.inf) if m.varlen or empty else (None, None)
     allocs = [_Alloc(("o",), Q.shape, "like", fill[0]), _Alloc(("lse",), m.lse_shape(H), "f32", fill[1])]
     if empty:
+        if sinks and m.Sk == 0 and m.B * m.Sq * H:  # every row sees the sink alone: lse = the sink
+            raise ValueError("sinks with no keys (k has 0 tokens): every row would see its sink alone; pass at least "
+                             "one key")
         return _Plan([], (), allocs, [], None)
     from . import decoding  # (it imports this module)
-    if not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
+    if not sinks and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
         return decoding.forward_plan(Q4, K4, V4, m, scale)
     dev = launch.device(Q.device)
     spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev)
@@ -255,7 +273,7 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict) ->
             p["use_tma"] = 1
             maps = [(0, f"{n}_map", n, tma.TileMap(n, a.shape, a.strides, rows))
                     for n, a, rows in (("q", Q4, spec.block_m), ("k", K4, spec.block_n), ("v", V4, spec.block_n))]
-    inputs = ("q", "k", "v", *(f for f, _ in _mask_arrays(mask_args)))
+    inputs = ("q", "k", "v", *(("sinks",) if sinks else ()), *(f for f, _ in _mask_arrays(mask_args)))
     structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count),
                                                                                  0)], ()
     if m.mask_mod:
@@ -287,8 +305,9 @@ def _check_impl(impl: str) -> None:
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | None = None, impl: str = "auto",
-             deterministic: bool = True, validate=True, **mask_args):
-    """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v).
+             deterministic: bool = True, sinks=None, validate=True, **mask_args):
+    """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v), and with
+    `sinks` (the forward's) their gradient too: (dq, dk, dv, dsinks), dsinks (H,) fp32.
 
     Pass the same mask arguments as to forward.
     impl="split": a dQ kernel over query tiles and a dK/dV kernel over key tiles, no atomics.
@@ -301,14 +320,39 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     """
     masks.check_names(mask_args, "backward")
     mode = masks.validate_mode(validate)
-    result = _planned("backward", (dout, q, k, v, out, lse), (causal, softmax_scale, impl, deterministic), mask_args,
-                      mode, lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic,
-                                                           mode, mask_args))
-    return result[0], result[1], result[2]  # (the scratch arrays follow)
+    if sinks is not None:
+        Q = interop.describe(q, "q")
+        _check_sinks(interop.describe(sinks, "sinks"), Q, Q.shape[-2] if len(Q.shape) > 1 else 0)
+    result = _planned("backward", (dout, q, k, v, out, lse), (causal, softmax_scale, impl, deterministic,
+                                                              sinks is not None), mask_args, mode,
+                      lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic,
+                                                     mode, mask_args, sinks is not None))
+    if sinks is None:
+        return result[0], result[1], result[2]  # (the scratch arrays follow)
+    return result[0], result[1], result[2], _sink_grad(sinks, lse, result[3] if len(result) > 3 else None)
+
+
+def _sink_grad(sinks, lse, scratch):
+    """dsinks (H,) fp32: minus the sum over each head's rows of the sink's probability exp(sink - lse) times
+    delta = rowsum(dout o out), read from the backward's scratch (after lse2; zero-filled with sinks, so a row no
+    kernel wrote adds 0). In the array library's ops: a fixed reduction order, deterministic. scratch None: no
+    rows (dsinks 0)."""
+    if interop.is_torch(sinks):
+        import torch as xp
+    else:
+        import cupy as xp
+    if scratch is None:
+        return xp.zeros_like(sinks)
+    H, rows = sinks.shape[0], math.prod(lse.shape)
+    lse3 = lse.reshape(-1, H, lse.shape[-1])
+    start = _Alloc.parts([("lse2", rows), ("delta", rows)], "f32").offsets[1] // 4  # (as _backward_plan lays it out)
+    delta3 = scratch[start:start + rows].reshape(lse3.shape)
+    term = xp.exp(sinks.reshape(1, H, 1) - lse3) * delta3
+    return -xp.where(delta3 != 0, term, 0.0).sum((0, 2))
 
 
 def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, mode: int,
-                   mask_args: dict) -> "_Plan":
+                   mask_args: dict, sinks: bool = False) -> "_Plan":
     _check_impl(impl)
     dout, q, k, v, out, lse = tensors[:6]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
@@ -348,6 +392,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         p["sched_key_pairs"] = tiles.key_item_chunk(dev, m.B, m.Sq, D, H, Hkv, splits)
     if splits > 1:
         scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * D))
+    # The scratch is allocs[3] (backward's _sink_grad reads its delta); zero-filled with sinks.
+    allocs.append(None)
     if impl == "fused":
         scratch.append(("dq_accum", m.total_q * H * D))  # zeroed by bwd_preprocess
         p["dq_swizzle"] = int(fused_family == "bwd_fused_sm90")
@@ -358,7 +404,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         families = [dq_family, dkdv_family]
     else:
         families = ["bwd_preprocess", dq_family, dkdv_family]
-    allocs.append(_Alloc.parts(scratch, "f32"))
+    allocs[3] = _Alloc.parts(scratch, "f32", 0.0 if sinks else None)
     if splits > 1:
         families.append("bwd_dkdv_reduce")
     rowwise = m.elementwise_fields(H)
@@ -397,15 +443,15 @@ class _Alloc:
     offsets: tuple = ()    # byte offset of each field's part of the array (default: all 0)
 
     @classmethod
-    def parts(cls, parts: list, kind: str) -> "_Alloc":
-        """One uninitialised 1-D array for several (field, elements) parts: one allocation instead of several,
-        each part starting on a 256-byte boundary."""
+    def parts(cls, parts: list, kind: str, fill: float | None = None) -> "_Alloc":
+        """One 1-D array (uninitialised, or filled) for several (field, elements) parts: one allocation instead of
+        several, each part starting on a 256-byte boundary."""
         align = 256 // 4  # elements of 4 bytes (f32 / i32)
         offsets, n = [], 0
         for _, count in parts:
             offsets.append(n * 4)
             n += -(-count // align) * align
-        return cls(tuple(f for f, _ in parts), (n,), kind, None, tuple(offsets))
+        return cls(tuple(f for f, _ in parts), (n,), kind, fill, tuple(offsets))
 
 
 _PTR = struct.Struct("<Q")

@@ -58,11 +58,12 @@ def visible(B, Sq, Sk, *, causal=False, align="bottom_right", window=(-1, -1), s
     return keep
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None):
-    """Returns (out, lse) and, when dout is given, (out, lse, dq, dk, dv); all float64.
+def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None, sinks=None):
+    """Returns (out, lse) and, when dout is given, (out, lse, dq, dk, dv) (and dsinks with sinks); all float64.
 
     mask: optional bool array broadcastable to (B, H, Sq, Sk) (see `visible`), applied on
     top of `causal`; False hides a key from a query.
+    sinks: optional (H,) logits, one more column of every row's softmax with no value (flashrt.forward's sinks).
     """
     xp = _xp(q)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
@@ -79,9 +80,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
         keep = keep & xp.asarray(mask, dtype=bool)
     s = xp.where(keep, s, -xp.inf)
     m = s.max(axis=-1, keepdims=True) if Sk else xp.full(s.shape[:-1] + (1,), -xp.inf)
+    sink = None if sinks is None else xp.asarray(sinks, dtype=xp.float64).reshape(1, H, 1, 1)
+    if sink is not None:
+        m = xp.maximum(m, sink)
     m = xp.where(xp.isfinite(m), m, 0.0)
     p = xp.exp(s - m)
     denom = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + xp.exp(sink - m)
     with_keys = denom > 0
     lse = xp.where(with_keys, xp.log(xp.where(with_keys, denom, 1.0)) + m, -xp.inf)[..., 0]
     p = p / xp.where(with_keys, denom, 1.0)
@@ -91,11 +97,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     do = dout.astype(xp.float64)
     dv = xp.einsum("bhqk,bqhd->bkhd", p, do)
     dp = xp.einsum("bqhd,bkhd->bhqk", do, ve)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    delta = (p * dp).sum(axis=-1, keepdims=True)  # = rowsum(dout * out)
+    ds = p * (dp - delta)
     dq = xp.einsum("bhqk,bkhd->bqhd", ds, ke) * scale
     dk = xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale
     fold = lambda g: g.reshape(B, Sk, Hkv, group, D).sum(axis=3)  # noqa: E731  (sum over the GQA group)
-    return out, lse, dq, fold(dk), fold(dv)
+    if sink is None:
+        return out, lse, dq, fold(dk), fold(dv)
+    p_sink = xp.exp(sink[..., 0] - lse)  # (B, H, Sq): the sink's probability in each row
+    return out, lse, dq, fold(dk), fold(dv), -(p_sink * delta[..., 0]).sum(axis=(0, 2))
 
 
 def rel_error(x, ref) -> float:

@@ -28,6 +28,23 @@ CASES = [
 ]
 
 
+def sinks_cases():
+    """Attention sinks (softmax.cuh: add_sink): sm_80 and sm_90a forwards, rows that see no key, their gradient."""
+    for B, Sq, Sk, H, Hkv, D, causal in ((1, 70, 45, 4, 2, 64, True), (1, 130, 200, 2, 1, 128, False),
+                                         (1, 33, 97, 2, 2, 256, True), (2, 40, 40, 2, 1, 72, True)):
+        q, k, v, do = (torch.randn(B, s, h, D, device="cuda", dtype=torch.bfloat16)
+                       for s, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H)))
+        sinks = torch.randn(H, device="cuda")
+        out, lse = flashrt.forward(q, k, v, causal=causal, sinks=sinks)
+        flashrt.backward(do, q, k, v, out, lse, causal=causal, sinks=sinks)
+    torch.cuda.synchronize()
+
+
+if sys.argv[1:] == ["sinks"]:  # (that part alone)
+    sinks_cases()
+    raise SystemExit(0)
+
+
 def ids(*lengths):
     return torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)]).cuda()
 
@@ -157,3 +174,4 @@ parts = [flashrt.forward(q, flat_k[:, a:b], flat_v[:, a:b]) for a, b in ((0, 100
 flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
 flashrt.combine(torch.stack([p[0].float() for p in parts]), torch.stack([p[1] for p in parts]))
 torch.cuda.synchronize()
+sinks_cases()

@@ -55,6 +55,15 @@ def test_every_bad_qkv_is_named_with_its_fix(case):
         api._check_qkv(q, k, v)
 
 
+def test_sinks_are_one_float32_logit_per_query_head():
+    q = arr(Q)
+    api._check_sinks(arr((8,), dtype="float32"), q, 8)
+    for bad in (arr((4,), dtype="float32"), arr((8,), dtype="bf16"), arr((8,), strides=(2,), dtype="float32"),
+                arr((8,), dtype="float32", device=1), arr((8,), dtype="float32", lib="cupy")):
+        with pytest.raises(ValueError, match=r"sinks must be a contiguous torch float32 array of shape \(8,\)"):
+            api._check_sinks(bad, q, 8)
+
+
 def test_valid_qkv_gives_the_dimensions():
     assert api._check_qkv(arr(Q), arr(KV), arr(KV)) == dict(B=2, Sq=64, Sk=80, H=8, Hkv=2, D=64)
 

@@ -136,3 +136,35 @@ def test_masked_attention_and_padding_rows():
                 p = np.exp(s - s.max())
                 p /= p.sum()
                 np.testing.assert_allclose(out[b, i, h], p @ v[b, keys, h // 2], atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks_join_the_denominator_and_their_gradient_matches_finite_differences(causal):
+    rng = np.random.default_rng(3)
+    q, k, v, do = _rand(rng, 2, 5, 4, 8), _rand(rng, 2, 3, 2, 8), _rand(rng, 2, 3, 2, 8), _rand(rng, 2, 5, 4, 8)
+    sinks = np.array([0.5, -1.0, 3.0, -30.0])
+    out, lse, dq, dk, dv, dsinks = reference.attention(q, k, v, causal=causal, dout=do, sinks=sinks)
+    # the sink as one more key whose value is 0: a key of its own logit, appended to every row
+    plain_out, plain_lse = reference.attention(q, k, v, causal=causal)
+    want_lse = np.logaddexp(plain_lse, sinks[None, :, None])
+    assert np.allclose(lse, want_lse)
+    assert np.allclose(out, plain_out * np.exp(plain_lse - want_lse).transpose(0, 2, 1)[..., None])
+    if causal:  # Sq > Sk: the first two rows see no key, only their sink
+        assert (out[:, :2] == 0).all() and np.allclose(lse[:, :, :2], sinks[None, :, None])
+
+    def loss(q_, k_, v_, s_):
+        return float((reference.attention(q_, k_, v_, causal=causal, sinks=s_)[0] * do).sum())
+
+    eps = 1e-6
+    for h in range(4):
+        up, down = sinks.copy(), sinks.copy()
+        up[h] += eps
+        down[h] -= eps
+        assert abs((loss(q, k, v, up) - loss(q, k, v, down)) / (2 * eps) - dsinks[h]) < 1e-6
+    for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
+        idx = (1, 2, 1, 3)
+        args = [q.copy(), k.copy(), v.copy()]
+        args[i][idx] += eps
+        up = loss(*args, sinks)
+        args[i][idx] -= 2 * eps
+        assert abs((up - loss(*args, sinks)) / (2 * eps) - grad[idx]) < 1e-6

@@ -86,6 +86,18 @@ def test_fake_impls_and_autograd_formula_on_meta_tensors():
     assert q.grad.dtype == BF16
 
 
+def test_sinks_gradient_through_the_fake_impls():
+    q = torch.empty(2, 5, 8, 64, device="meta", dtype=BF16, requires_grad=True)
+    k = torch.empty(2, 7, 2, 64, device="meta", dtype=BF16, requires_grad=True)
+    sinks = torch.empty(8, device="meta", dtype=BF16, requires_grad=True)
+    out = flashrt.attention(q, k, k, causal=True, sinks=sinks)
+    out.backward(torch.ones_like(out))
+    assert sinks.grad is not None and (sinks.grad.shape, sinks.grad.dtype) == ((8,), BF16)
+    q.grad = None
+    flashrt.attention(q, k, k).backward(torch.ones_like(out))  # without sinks: dsinks is an empty output
+    assert q.grad.shape == q.shape
+
+
 def _cpu_bhsd(Sq=4, Sk=4, H=2, Hkv=2):
     return torch.randn(1, H, Sq, 8), torch.randn(1, Hkv, Sk, 8), torch.randn(1, Hkv, Sk, 8)
 
@@ -174,9 +186,9 @@ def test_opcheck(case):
     options = ("bottom_right" if causal else "none", scale, "auto", True, None, None, None)
     # schema (no mutation, no aliasing), autograd registration, fake impl vs real outputs (shapes, strides),
     # and AOTAutograd (static and dynamic shapes) against eager, gradients included.
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, [None] * 8, "", ""))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, [None] * 8, "", "", None))
     out, lse = flashrt.forward(q, k, v, causal=causal, softmax_scale=scale)
-    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, [None] * 8, "", ""))
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, [None] * 8, "", "", None))
 
 
 @gpu
@@ -188,22 +200,24 @@ def test_opcheck_with_masks_and_varlen():
     ids = torch.cat([torch.zeros(50, dtype=torch.int32), torch.ones(46, dtype=torch.int32)]).cuda().expand(B, S)
     tensors = [lengths, lengths, None, None, ids.contiguous(), ids.contiguous(), None, None]
     options = ("none", None, "split", True, [16, 16], None, None)
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors, "", ""))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors, "", "", None))
     # mask_mod with a tensor of its own (after the built-in ones), per head and batch entry
     doc = torch.randint(0, 3, (B, S), dtype=torch.int32, device="cuda")
     mod = ("doc[b * 96 + q] == doc[b * 96 + k] || h == 1", "doc")
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors + [doc], *mod))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default,
+                          (*leaves(q, k, v), *options, True, tensors + [doc], *mod, None))
     out, lse = flashrt.forward(q, k, v, window=(16, 16), seqlens_q=lengths, seqlens_k=lengths,
                                block_ids_q=tensors[4], block_ids_k=tensors[5], mask_mod=mod[0], mask_tensors={"doc": doc})
-    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, tensors + [doc], *mod))
+    torch.library.opcheck(torch.ops.flashrt.bwd.default,
+                          (do, q, k, v, out, lse, *options, tensors + [doc], *mod, None))
     cu = torch.tensor([0, 30, 96], dtype=torch.int32, device="cuda")
     pq, pk, pv = (x[0] for x in (q, k, v))  # (96, H, D) packed: sequences of 30 and 66
     options = ("bottom_right", None, "auto", True, None, 66, 66)
     varlen = [None, None, cu, cu, None, None, None, None]
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen, "", ""))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen, "", "", None))
     out, lse = flashrt.forward(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert lse.shape == (H, 96)
-    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, "", ""))
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, "", "", None))
 
 
 def _block_grads(model, x, dy):

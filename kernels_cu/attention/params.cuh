@@ -60,6 +60,7 @@ struct FwdParams {
     int sched_pairs;  // fwd_sm90, fwd_sm90_ws: (batch entry, head) pairs per chunk of work items (work_item)
     int* sched;       // fwd_sm90_ws: work items claimed so far beyond the first wave (0 at the start and the end)
     int use_tma;      // fwd_sm90_ws: 1 when the maps are set (0: FLASHRT_NO_TMA, every tile by cp.async)
+    const float* sinks;  // (H,) fp32 attention-sink logits (softmax.cuh: add_sink), or null
 };
 
 struct BwdParams {

@@ -32,4 +32,18 @@ FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Sc
     return alpha;
 }
 
+// An attention sink (FwdParams::sinks): one more logit per head, in the scaled scores' units, that joins every
+// row's softmax denominator and has no value. At the end of a row, (row_max, sum) move onto max(row_max, sink)
+// with the sink's term added; the return value is what the row's O accumulator (relative to the old row_max) is
+// multiplied by besides 1 / sum. A row that saw no key gets O = 0 and LSE = the sink; with no sink (-inf) nothing
+// changes (1 is returned). `sum` stays 0 or at least 1 (the largest term), as the callers' fast paths assume.
+FRT_DEVICE float add_sink(float& row_max, float& sum, float sink) {
+    const float s = sink * kLog2e, m = fmaxf(row_max, s);
+    if (m == -FRT_INF) return 1.f;
+    const float keep = fast_exp2(row_max - m);
+    sum = fmaf(sum, keep, fast_exp2(s - m));
+    row_max = m;
+    return keep;
+}
+
 }  // namespace frt

@@ -100,16 +100,18 @@ __device__ void fwd(const FwdParams& p) {
     __syncthreads();  // every warp is done with sQ; it now stages the output
 
     float* glse = p.lse + tile.stat0;
+    const float sink = p.sinks ? p.sinks[tile.h] : -FRT_INF;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const float sum = warp_sum4(row_sum[mt][hh]);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            float sum = warp_sum4(row_sum[mt][hh]), mx = row_max[mt][hh];
+            const float keep = add_sink(mx, sum, sink);
+            const float inv = sum > 0.f ? keep / sum : 0.f;
 #pragma unroll
             for (int dt = 0; dt < NT_O; ++dt) o[mt][dt][2 * hh] *= inv, o[mt][dt][2 * hh + 1] *= inv;
             const int r = wrow + mt * 16 + g + 8 * hh;
-            if (t == 0 && r < tile.rows) glse[r] = sum > 0.f ? (row_max[mt][hh] + __log2f(sum)) * kLn2 : -FRT_INF;
+            if (t == 0 && r < tile.rows) glse[r] = sum > 0.f ? (mx + __log2f(sum)) * kLn2 : -FRT_INF;
         }
     u16* sO = reinterpret_cast<u16*>(smem);
     acc_to_smem<T::BF16, MT, NT_O>(sO + wrow * Pitch<DP>::elems, Pitch<DP>::elems, o, 1.f, lane);

@@ -163,19 +163,21 @@ struct FwdRows {
     }
 
     // Epilogue, part 1 (no wgmma needed; fwd_sm90_ws runs it under the last P V): the row sums over the
-    // quad, the LSE of the rows that exist, and row_sum becomes 1 / sum (0 for a row that saw no key). A
-    // row's sum is 0 or at least 1 (its maximum's term): the approximate reciprocal and log2, without the
-    // slow-path tests of 1.f / sum and __log2f. wg, w, g, t: the thread's warpgroup, warp in it, and lane's
+    // quad (with the head's sink: add_sink), the LSE of the rows that exist, and row_sum becomes the factor of O,
+    // 1 / sum (0 for a row that saw no key). A row's sum is 0 or at least 1 (its maximum's term): the
+    // approximate reciprocal and log2, without the slow-path tests of 1.f / sum and __log2f. wg, w, g, t: the thread's warpgroup, warp in it, and lane's
     // row / column.
     template <class Tile>
     FRT_DEVICE void finish_rows(const FwdParams& p, const Tile& tile, int wg, int w, int g, int t) {
         float* glse = p.lse + tile.stat0 + 64 * wg;
+        const float sink = p.sinks ? p.sinks[tile.h] : -FRT_INF;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const float sum = warp_sum4(row_sum[hh]);
+            float sum = warp_sum4(row_sum[hh]), mx = row_max[hh];
+            const float keep = add_sink(mx, sum, sink);
             const int r = 16 * w + g + 8 * hh;
-            if (t == 0 && r < tile.rows - 64 * wg) glse[r] = sum > 0.f ? (row_max[hh] + fast_log2(sum)) * kLn2 : -FRT_INF;
-            row_sum[hh] = sum > 0.f ? fast_rcp(sum) : 0.f;
+            if (t == 0 && r < tile.rows - 64 * wg) glse[r] = sum > 0.f ? (mx + fast_log2(sum)) * kLn2 : -FRT_INF;
+            row_sum[hh] = sum > 0.f ? keep * fast_rcp(sum) : 0.f;
         }
     }
 

@@ -1,0 +1,155 @@
+"""GPU tests of the score modifications against a float64 reference: attention sinks (forward's `sinks`, backward's
+dsinks, flashrt.attention's gradient), on every forward kernel, with masks, GQA and varlen.
+
+Run on a GPU machine with `pytest -m gpu`; they skip elsewhere.
+"""
+import zlib
+
+import pytest
+
+import flashrt
+from flashrt import reference
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+def _inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    shapes = ((B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, Sq, H, D))
+    q, k, v, do = (torch.randn(*s, device="cuda", generator=g).to(dt) for s in shapes)
+    sinks = torch.randn(H, device="cuda", generator=g) * 2
+    sinks[0] = 6.0  # a sink that outweighs most of its rows' keys
+    return q, k, v, do, sinks
+
+
+def _f64(x):
+    import cupy
+    return cupy.asarray(x.detach().double()) if hasattr(x, "detach") else x.astype(cupy.float64)
+
+
+# (B, Sq, Sk, H, Hkv, D, causal, dtype, mask): the forward kernels at their head dims (fwd_sm90_ws 64 / 128,
+# fwd_sm90 192 / 256, mma.sync 96 / 72), Sq > Sk causal (rows that see no key), one query row (flashrt.forward's
+# decode route, not taken with sinks), GQA / MQA, a window and packed varlen.
+CASES = [
+    (2, 200, 300, 4, 4, 64, True, "bf16", None),
+    (1, 300, 100, 8, 2, 128, True, "bf16", None),
+    (2, 257, 257, 8, 8, 256, False, "fp16", None),
+    (1, 130, 190, 4, 1, 192, True, "bf16", None),
+    (1, 128, 513, 4, 1, 96, True, "bf16", None),
+    (2, 70, 45, 2, 1, 72, False, "fp16", None),
+    (2, 1, 513, 8, 2, 128, True, "bf16", None),
+    (1, 400, 400, 8, 2, 128, False, "bf16", "window"),
+    (1, 300, 300, 4, 2, 64, True, "bf16", "varlen"),
+]
+
+
+def _mask(torch, mask, S):
+    if mask == "window":
+        return dict(window=(50, 20)), None
+    if mask == "varlen":
+        cu = torch.tensor([0, 37, 37, 180, S], device="cuda", dtype=torch.int32)  # an empty sequence too
+        return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=143, max_seqlen_k=143), cu
+    return {}, None
+
+
+def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False):
+    """float64 (out, lse, dq, dk, dv, dsinks), batch-shaped like q (forward_only: (out, lse))."""
+    import cupy
+    B, Sq, H, D = q.shape
+    Sk = k.shape[1]
+    m = None
+    if mask == "window":
+        m = reference.visible(B, Sq, Sk, window=(50, 20), xp=cupy)
+    elif mask == "varlen":
+        doc = torch.searchsorted(cu[1:], torch.arange(Sq, device="cuda", dtype=torch.int32), right=True)
+        ids = cupy.asarray(doc.to(torch.int32))[None]
+        m = reference.visible(B, Sq, Sk, segment_ids_q=ids, segment_ids_k=ids, xp=cupy)
+    return reference.attention(_f64(q), _f64(k), _f64(v), causal=causal, dout=None if forward_only else _f64(do),
+                               mask=m, sinks=None if sinks is None else _f64(sinks))
+
+
+def _id(c):
+    B, Sq, Sk, H, Hkv, D, causal, dtype, mask = c
+    return f"B{B}-Sq{Sq}-Sk{Sk}-H{H}-Hkv{Hkv}-D{D}-{'causal' if causal else 'full'}-{dtype}" + (f"-{mask}" if mask
+                                                                                                 else "")
+
+
+@pytest.mark.parametrize("no_sm90", [False, True], ids=["default-kernels", "mma-sync"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_sinks_match_float64_reference(torch, monkeypatch, case, no_sm90):
+    import cupy
+    if no_sm90:
+        monkeypatch.setenv("FLASHRT_NO_SM90", "1")
+    B, Sq, Sk, H, Hkv, D, causal, dtype, mask = case
+    q, k, v, do, sinks = _inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, zlib.crc32(repr(case).encode()))
+    kw, cu = _mask(torch, mask, Sq)
+    packed = (lambda x: x[0]) if cu is not None else (lambda x: x)  # noqa: E731
+    out, lse = flashrt.forward(*(packed(x) for x in (q, k, v)), causal=causal, sinks=sinks, **kw)
+    grads = {impl: flashrt.backward(packed(do), *(packed(x) for x in (q, k, v)), out, lse, causal=causal, impl=impl,
+                                    sinks=sinks, **kw) for impl in ("split", "fused")}
+    ro, rlse, rdq, rdk, rdv, rds = _reference(torch, q, k, v, do, sinks, causal, mask, cu)
+    if cu is not None:  # packed (total, H, D) and lse (H, total): as one batch entry
+        out, lse = out[None], lse[None]
+        grads = {i: (g[0][None], g[1][None], g[2][None], g[3]) for i, g in grads.items()}
+    assert float(cupy.abs(_f64(lse) - rlse).max()) < 2e-3, "lse (sinks included)"
+    seen = cupy.isfinite(_reference(torch, q, k, v, do, None, causal, mask, cu, forward_only=True)[1])
+    if not bool(seen.all()):  # a row that saw no key: out 0 (and lse = its sink, checked above)
+        assert bool((_f64(out).transpose(0, 2, 1, 3)[~seen] == 0).all())
+    bound = {"bf16": 2e-2, "fp16": 5e-3}[dtype]
+    assert reference.rel_error(_f64(out), ro) < bound
+    for impl, (dq, dk, dv, ds) in grads.items():
+        assert ds.shape == (H,) and ds.dtype == torch.float32
+        for name, x, r in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv), ("dsinks", ds, rds)):
+            e = reference.rel_error(_f64(x), r)
+            assert e < bound, f"{impl} {name}: rel err {e:.2e}"
+
+
+def test_a_sink_far_below_every_score_changes_nothing(torch):
+    # add_sink with a negligible sink must leave the kernels' own arithmetic as it was: bitwise the same out and lse
+    for D, causal in ((64, True), (128, False), (256, True), (96, False)):
+        q, k, v, _, _ = _inputs(torch, 2, 150, 170, 4, 2, D, "bf16", D)
+        out, lse = flashrt.forward(q, k, v, causal=causal)
+        out_s, lse_s = flashrt.forward(q, k, v, causal=causal, sinks=torch.full((4,), -1e4, device="cuda"))
+        assert torch.equal(out, out_s) and torch.equal(lse, lse_s), D
+
+
+def test_sinks_backward_is_bitwise_repeatable(torch):
+    q, k, v, do, sinks = _inputs(torch, 2, 300, 300, 8, 2, 128, "bf16", 5)
+    out, lse = flashrt.forward(q, k, v, causal=True, sinks=sinks)
+    first = flashrt.backward(do, q, k, v, out, lse, causal=True, sinks=sinks)
+    for _ in range(3):
+        again = flashrt.backward(do, q, k, v, out, lse, causal=True, sinks=sinks)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_attention_gives_the_sinks_their_gradient(torch, compiled):
+    q, k, v, do, sinks = _inputs(torch, 2, 200, 200, 4, 2, 64, "bf16", 9)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    learned = sinks.to(torch.bfloat16).requires_grad_()  # a bf16 parameter: computed in fp32, gradient in bf16
+    fn = lambda *a: flashrt.attention(*a, causal=True, sinks=learned)  # noqa: E731
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    out = fn(*leaves)
+    out.backward(do)
+    ref = reference.attention(*(_f64(x) for x in (q, k, v)), causal=True, dout=_f64(do), sinks=_f64(learned.float()))
+    assert learned.grad is not None and learned.grad.dtype == torch.bfloat16
+    assert reference.rel_error(_f64(out), ref[0]) < 2e-2
+    for x, r in zip((*(t.grad for t in leaves), learned.grad), ref[2:]):
+        assert reference.rel_error(_f64(x), r) < 2e-2
+
+
+def test_sinks_errors_are_clear(torch):
+    q, k, v, do, sinks = _inputs(torch, 1, 16, 16, 4, 2, 64, "bf16", 1)
+    for bad in (sinks[:3], sinks.half(), sinks.cpu(), torch.zeros(8, device="cuda")[::2]):
+        with pytest.raises(ValueError, match="sinks must be a contiguous torch float32 array of shape"):
+            flashrt.forward(q, k, v, sinks=bad)
+    out, lse = flashrt.forward(q, k, v, sinks=sinks)
+    with pytest.raises(ValueError, match="sinks must be"):
+        flashrt.backward(do, q, k, v, out, lse, sinks=sinks[:2])
