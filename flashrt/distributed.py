@@ -153,14 +153,14 @@ def _take_report():
     return None
 
 
-def _check_ranks(g, q, k, v, causal: bool, layout: str, segment_ids, cu_seqlens, pending) -> None:
+def _check_ranks(g, q, k, v, causal: bool, layout: str, segment_ids, cu_seqlens, pending, sinks: bool = False) -> None:
     """ring_attention's arguments agree on every rank (_agree), and no rank holds a reported failure (`pending`):
     that rank raises it, the others say that another rank holds one."""
     a = segment_ids if segment_ids is not None else cu_seqlens  # (a fixed length: the all-gather needs one)
     ids = (0, 0, 0, 0) if a is None else (1 if a is segment_ids else 2, a.dim(), a.numel(), a.dtype == torch.int32)
     sig = [*q.shape, *k.shape, *v.shape, _dtype_code(q), _dtype_code(k), _dtype_code(v), int(causal),
-           ring.LAYOUTS.index(layout), *ids]
-    names = "q, k, v shapes (4 each), their dtypes, causal, layout, ids (kind, dims, size, int32)"
+           ring.LAYOUTS.index(layout), *ids, int(sinks)]
+    names = "q, k, v shapes (4 each), their dtypes, causal, layout, ids (kind, dims, size, int32), sinks"
     flags = torch.tensor([pending is not None], dtype=torch.int64, device=q.device)
     _agree(g, q.device, sig, names, "ring_attention")
     dist.all_reduce(flags, group=g)
@@ -229,15 +229,18 @@ def _masks(step, ids, rank) -> dict:
                 segment_ids_k=ids[1][step.src][:, step.k0:step.k1].contiguous())
 
 
-def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: list):
+def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: list, sinks=None, padding=None):
     """This rank's (out, lse). Before each kernel call, a failure an earlier call reported is taken into
-    `reports` (_take_report), to be raised after the ring."""
+    `reports` (_take_report), to be raised after the ring. sinks (H,): merged last, as a part of out 0 and lse the
+    sink (flashrt.forward's sinks); `padding` (B, S_local) bool: rows that are no token (cu_seqlens' padding), whose
+    lse stays -inf."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     B, S, H, D = q.shape
     steps = ring.ring_steps(layout, world, rank, S, causal)
     held = (k.contiguous(), v.contiguous())
     acc = acc_lse = None
-    fp32 = world > 2  # with two ranks a row merges at most once: its one rounding can go straight to q's dtype
+    # With two ranks and no sinks a row merges at most once: its one rounding can go straight to q's dtype.
+    fp32 = world > 2 or sinks is not None
     for i, step in enumerate(steps):
         if i + 1 < world:
             coming, works = _pass_on(g, held)
@@ -253,15 +256,20 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
         if i + 1 < world:
             _wait(works)
             held = coming
+    if sinks is not None:
+        _merge(acc, acc_lse, acc.new_zeros(()).expand(acc.shape), sinks.view(1, -1, 1).expand(acc_lse.shape))
+        if padding is not None:
+            acc_lse.masked_fill_(padding[:, None, :], -math.inf)
     return acc.to(q.dtype), acc_lse
 
 
 def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale, impl: str, deterministic: bool,
-                   ids, reports: list):
+                   ids, reports: list, sinks=None):
     """The dK/dV of rank s's keys: s's own step-0 part stays on s; the others' parts travel as one
     accumulator that starts on rank s+1 at step 1, gains a part on each rank it reaches and returns to s after
     the last step. While it holds one part it travels in the kernels' dtype (exact), then in fp32. Reports are taken
-    into `reports` as in _ring_forward."""
+    into `reports` as in _ring_forward. Returns (dq, dk, dv, this rank's share of dsinks or None): out and lse
+    include the sinks, so the steps' kernels need nothing more."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     S = q.shape[1]
     steps = ring.ring_steps(layout, world, rank, S, causal)
@@ -305,7 +313,17 @@ def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale,
         _wait(grad_works)
         for acc, part in zip(own, travelling):
             acc += part
-    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), _sink_grad(sinks, dout, out, lse)
+
+
+def _sink_grad(sinks, dout, out, lse):
+    """This rank's share of dsinks (H,) fp32, or None without sinks: minus the sum over its rows of the sink's
+    probability exp(sink - lse) times rowsum(dout o out) (api._sink_grad's formula; rows with lse -inf: none)."""
+    if sinks is None:
+        return None
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    term = torch.exp(sinks.view(1, -1, 1) - lse) * delta
+    return -torch.where(lse == -math.inf, 0.0, term).sum((0, 2))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -320,16 +338,18 @@ def _resolve(group_name: str):
 @torch.library.custom_op("flashrt::ring_fwd", mutates_args=())
 def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool, layout: str,
               softmax_scale: Optional[float], impl: str, deterministic: bool, segment_ids: Optional[torch.Tensor],
-              cu_seqlens: Optional[torch.Tensor], check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              cu_seqlens: Optional[torch.Tensor], check: bool,
+              sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     g = _resolve(group_name)
     reports = [_take_report()]
     check = check and not _capturing()
     if check:
-        _check_ranks(g, q, k, v, causal, layout, segment_ids, cu_seqlens, reports.pop())
+        _check_ranks(g, q, k, v, causal, layout, segment_ids, cu_seqlens, reports.pop(), sinks is not None)
     ids = _ids_per_rank(g, layout, q.shape[1], segment_ids, cu_seqlens)
     if check and ids is not None:
         _check_ids(ids, layout, cu_seqlens)
-    out, lse = _ring_forward(q, k, v, g, causal, layout, softmax_scale, ids, reports)
+    padding = ids[0][dist.get_rank(g)] == -2 if cu_seqlens is not None and sinks is not None else None
+    out, lse = _ring_forward(q, k, v, g, causal, layout, softmax_scale, ids, reports, sinks, padding)
     _raise_first(reports)
     return out, lse
 
@@ -343,7 +363,7 @@ def _raise_first(reports: list) -> None:
 
 @_ring_fwd.register_fake
 def _ring_fwd_fake(q, k, v, group_name, causal, layout, softmax_scale, impl, deterministic, segment_ids, cu_seqlens,
-                   check):
+                   check, sinks):
     B, S, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -351,35 +371,38 @@ def _ring_fwd_fake(q, k, v, group_name, causal, layout, softmax_scale, impl, det
 @torch.library.custom_op("flashrt::ring_bwd", mutates_args=())
 def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
               lse: torch.Tensor, group_name: str, causal: bool, layout: str, softmax_scale: Optional[float], impl: str,
-              deterministic: bool, segment_ids: Optional[torch.Tensor],
-              cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              deterministic: bool, segment_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+              sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, this rank's share of dsinks); dsinks is empty (0,) without sinks (an op returns no None)."""
     g = _resolve(group_name)
     ids = _ids_per_rank(g, layout, q.shape[1], segment_ids, cu_seqlens)
     reports = [_take_report()]
-    grads = _ring_backward(torch_ops._kernel_ready(dout), q, k, v, o, lse, g, causal, layout, softmax_scale, impl,
-                           deterministic, ids, reports)
+    dq, dk, dv, dsinks = _ring_backward(torch_ops._kernel_ready(dout), q, k, v, o, lse, g, causal, layout,
+                                        softmax_scale, impl, deterministic, ids, reports, sinks)
     _raise_first(reports)
-    return grads
+    return dq, dk, dv, lse.new_empty((0,)) if dsinks is None else dsinks
 
 
 @_ring_bwd.register_fake
 def _ring_bwd_fake(dout, q, k, v, o, lse, group_name, causal, layout, softmax_scale, impl, deterministic,
-                   segment_ids, cu_seqlens):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                   segment_ids, cu_seqlens, sinks):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            lse.new_empty((0,) if sinks is None else sinks.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, group_name, causal, layout, softmax_scale, impl, deterministic, segment_ids, cu_seqlens, _ = inputs
+    q, k, v, group_name, causal, layout, softmax_scale, impl, deterministic, segment_ids, cu_seqlens, _, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, segment_ids, cu_seqlens)
+    ctx.save_for_backward(q, k, v, out, lse, segment_ids, cu_seqlens, sinks)
     ctx.options = (group_name, causal, layout, softmax_scale, impl, deterministic)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, segment_ids, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashrt.ring_bwd.default(dout, q, k, v, out, lse, *ctx.options, segment_ids, cu_seqlens)
-    return dq, dk, dv, *(None,) * 9
+    q, k, v, out, lse, segment_ids, cu_seqlens, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.flashrt.ring_bwd.default(dout, q, k, v, out, lse, *ctx.options, segment_ids,
+                                                            cu_seqlens, sinks)
+    return dq, dk, dv, *(None,) * 9, None if sinks is None else dsinks
 
 
 _ring_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -388,7 +411,7 @@ _ring_fwd.register_autograd(_backward, setup_context=_setup_context)
 def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "zigzag",
                    softmax_scale: Optional[float] = None, impl: str = "auto", deterministic: bool = True,
                    segment_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                   return_lse: bool = False, check: bool = True):
+                   sinks: Optional[torch.Tensor] = None, return_lse: bool = False, check: bool = True):
     """Attention over a sequence sharded across the ranks of `group` (None: the default group; or a 1-D
     DeviceMesh), differentiable.
 
@@ -402,6 +425,10 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     cu_seqlens: instead, the whole packed sequence's (n+1,) int32 document offsets (every rank the same);
       q, k, v may then be packed (S_local, H, D) (returned the same way, lse (H, S_local)). Tokens outside
       [cu[0], cu[-1]) (the padding to 2*world chunks) are no document: out 0, lse -inf, zero gradients.
+    sinks: (H,) attention-sink logits (flashrt.forward's sinks; any floating dtype, computed in fp32),
+      differentiable: each rank's gradient is its own rows' share, and the sum over the group's ranks is the
+      whole gradient (reduce it over the context-parallel ranks, as FSDP over a dp x cp mesh does for every
+      replicated parameter).
     impl, deterministic: the backward's kernels (flashrt.backward). With deterministic=True the same inputs
       give bitwise the same results on the same world size.
     check: before the ring, all-gather every rank's shapes and options and raise on every rank on a mismatch,
@@ -429,9 +456,14 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     g = _group(group)
     q, k, v = torch_ops._autocast(q, k, v)
+    if sinks is not None:
+        if sinks.shape != (q.shape[2],):
+            raise ValueError(f"sinks must have shape ({q.shape[2]},) (one logit per query head), got "
+                             f"{tuple(sinks.shape)}")
+        sinks = sinks.float().contiguous()
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = torch.ops.flashrt.ring_fwd.default(q, k, v, g.group_name, bool(causal), layout, scale, impl,
-                                                  bool(deterministic), segment_ids, cu_seqlens, bool(check))
+                                                  bool(deterministic), segment_ids, cu_seqlens, bool(check), sinks)
     if packed:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

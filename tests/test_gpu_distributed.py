@@ -89,6 +89,37 @@ def _ring_vs_single(rank, cases):
     assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
+def _sinks_vs_single(rank):
+    """ring_attention with sinks against flashrt.attention with them on the gathered sequence: out, dq / dk / dv,
+    and dsinks, whose per-rank shares add up to the single-GPU gradient."""
+    import torch.distributed as dist
+    import flashrt
+    import flashrt.distributed as fd
+    B, S, H, Hkv, D = 1, 2048, 8, 2, 128
+    q, k, v, dout = _inputs(B, S, H, Hkv, D, seed=77)
+    sinks = torch.linspace(-2.0, 4.0, H, device="cuda")
+    whole = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    single = flashrt.attention(*whole[:3], causal=True, sinks=whole[3])
+    single_grads = torch.autograd.grad(single, whole, dout)
+    local = [fd.shard_sequence(t).requires_grad_() for t in (q, k, v)]
+    learned = sinks.clone().requires_grad_()
+    out = fd.ring_attention(*local, causal=True, sinks=learned)
+    grads = torch.autograd.grad(out, [*local, learned], fd.shard_sequence(dout))
+    total = grads[3].clone()
+    dist.all_reduce(total)
+    failures = [name for name, got, want in zip(("out", "dq", "dk", "dv"),
+                                                [fd.unshard_sequence(t) for t in (out, *grads[:3])],
+                                                (single, *single_grads[:3]))
+                if _rel(got, want.double()) > 2e-2]
+    if _rel(total, single_grads[3].double()) > 1e-2:
+        failures.append(f"dsinks {total.tolist()} against {single_grads[3].tolist()}")
+    assert not failures, f"rank {rank}: {failures}"
+
+
+def test_ring_with_sinks_matches_single_gpu():
+    _spawn(_sinks_vs_single)
+
+
 def test_ring_matches_single_gpu():
     cases = [(2, 1024, 4, 4, 64, causal, layout, False) for causal in (False, True) for layout in ("zigzag",
                                                                                                  "contiguous")]

@@ -223,6 +223,21 @@ def _ring_on_cpu(rank, path, world, layout, causal, docs):
                                        validate=False, segment_ids_q=ids_q, segment_ids_k=ids_k)
             assert (want[:, pad] == 0).all() and (want_lse[:, :, pad] == -torch.inf).all()
             assert (want_grads[0][:, pad] == 0).all() and (want_grads[1][:, pad] == 0).all()
+            # sinks merged last: every token's row takes its head's sink (lse' = logaddexp(lse, sink), out scaled
+            # by exp(lse - lse')); the padding stays no row (out 0, lse -inf) and adds nothing to dsinks
+            sinks = torch.tensor([1.0, -0.5, 0.25, 3.0])
+            padding = per_rank[0][rank] == -2
+            out_s, lse_s = fd._ring_forward(*local[:3], dist.group.WORLD, causal, layout, None, per_rank, reports,
+                                            sinks, padding)
+            folded = torch.logaddexp(lse, sinks.double().view(1, -1, 1))
+            tokens = ~padding[:, None, :].expand_as(lse)
+            assert torch.allclose(lse_s[tokens], folded[tokens]) and (lse_s[~tokens] == -torch.inf).all()
+            assert torch.allclose(out_s, out * torch.exp(lse - folded).nan_to_num().transpose(1, 2)[..., None],
+                                  rtol=1e-5, atol=1e-6)
+            *_, dsinks = fd._ring_backward(local[3], *local[:3], out_s, lse_s, dist.group.WORLD, causal, layout, None,
+                                           "auto", True, per_rank, reports, sinks)
+            rows = torch.exp(sinks.double().view(1, -1, 1) - lse_s) * (local[3] * out_s).sum(-1).transpose(1, 2)
+            assert torch.allclose(dsinks.double(), -rows.nan_to_num().sum((0, 2)), rtol=1e-5, atol=1e-6)
         else:
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
             mask = torch.tril(torch.ones(S, S, dtype=torch.bool)) if causal else torch.ones(S, S, dtype=torch.bool)
@@ -276,6 +291,25 @@ def _ring_op_on_cpu(rank, path, world):
         assert torch.allclose(lse, fd.shard_sequence(want_lse, dim=2), rtol=1e-5, atol=1e-6)
         for got, full in zip((out, *grads), (want, *want_grads)):
             assert torch.allclose(got, fd.shard_sequence(full), rtol=1e-5, atol=1e-6)
+        # attention sinks: merged last; each rank's dsinks is its rows' share, their sum the whole gradient
+        sinks = torch.tensor([0.5, 2.0], dtype=torch.float64)
+        whole = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        s = torch.einsum("bqhd,bkhd->bhqk", whole[0], whole[1]) * D ** -0.5
+        seen = torch.tril(torch.ones(S, S, dtype=torch.bool)) & (ids[:, None, :, None] == ids[:, None, None, :])
+        s = torch.cat([s.masked_fill(~seen, -torch.inf), whole[3].view(1, H, 1, 1).expand(B, H, S, 1)], -1)
+        want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1)[..., :-1], whole[2])
+        want_lse = torch.logsumexp(s, -1)
+        want_grads = torch.autograd.grad(want, whole, dout)
+        learned = sinks.clone().requires_grad_()
+        out, lse = fd.ring_attention(*local, causal=True, segment_ids=fd.shard_sequence(ids), sinks=learned,
+                                     return_lse=True)
+        grads = torch.autograd.grad(out, [*local, learned], fd.shard_sequence(dout))
+        total = grads[3].clone()
+        dist.all_reduce(total, group=dist.group.WORLD)
+        assert torch.allclose(lse, fd.shard_sequence(want_lse.detach(), dim=2), rtol=1e-5, atol=1e-6)
+        for got, full in zip((out, *grads[:3]), (want, *want_grads[:3])):
+            assert torch.allclose(got, fd.shard_sequence(full.detach()), rtol=1e-5, atol=1e-6)
+        assert torch.allclose(total.double(), want_grads[3], rtol=1e-5, atol=1e-6)
         x = [t.detach() for t in local]
         bad = fd.shard_sequence(ids).clone()
         if rank == 1:
@@ -284,6 +318,10 @@ def _ring_op_on_cpu(rank, path, world):
             fd.ring_attention(*x, causal=True, segment_ids=bad)
         with pytest.raises(ValueError, match="same shapes and options on every rank"):
             fd.ring_attention(*(t[:, :4] if rank == 0 else t for t in x), causal=True)
+        with pytest.raises(ValueError, match="same shapes and options on every rank"):  # sinks on one rank only
+            fd.ring_attention(*x, causal=True, sinks=sinks if rank == 0 else None)
+        with pytest.raises(ValueError, match=r"sinks must have shape \(2,\)"):
+            fd.ring_attention(*x, causal=True, sinks=sinks[:1])
         if rank == 1:  # a failure that an earlier call's device check reported, on one rank
             reports = [ValueError("a reported failure")]
             fd._take_report = lambda: reports.pop() if reports else None
