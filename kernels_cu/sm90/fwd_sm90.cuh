@@ -165,8 +165,8 @@ struct FwdRows {
     // Epilogue, part 1 (no wgmma needed; fwd_sm90_ws runs it under the last P V): the row sums over the
     // quad (with the head's sink: add_sink), the LSE of the rows that exist, and row_sum becomes the factor of O,
     // 1 / sum (0 for a row that saw no key). A row's sum is 0 or at least 1 (its maximum's term): the
-    // approximate reciprocal and log2, without the slow-path tests of 1.f / sum and __log2f. wg, w, g, t: the thread's warpgroup, warp in it, and lane's
-    // row / column.
+    // approximate reciprocal and log2, without the slow-path tests of 1.f / sum and __log2f. wg, w, g, t: the
+    // thread's warpgroup, warp in it, and lane's row / column.
     template <class Tile>
     FRT_DEVICE void finish_rows(const FwdParams& p, const Tile& tile, int wg, int w, int g, int t) {
         float* glse = p.lse + tile.stat0 + 64 * wg;
