@@ -223,7 +223,8 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, sinks=
 
     sinks: optional (H,) float32 attention-sink logits, one per query head in the scaled scores' units: each joins
     every row's softmax denominator and adds no value (gpt-oss). lse includes it; a row that sees no key then gets
-    out = 0 and lse = its head's sink. Pass the same sinks to backward, which returns their gradient.
+    out = 0 and lse = its head's sink (padding rows past seqlens_q too; packed varlen rows outside every sequence
+    keep lse -inf). Pass the same sinks to backward, which returns their gradient.
     """
     masks.check_names(mask_args, "forward")
     mode = masks.validate_mode(validate)
@@ -234,7 +235,8 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, sinks=
 
 
 def _check_sinks(S: Array, Q: Array, H: int) -> None:
-    if S.lib != Q.lib or S.device != Q.device or S.dtype != "float32" or S.shape != (H,) or (H > 1 and S.strides[0] != 1):
+    if (S.lib != Q.lib or S.device != Q.device or S.dtype != "float32" or S.shape != (H,)
+            or (H > 1 and S.strides[0] != 1)):
         raise ValueError(f"sinks must be a contiguous {Q.lib} float32 array of shape ({H},) (one logit per query head) "
                          f"on cuda:{Q.device}, got {S.lib} {S.dtype} {S.shape} with strides {S.strides} on "
                          f"cuda:{S.device}")
@@ -323,10 +325,9 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     if sinks is not None:
         Q = interop.describe(q, "q")
         _check_sinks(interop.describe(sinks, "sinks"), Q, Q.shape[-2] if len(Q.shape) > 1 else 0)
-    result = _planned("backward", (dout, q, k, v, out, lse), (causal, softmax_scale, impl, deterministic,
-                                                              sinks is not None), mask_args, mode,
-                      lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic,
-                                                     mode, mask_args, sinks is not None))
+    result = _planned("backward", (dout, q, k, v, out, lse), (causal, softmax_scale, impl, deterministic), mask_args,
+                      mode, lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic,
+                                                           mode, mask_args))
     if sinks is None:
         return result[0], result[1], result[2]  # (the scratch arrays follow)
     return result[0], result[1], result[2], _sink_grad(sinks, lse, result[3] if len(result) > 3 else None)
@@ -334,9 +335,9 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
 
 def _sink_grad(sinks, lse, scratch):
     """dsinks (H,) fp32: minus the sum over each head's rows of the sink's probability exp(sink - lse) times
-    delta = rowsum(dout o out), read from the backward's scratch (after lse2; zero-filled with sinks, so a row no
-    kernel wrote adds 0). In the array library's ops: a fixed reduction order, deterministic. scratch None: no
-    rows (dsinks 0)."""
+    delta = rowsum(dout o out), read from the backward's scratch (after lse2). Every row the kernels leave unwritten
+    there has lse -inf (varlen rows outside every sequence) and adds nothing, whatever the scratch holds. In the
+    array library's ops: a fixed reduction order, deterministic. scratch None: no rows (dsinks 0)."""
     if interop.is_torch(sinks):
         import torch as xp
     else:
@@ -348,11 +349,11 @@ def _sink_grad(sinks, lse, scratch):
     start = _Alloc.parts([("lse2", rows), ("delta", rows)], "f32").offsets[1] // 4  # (as _backward_plan lays it out)
     delta3 = scratch[start:start + rows].reshape(lse3.shape)
     term = xp.exp(sinks.reshape(1, H, 1) - lse3) * delta3
-    return -xp.where(delta3 != 0, term, 0.0).sum((0, 2))
+    return -xp.where(lse3 == -math.inf, 0.0, term).sum((0, 2))
 
 
 def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, mode: int,
-                   mask_args: dict, sinks: bool = False) -> "_Plan":
+                   mask_args: dict) -> "_Plan":
     _check_impl(impl)
     dout, q, k, v, out, lse = tensors[:6]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
@@ -392,8 +393,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         p["sched_key_pairs"] = tiles.key_item_chunk(dev, m.B, m.Sq, D, H, Hkv, splits)
     if splits > 1:
         scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * D))
-    # The scratch is allocs[3] (backward's _sink_grad reads its delta); zero-filled with sinks.
-    allocs.append(None)
+    allocs.append(None)  # the scratch, allocs[3] (backward's _sink_grad reads its delta)
     if impl == "fused":
         scratch.append(("dq_accum", m.total_q * H * D))  # zeroed by bwd_preprocess
         p["dq_swizzle"] = int(fused_family == "bwd_fused_sm90")
@@ -404,7 +404,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         families = [dq_family, dkdv_family]
     else:
         families = ["bwd_preprocess", dq_family, dkdv_family]
-    allocs[3] = _Alloc.parts(scratch, "f32", 0.0 if sinks else None)
+    allocs[3] = _Alloc.parts(scratch, "f32")
     if splits > 1:
         families.append("bwd_dkdv_reduce")
     rowwise = m.elementwise_fields(H)
@@ -443,15 +443,15 @@ class _Alloc:
     offsets: tuple = ()    # byte offset of each field's part of the array (default: all 0)
 
     @classmethod
-    def parts(cls, parts: list, kind: str, fill: float | None = None) -> "_Alloc":
-        """One 1-D array (uninitialised, or filled) for several (field, elements) parts: one allocation instead of
-        several, each part starting on a 256-byte boundary."""
+    def parts(cls, parts: list, kind: str) -> "_Alloc":
+        """One uninitialised 1-D array for several (field, elements) parts: one allocation instead of several,
+        each part starting on a 256-byte boundary."""
         align = 256 // 4  # elements of 4 bytes (f32 / i32)
         offsets, n = [], 0
         for _, count in parts:
             offsets.append(n * 4)
             n += -(-count // align) * align
-        return cls(tuple(f for f, _ in parts), (n,), kind, fill, tuple(offsets))
+        return cls(tuple(f for f, _ in parts), (n,), kind, None, tuple(offsets))
 
 
 _PTR = struct.Struct("<Q")

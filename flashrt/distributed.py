@@ -348,7 +348,9 @@ def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str
     ids = _ids_per_rank(g, layout, q.shape[1], segment_ids, cu_seqlens)
     if check and ids is not None:
         _check_ids(ids, layout, cu_seqlens)
-    padding = ids[0][dist.get_rank(g)] == -2 if cu_seqlens is not None and sinks is not None else None
+    # (cu_seqlens' padding: q and k ids differ there, -2 / -1 before cu[0] and docs / docs + 1 after cu[-1])
+    rank = dist.get_rank(g)
+    padding = ids[0][rank] != ids[1][rank] if cu_seqlens is not None and sinks is not None else None
     out, lse = _ring_forward(q, k, v, g, causal, layout, softmax_scale, ids, reports, sinks, padding)
     _raise_first(reports)
     return out, lse
@@ -457,9 +459,9 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     g = _group(group)
     q, k, v = torch_ops._autocast(q, k, v)
     if sinks is not None:
-        if sinks.shape != (q.shape[2],):
-            raise ValueError(f"sinks must have shape ({q.shape[2]},) (one logit per query head), got "
-                             f"{tuple(sinks.shape)}")
+        if sinks.shape != (q.shape[2],) or sinks.device != q.device:
+            raise ValueError(f"sinks must have shape ({q.shape[2]},) (one logit per query head) on q's device "
+                             f"{q.device}, got {tuple(sinks.shape)} on {sinks.device}")
         sinks = sinks.float().contiguous()
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = torch.ops.flashrt.ring_fwd.default(q, k, v, g.group_name, bool(causal), layout, scale, impl,

@@ -209,8 +209,8 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     if causal not in _CAUSAL or isinstance(causal, (int, float)) and not isinstance(causal, bool):
         raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
-    if sinks is not None and sinks.dtype != torch.float32:
-        sinks = sinks.float()
+    if sinks is not None:  # (a strided or 16-bit parameter: an fp32 contiguous copy, differentiable)
+        sinks = sinks.float().contiguous()
     scale = None if softmax_scale is None else float(softmax_scale)
     if q.is_cuda and not torch.compiler.is_compiling():
         out, lse = _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, sinks)

@@ -46,6 +46,7 @@ CASES = [
     (2, 1, 513, 8, 2, 128, True, "bf16", None),
     (1, 400, 400, 8, 2, 128, False, "bf16", "window"),
     (1, 300, 300, 4, 2, 64, True, "bf16", "varlen"),
+    (2, 200, 260, 4, 2, 128, True, "bf16", "lengths"),  # padding rows past seqlens_q: out 0, lse = the sink
 ]
 
 
@@ -55,7 +56,13 @@ def _mask(torch, mask, S):
     if mask == "varlen":
         cu = torch.tensor([0, 37, 37, 180, S], device="cuda", dtype=torch.int32)  # an empty sequence too
         return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=143, max_seqlen_k=143), cu
+    if mask == "lengths":
+        return dict(seqlens_q=torch.tensor(LENGTHS_Q, device="cuda", dtype=torch.int32),
+                    seqlens_k=torch.tensor(LENGTHS_K, device="cuda", dtype=torch.int32)), None
     return {}, None
+
+
+LENGTHS_Q, LENGTHS_K = [200, 131], [260, 170]  # (the "lengths" case's valid rows and keys per batch entry)
 
 
 def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False):
@@ -66,10 +73,13 @@ def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False):
     m = None
     if mask == "window":
         m = reference.visible(B, Sq, Sk, window=(50, 20), xp=cupy)
+    elif mask == "lengths":
+        m = reference.visible(B, Sq, Sk, causal=causal, seqlens_q=LENGTHS_Q, seqlens_k=LENGTHS_K, xp=cupy)
     elif mask == "varlen":
         doc = torch.searchsorted(cu[1:], torch.arange(Sq, device="cuda", dtype=torch.int32), right=True)
         ids = cupy.asarray(doc.to(torch.int32))[None]
         m = reference.visible(B, Sq, Sk, segment_ids_q=ids, segment_ids_k=ids, xp=cupy)
+    causal = causal and mask != "lengths"  # (there the mask holds each batch entry's own causal alignment)
     return reference.attention(_f64(q), _f64(k), _f64(v), causal=causal, dout=None if forward_only else _f64(do),
                                mask=m, sinks=None if sinks is None else _f64(sinks))
 

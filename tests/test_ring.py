@@ -226,7 +226,8 @@ def _ring_on_cpu(rank, path, world, layout, causal, docs):
             # sinks merged last: every token's row takes its head's sink (lse' = logaddexp(lse, sink), out scaled
             # by exp(lse - lse')); the padding stays no row (out 0, lse -inf) and adds nothing to dsinks
             sinks = torch.tensor([1.0, -0.5, 0.25, 3.0])
-            padding = per_rank[0][rank] == -2
+            padding = fd.shard_sequence(pad[None], layout=layout)  # (this rank's share of the test's own padding)
+            assert torch.equal(padding, per_rank[0][rank] != per_rank[1][rank])  # (before cu[0] and after cu[-1])
             out_s, lse_s = fd._ring_forward(*local[:3], dist.group.WORLD, causal, layout, None, per_rank, reports,
                                             sinks, padding)
             folded = torch.logaddexp(lse, sinks.double().view(1, -1, 1))
@@ -310,6 +311,16 @@ def _ring_op_on_cpu(rank, path, world):
         for got, full in zip((out, *grads[:3]), (want, *want_grads[:3])):
             assert torch.allclose(got, fd.shard_sequence(full.detach()), rtol=1e-5, atol=1e-6)
         assert torch.allclose(total.double(), want_grads[3], rtol=1e-5, atol=1e-6)
+        # packed documents: the padding before cu[0] and after cu[-1] keeps lse -inf; every token takes its sink
+        cu = torch.tensor([3, 7, S - 2], dtype=torch.int32)
+        x1 = [fd.shard_sequence(t[:1]).detach() for t in (q, k, v)]
+        _, lse0 = fd.ring_attention(*x1, causal=True, cu_seqlens=cu, return_lse=True)
+        _, lse1 = fd.ring_attention(*x1, causal=True, cu_seqlens=cu, sinks=sinks, return_lse=True)
+        t = torch.arange(S)
+        pad = fd.shard_sequence(((t < cu[0]) | (t >= cu[-1]))[None])[0]
+        assert bool(pad.any()) or rank == 1  # (rank 0 holds both ends in the zigzag layout)
+        assert (lse1[:, :, pad] == -torch.inf).all()
+        assert torch.allclose(lse1[:, :, ~pad], torch.logaddexp(lse0, sinks.view(1, -1, 1))[:, :, ~pad])
         x = [t.detach() for t in local]
         bad = fd.shard_sequence(ids).clone()
         if rank == 1:
@@ -320,7 +331,7 @@ def _ring_op_on_cpu(rank, path, world):
             fd.ring_attention(*(t[:, :4] if rank == 0 else t for t in x), causal=True)
         with pytest.raises(ValueError, match="same shapes and options on every rank"):  # sinks on one rank only
             fd.ring_attention(*x, causal=True, sinks=sinks if rank == 0 else None)
-        with pytest.raises(ValueError, match=r"sinks must have shape \(2,\)"):
+        with pytest.raises(ValueError, match=r"sinks must have shape \(2,\) \(one logit per query head\)"):
             fd.ring_attention(*x, causal=True, sinks=sinks[:1])
         if rank == 1:  # a failure that an earlier call's device check reported, on one rank
             reports = [ValueError("a reported failure")]
