@@ -99,8 +99,11 @@ def _sinks_vs_single(rank):
     q, k, v, dout = _inputs(B, S, H, Hkv, D, seed=77)
     sinks = torch.linspace(-2.0, 4.0, H, device="cuda")
     whole = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    single = flashrt.attention(*whole[:3], causal=True, sinks=whole[3])
+    single, lse = flashrt.attention(*whole[:3], causal=True, sinks=whole[3], return_lse=True)
     single_grads = torch.autograd.grad(single, whole, dout)
+    # dsinks is a signed sum of per-row terms that can cancel: its error is bounded against the terms' scale
+    terms = torch.exp(sinks.double().view(1, -1, 1) - lse.double()) * (dout.double() * single.double()).sum(-1).mT
+    scale = terms.abs().sum((0, 2))
     local = [fd.shard_sequence(t).requires_grad_() for t in (q, k, v)]
     learned = sinks.clone().requires_grad_()
     out = fd.ring_attention(*local, causal=True, sinks=learned)
@@ -111,8 +114,8 @@ def _sinks_vs_single(rank):
                                                 [fd.unshard_sequence(t) for t in (out, *grads[:3])],
                                                 (single, *single_grads[:3]))
                 if _rel(got, want.double()) > 2e-2]
-    if _rel(total, single_grads[3].double()) > 1e-2:
-        failures.append(f"dsinks {total.tolist()} against {single_grads[3].tolist()}")
+    if float(((total.double() - single_grads[3].double()).abs() / scale).max()) > 5e-3:
+        failures.append(f"dsinks {total.tolist()} against {single_grads[3].tolist()} (terms' scale {scale.tolist()})")
     assert not failures, f"rank {rank}: {failures}"
 
 
