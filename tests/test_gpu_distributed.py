@@ -102,7 +102,8 @@ def _sinks_vs_single(rank):
     single, lse = flashrt.attention(*whole[:3], causal=True, sinks=whole[3], return_lse=True)
     single_grads = torch.autograd.grad(single, whole, dout)
     # dsinks is a signed sum of per-row terms that can cancel: its error is bounded against the terms' scale
-    terms = torch.exp(sinks.double().view(1, -1, 1) - lse.double()) * (dout.double() * single.double()).sum(-1).mT
+    delta = (dout.double() * single.detach().double()).sum(-1).mT
+    terms = torch.exp(sinks.double().view(1, -1, 1) - lse.double()) * delta
     scale = terms.abs().sum((0, 2))
     local = [fd.shard_sequence(t).requires_grad_() for t in (q, k, v)]
     learned = sinks.clone().requires_grad_()
