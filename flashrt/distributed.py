@@ -459,9 +459,9 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     g = _group(group)
     q, k, v = torch_ops._autocast(q, k, v)
     if sinks is not None:
-        if sinks.shape != (q.shape[2],) or sinks.device != q.device:
-            raise ValueError(f"sinks must have shape ({q.shape[2]},) (one logit per query head) on q's device "
-                             f"{q.device}, got {tuple(sinks.shape)} on {sinks.device}")
+        if sinks.shape != (q.shape[2],) or sinks.device != q.device or not sinks.is_floating_point():
+            raise ValueError(f"sinks must have shape ({q.shape[2]},) (one logit per query head), a floating dtype and "
+                             f"q's device {q.device}, got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
         sinks = sinks.float().contiguous()
     scale = None if softmax_scale is None else float(softmax_scale)
     out, lse = torch.ops.flashrt.ring_fwd.default(q, k, v, g.group_name, bool(causal), layout, scale, impl,

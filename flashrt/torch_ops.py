@@ -210,6 +210,8 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
         raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
     if sinks is not None:  # (a strided or 16-bit parameter: an fp32 contiguous copy, differentiable)
+        if not sinks.is_floating_point():
+            raise ValueError(f"sinks must be a floating-point tensor (one logit per query head), got {sinks.dtype}")
         sinks = sinks.float().contiguous()
     scale = None if softmax_scale is None else float(softmax_scale)
     if q.is_cuda and not torch.compiler.is_compiling():

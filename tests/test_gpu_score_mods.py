@@ -179,3 +179,5 @@ def test_sinks_errors_are_clear(torch):
     out, lse = flashrt.forward(q, k, v, sinks=sinks)
     with pytest.raises(ValueError, match="sinks must be"):
         flashrt.backward(do, q, k, v, out, lse, sinks=sinks[:2])
+    with pytest.raises(ValueError, match="sinks must be a floating-point tensor"):
+        flashrt.attention(q, k, v, sinks=torch.zeros(4, dtype=torch.int32, device="cuda"))

@@ -331,8 +331,9 @@ def _ring_op_on_cpu(rank, path, world):
             fd.ring_attention(*(t[:, :4] if rank == 0 else t for t in x), causal=True)
         with pytest.raises(ValueError, match="same shapes and options on every rank"):  # sinks on one rank only
             fd.ring_attention(*x, causal=True, sinks=sinks if rank == 0 else None)
-        with pytest.raises(ValueError, match=r"sinks must have shape \(2,\) \(one logit per query head\)"):
-            fd.ring_attention(*x, causal=True, sinks=sinks[:1])
+        for bad in (sinks[:1], sinks.long()):
+            with pytest.raises(ValueError, match=r"sinks must have shape \(2,\) \(one logit per query head\)"):
+                fd.ring_attention(*x, causal=True, sinks=bad)
         if rank == 1:  # a failure that an earlier call's device check reported, on one rank
             reports = [ValueError("a reported failure")]
             fd._take_report = lambda: reports.pop() if reports else None

@@ -96,6 +96,8 @@ def test_sinks_gradient_through_the_fake_impls():
     q.grad = None
     flashrt.attention(q, k, k).backward(torch.ones_like(out))  # without sinks: dsinks is an empty output
     assert q.grad.shape == q.shape
+    with pytest.raises(ValueError, match="sinks must be a floating-point tensor"):
+        flashrt.attention(q, k, k, sinks=torch.zeros(8, dtype=torch.int32, device="meta"))
 
 
 def _cpu_bhsd(Sq=4, Sk=4, H=2, Hkv=2):
