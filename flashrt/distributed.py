@@ -231,16 +231,15 @@ def _masks(step, ids, rank) -> dict:
 
 def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: list, sinks=None, padding=None):
     """This rank's (out, lse). Before each kernel call, a failure an earlier call reported is taken into
-    `reports` (_take_report), to be raised after the ring. sinks (H,): merged last, as a part of out 0 and lse the
-    sink (flashrt.forward's sinks); `padding` (B, S_local) bool: rows that are no token (cu_seqlens' padding), whose
-    lse stays -inf."""
+    `reports` (_take_report), to be raised after the ring. sinks (H,): flashrt.forward's, given to step 0's call
+    (every row; the merges that follow are order-free, so the sink counts once); `padding` (B, S_local) bool: rows
+    that are no token (cu_seqlens' padding), whose lse goes back to -inf."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     B, S, H, D = q.shape
     steps = ring.ring_steps(layout, world, rank, S, causal)
     held = (k.contiguous(), v.contiguous())
     acc = acc_lse = None
-    # With two ranks and no sinks a row merges at most once: its one rounding can go straight to q's dtype.
-    fp32 = world > 2 or sinks is not None
+    fp32 = world > 2  # with two ranks a row merges at most once: its one rounding can go straight to q's dtype
     for i, step in enumerate(steps):
         if i + 1 < world:
             coming, works = _pass_on(g, held)
@@ -248,7 +247,8 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
             reports.append(_take_report())
             kh, vh = (t[:, step.k0:step.k1] for t in held)
             o, lse = api.forward(q[:, step.q0:step.q1], kh, vh, causal=step.causal, softmax_scale=scale,
-                                 validate=False, **_masks(step, ids, rank))  # (the ids are checked up front)
+                                 sinks=sinks if i == 0 else None, validate=False,
+                                 **_masks(step, ids, rank))  # (the ids are checked up front)
             if acc is None:  # step 0: every row, the rank's own keys
                 acc, acc_lse = (o.float() if fp32 else o), lse
             else:
@@ -256,10 +256,8 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
         if i + 1 < world:
             _wait(works)
             held = coming
-    if sinks is not None:
-        _merge(acc, acc_lse, acc.new_zeros(()).expand(acc.shape), sinks.view(1, -1, 1).expand(acc_lse.shape))
-        if padding is not None:
-            acc_lse.masked_fill_(padding[:, None, :], -math.inf)
+    if padding is not None:
+        acc_lse.masked_fill_(padding[:, None, :], -math.inf)
     return acc.to(q.dtype), acc_lse
 
 

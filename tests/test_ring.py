@@ -165,10 +165,14 @@ class _Float64Attention:
         p = torch.exp(s - torch.where(lse == -torch.inf, 0.0, lse)[..., None])
         return p, lse, group
 
-    def forward(self, q, k, v, *, causal, softmax_scale=None, validate=True, **ids):
+    def forward(self, q, k, v, *, causal, softmax_scale=None, validate=True, sinks=None, **ids):
         import torch
         p, lse, group = self._probs(q, k, causal, softmax_scale=softmax_scale, **ids)
-        return torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, 2)), lse
+        out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, 2))
+        if sinks is not None:  # one more column of the softmax, with no value
+            folded = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+            out, lse = out * torch.exp(lse - folded).transpose(1, 2)[..., None], folded
+        return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale=None, impl, deterministic, validate, **ids):
         import torch
