@@ -334,21 +334,27 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
 
 
 def _sink_grad(sinks, lse, scratch):
-    """dsinks (H,) fp32: minus the sum over each head's rows of the sink's probability exp(sink - lse) times
-    delta = rowsum(dout o out), read from the backward's scratch (after lse2). Every row the kernels leave unwritten
-    there has lse -inf (varlen rows outside every sequence) and adds nothing, whatever the scratch holds. In the
-    array library's ops: a fixed reduction order, deterministic. scratch None: no rows (dsinks 0)."""
+    """dsinks (H,) fp32 from the backward's scratch, whose delta (after lse2) holds rowsum(dout o out) of every row
+    with a finite lse (_sink_grad_of); scratch None: no rows (dsinks 0)."""
+    if scratch is None:
+        return interop.new_many(sinks, [(sinks.shape, "f32", 0.0)])[0]
+    rows = math.prod(lse.shape)
+    start = _Alloc.parts([("lse2", rows), ("delta", rows)], "f32").offsets[1] // 4  # (as _backward_plan lays it out)
+    return _sink_grad_of(sinks, lse, scratch[start:start + rows])
+
+
+def _sink_grad_of(sinks, lse, delta):
+    """dsinks (H,) of rows laid out as lse ((B, H, S), or (H, total) packed) with delta = rowsum(dout o out) in the
+    same order: minus the sum over each head's rows of the sink's probability exp(sink - lse) times delta. A row with
+    lse -inf (no row: packed padding) adds nothing, whatever its delta. In the array library's ops (torch or CuPy,
+    as `sinks`): a fixed reduction order, deterministic."""
     if interop.is_torch(sinks):
         import torch as xp
     else:
         import cupy as xp
-    if scratch is None:
-        return xp.zeros_like(sinks)
-    H, rows = sinks.shape[0], math.prod(lse.shape)
+    H = sinks.shape[0]
     lse3 = lse.reshape(-1, H, lse.shape[-1])
-    start = _Alloc.parts([("lse2", rows), ("delta", rows)], "f32").offsets[1] // 4  # (as _backward_plan lays it out)
-    delta3 = scratch[start:start + rows].reshape(lse3.shape)
-    term = xp.exp(sinks.reshape(1, H, 1) - lse3) * delta3
+    term = xp.exp(sinks.reshape(1, H, 1) - lse3) * delta.reshape(lse3.shape)
     return -xp.where(lse3 == -math.inf, 0.0, term).sum((0, 2))
 
 

@@ -31,6 +31,7 @@ except ModuleNotFoundError as _exc:
     raise _torch_missing("flashrt.distributed") from _exc
 
 from . import api, masks, ring, torch_ops
+from .api import _sink_grad_of  # (imported: the CPU tests stand in for `api`)
 from .ring import LAYOUTS  # noqa: F401  (part of this module's interface)
 
 
@@ -315,13 +316,10 @@ def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale,
 
 
 def _sink_grad(sinks, dout, out, lse):
-    """This rank's share of dsinks (H,) fp32, or None without sinks: minus the sum over its rows of the sink's
-    probability exp(sink - lse) times rowsum(dout o out) (api._sink_grad's formula; rows with lse -inf: none)."""
+    """This rank's share of dsinks (H,) fp32 (its rows), or None without sinks."""
     if sinks is None:
         return None
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-    term = torch.exp(sinks.view(1, -1, 1) - lse) * delta
-    return -torch.where(lse == -math.inf, 0.0, term).sum((0, 2))
+    return _sink_grad_of(sinks, lse, (dout.float() * out.float()).sum(-1).transpose(1, 2))
 
 
 # ---------------------------------------------------------------------------------------------------------------
