@@ -85,13 +85,14 @@ def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False):
 
 
 def _dsinks_scale(sinks, lse, dout, out):
-    """Per head, the sum over its rows of |exp(sink - lse) * rowsum(dout o out)| (float64; lse (B, H, S), dout and
-    out (B, S, H, D)): the scale of dsinks' terms. dsinks is their signed sum, which can cancel to a small fraction
-    of it, so its rounding error is bounded against this scale, not against dsinks itself."""
+    """Per head, the sum over its rows and head-dim columns of |exp(sink - lse) * dout * out| (float64; lse (B, H, S),
+    dout and out (B, S, H, D)): the scale of dsinks' terms. dsinks is their signed sum, which can cancel (within a
+    row's rowsum(dout o out) as well as across rows) to a small fraction of it, so its rounding error (out is rounded
+    to bf16 / fp16 before the backward reads it) is bounded against this scale, not against dsinks itself."""
     import cupy
     p = cupy.exp(_f64(sinks)[None, :, None] - lse)
-    delta = (_f64(dout) * _f64(out)).sum(-1).transpose(0, 2, 1)
-    return cupy.abs(cupy.where(cupy.isfinite(lse), p * delta, 0)).sum(axis=(0, 2))
+    terms = cupy.abs(_f64(dout) * _f64(out)).sum(-1).transpose(0, 2, 1)
+    return cupy.where(cupy.isfinite(lse), p * terms, 0).sum(axis=(0, 2))
 
 
 def _id(c):
