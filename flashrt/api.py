@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import numbers
 import struct
 
 from . import _env, interop, launch, masks, nvrtc, params, tiles, tma
@@ -111,9 +112,20 @@ def _as_batch(a: Array) -> Array:
     return dataclasses.replace(a, shape=(1, *a.shape), strides=(0, *a.strides)) if len(a.shape) == 3 else a
 
 
-def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev):
-    """tiles.kernel_for with this call's dtype and mask."""
-    return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors)
+def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False):
+    """tiles.kernel_for with this call's dtype, mask and softcap."""
+    return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap)
+
+
+def _check_softcap(softcap) -> float:
+    """softcap as a float (0.0: none)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (math.isfinite(softcap)
+                                                                                   and softcap > 0):
+        raise ValueError(f"softcap must be a finite positive number (scores become softcap * tanh(score / softcap)) "
+                         f"or None, got {softcap!r}")
+    return float(softcap)
 
 
 def _classify(p: dict, m: masks.Masking, H: int, dev, *needs) -> tuple:
@@ -218,9 +230,12 @@ MASK_DOC = """
 """
 
 
-def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, sinks=None, validate=True, **mask_args):
+def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, softcap: float | None = None, sinks=None,
+            validate=True, **mask_args):
     """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library.
 
+    softcap: c > 0 caps every scaled score x (softmax_scale * q.k) to c * tanh(x / c) before the softmax (Gemma 2,
+    Grok); pass the same to backward.
     sinks: optional (H,) float32 attention-sink logits, one per query head in the scaled scores' units: each joins
     every row's softmax denominator and adds no value (gpt-oss). lse includes it; a row that sees no key then gets
     out = 0 and lse = its head's sink (padding rows past seqlens_q too; packed varlen rows outside every sequence
@@ -228,9 +243,11 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, sinks=
     """
     masks.check_names(mask_args, "forward")
     mode = masks.validate_mode(validate)
+    cap = _check_softcap(softcap)
     tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
-    result = _planned("forward", tensors, (causal, softmax_scale), mask_args, mode,
-                      lambda tensors: _forward_plan(tensors, causal, softmax_scale, mode, mask_args, sinks is not None))
+    result = _planned("forward", tensors, (causal, softmax_scale, cap), mask_args, mode,
+                      lambda tensors: _forward_plan(tensors, causal, softmax_scale, mode, mask_args, sinks is not None,
+                                                    cap))
     return result[0], result[1]  # (mask_mod's tile lists follow out and lse)
 
 
@@ -242,7 +259,8 @@ def _check_sinks(S: Array, Q: Array, H: int) -> None:
                          f"cuda:{S.device}")
 
 
-def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, sinks: bool = False) -> "_Plan":
+def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, sinks: bool = False,
+                  softcap: float = 0.0) -> "_Plan":
     q, k, v = tensors[:3]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
@@ -260,11 +278,12 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
                              "one key")
         return _Plan([], (), allocs, [], None)
     from . import decoding  # (it imports this module)
-    if not sinks and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
+    if not sinks and not softcap and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
         return decoding.forward_plan(Q4, K4, V4, m, scale)
     dev = launch.device(Q.device)
-    spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev)
-    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
+    spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev, bool(softcap))
+    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, softcap=softcap / scale, **m.kernel_fields(H),
+             **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     if spec.family in ("fwd_sm90", "fwd_sm90_ws"):
         p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
@@ -307,11 +326,11 @@ def _check_impl(impl: str) -> None:
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | None = None, impl: str = "auto",
-             deterministic: bool = True, sinks=None, validate=True, **mask_args):
+             deterministic: bool = True, softcap: float | None = None, sinks=None, validate=True, **mask_args):
     """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v), and with
     `sinks` (the forward's) their gradient too: (dq, dk, dv, dsinks), dsinks (H,) fp32.
 
-    Pass the same mask arguments as to forward.
+    Pass the same mask arguments, softcap and sinks as to forward.
     impl="split": a dQ kernel over query tiles and a dK/dV kernel over key tiles, no atomics.
     impl="fused": one kernel over key tiles that also adds dQ up in an fp32 buffer with
     atomics (5 matmuls instead of 7). With deterministic=True the key tiles add in a fixed
@@ -325,9 +344,10 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     if sinks is not None:
         Q = interop.describe(q, "q")
         _check_sinks(interop.describe(sinks, "sinks"), Q, Q.shape[-2] if len(Q.shape) > 1 else 0)
-    result = _planned("backward", (dout, q, k, v, out, lse), (causal, softmax_scale, impl, deterministic), mask_args,
-                      mode, lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic,
-                                                           mode, mask_args))
+    cap = _check_softcap(softcap)
+    result = _planned("backward", (dout, q, k, v, out, lse), (causal, softmax_scale, impl, deterministic, cap),
+                      mask_args, mode, lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl,
+                                                                      deterministic, mode, mask_args, cap))
     if sinks is None:
         return result[0], result[1], result[2]  # (the scratch arrays follow)
     return result[0], result[1], result[2], _sink_grad(sinks, lse, result[3] if len(result) > 3 else None)
@@ -359,7 +379,7 @@ def _sink_grad_of(sinks, lse, delta):
 
 
 def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, mode: int,
-                   mask_args: dict) -> "_Plan":
+                   mask_args: dict, softcap: float = 0.0) -> "_Plan":
     _check_impl(impl)
     dout, q, k, v, out, lse = tensors[:6]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
@@ -379,18 +399,18 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         return _Plan([], (), allocs, [], None)
     rows = math.prod(m.lse_shape(H))
     scratch = [("lse2", rows), ("delta", rows)]  # fp32, in one allocation (_Alloc.parts)
-    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, **m.kernel_fields(H),
+    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, softcap=softcap / scale, **m.kernel_fields(H),
              **_contiguous_fields("dq", Q.shape), **_contiguous_fields("dk", K.shape),
              **_contiguous_fields("dv", K.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=_as_batch(dO))
 
     dev = launch.device(Q.device)
     dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
-    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits)
+    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits, bool(softcap))
     if impl == "auto":
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90",
                                    fused_family == "bwd_fused_sm90", bool(m.causal), m.Sq, m.bits, H // Hkv)
-    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, D, Q, m, dev)
+    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, D, Q, m, dev, bool(softcap))
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else tiles.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
@@ -416,7 +436,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     rowwise = m.elementwise_fields(H)
     launches = []
     for family in families:
-        spec = _kernel_for(family, D, Q, m, dev)
+        spec = _kernel_for(family, D, Q, m, dev, bool(softcap))
         if family in ELEMENTWISE:
             dims = (rowwise.get("B", m.B), H, Hkv, rowwise.get("Sq", m.Sq), rowwise.get("Sk", m.Sk))
             launches.append((spec, launch.grid(spec, *dims, dev.sm_count, splits), 1 if rowwise else 0))
@@ -428,7 +448,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     if m.mask_mod:
         needs = [(main, "mask_cols")]
         if impl != "fused":
-            needs.append((_kernel_for(dq_family, D, Q, m, dev), "mask_rows"))
+            needs.append((_kernel_for(dq_family, D, Q, m, dev, bool(softcap)), "mask_rows"))
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, *needs))
     if mode and m.checked:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from . import _env, cache, nvrtc, tiles
 from ._version import __version__
-from .spec import ARCH_RE, DTYPES, ELEMENTWISE, FAMILIES, HEAD_DIMS, NO_INPUTS, PACKED_ROWS, KernelSpec
+from .spec import (ARCH_RE, DTYPES, ELEMENTWISE, FAMILIES, HEAD_DIMS, NO_INPUTS, PACKED_ROWS, SOFTCAP_FAMILIES,
+                   KernelSpec)
 
 # Opt-in shared memory per block of each arch's flagship parts (CUDA programming guide, compute
 # capabilities table); used to pick tiles when compiling for a GPU that is not present.
@@ -150,18 +151,20 @@ def _check_nvrtc_arch(arch: str) -> None:
         raise CliError(f"flashrt prewarm: error: argument --arch: {exc}") from None
 
 
-def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=()) -> list[KernelSpec]:
+def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: bool = False) -> list[KernelSpec]:
     """Every kernel the forward and backward passes may launch for these head_dims and dtypes, causal or not; with
     `masks` (MASK_NAMES), also every kernel of every combination of them (causal and not only if "causal" is named:
-    the unmasked ones are always both). mask_mod's kernels need their expression: a manifest prewarms them."""
+    the unmasked ones are always both); with `softcap`, also the softcapped ones (spec.SOFTCAP_FAMILIES). mask_mod's
+    kernels need their expression: a manifest prewarms them."""
     bits = [MASK_NAMES[n] for n in masks if n != "causal"]
     combos = [(0, c) for c in (False, True)]
     combos += [(sum(subset), c) for r in range(1, len(bits) + 1) for subset in itertools.combinations(bits, r)
                for c in ((False, True) if "causal" in masks else (False,))]
-    specs = {tiles.tiling(f, d, t, c, arch, smem_limit, mask)  # (mask_mod's classifiers need an expression)
+    # (mask_mod's classifiers need an expression)
+    specs = {tiles.tiling(f, d, t, c, arch, smem_limit, mask, softcap=cap)
              for mask, c in combos for f in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS) for d in head_dims
-             for t in dtypes if tiles.applies(f, d, arch, mask) and not (mask and f in ELEMENTWISE)
-             and f != "combine_f32"}
+             for t in dtypes for cap in ((False, True) if softcap and f in SOFTCAP_FAMILIES else (False,))
+             if tiles.applies(f, d, arch, mask, cap) and not (mask and f in ELEMENTWISE) and f != "combine_f32"}
     # (flashrt.combine of fp32 parts: no 16-bit dtype, compiled as bf16 whatever the dtypes)
     specs.add(tiles.tiling("combine_f32", 256, "bf16", False, arch, smem_limit))
     specs.update(s for d in head_dims for t in dtypes for s in tiles.decode_variants(d, t, arch, smem_limit))
@@ -255,9 +258,10 @@ def _nvrtc_version() -> str:
     return ".".join(map(str, nvrtc.version()))
 
 
-def prewarm(arch: str | None, head_dims, dtypes, jobs: int, quiet: bool = False, masks=()) -> dict:
+def prewarm(arch: str | None, head_dims, dtypes, jobs: int, quiet: bool = False, masks=(),
+            softcap: bool = False) -> dict:
     arch, smem = _target(arch)
-    specs = matrix(arch, smem, head_dims, dtypes, masks)
+    specs = matrix(arch, smem, head_dims, dtypes, masks, softcap)
     if not quiet:
         print(f"flashrt {__version__}: {len(specs)} kernels for {arch} (NVRTC {_nvrtc_version()})"
               f", cache {cache.cache_dir()}")
@@ -284,8 +288,8 @@ def cmd_prewarm(args) -> int:
         _verbose_logs()
     tty = False if args.verbose else None  # log lines and an in-place bar do not mix
     if args.manifest is not None:
-        given = [o for o, v in (("--head-dims", args.head_dims), ("--dtypes", args.dtypes), ("--masks", args.masks))
-                 if v is not None]
+        given = [o for o, v in (("--head-dims", args.head_dims), ("--dtypes", args.dtypes), ("--masks", args.masks),
+                                 ("--softcap", args.softcap or None)) if v is not None]
         if given:
             raise CliError(f"flashrt prewarm: error: --manifest compiles exactly the manifest's variants; drop "
                            f"{' and '.join(given)}")
@@ -298,7 +302,7 @@ def cmd_prewarm(args) -> int:
         head_dims = args.head_dims if args.head_dims is not None else list(HEAD_DIMS)
         dtypes = args.dtypes if args.dtypes is not None else list(DTYPES)
         arch, smem = _target(args.arch)
-        specs = matrix(arch, smem, head_dims, dtypes, args.masks or ())
+        specs = matrix(arch, smem, head_dims, dtypes, args.masks or (), args.softcap)
         label = f"for {arch}"
     if args.list:
         for s in specs:
@@ -520,6 +524,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--masks", type=masks_type, default=None,
                    help=f"also the masked variants: comma-separated {', '.join(MASK_NAMES)} (not mask_mod: see "
                         f"--manifest)")
+    p.add_argument("--softcap", action="store_true", help="also the variants with a softcap (flashrt.forward's "
+                                                          "softcap=)")
     p.add_argument("--manifest", metavar="PATH", help="compile exactly the variants of this JSON manifest "
                                                       "(FLASHRT_RECORD, flashrt cache export)")
     p.add_argument("--jobs", type=jobs_type, default=os.cpu_count() or 1, help="compiles at once (default: CPUs)")

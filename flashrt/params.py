@@ -63,7 +63,7 @@ FWD = np.dtype(
     + _STATS + _DIMS
     + [("scale_log2", _F32)]
     + _MOD
-    + [("sched_pairs", _I32), ("sched", _PTR), ("use_tma", _I32), ("sinks", _PTR)],
+    + [("sched_pairs", _I32), ("sched", _PTR), ("use_tma", _I32), ("sinks", _PTR), ("softcap", _F32)],
     align=True,
 )
 # The C struct's size is a multiple of its alignment, 64 with the maps (numpy's align=True goes to 8).
@@ -78,7 +78,8 @@ BWD = np.dtype(
     + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
     + _STATS + _DIMS
     + [("scale_log2", _F32), ("scale", _F32)]
-    + _MOD,
+    + _MOD
+    + [("softcap", _F32)],
     align=True,
 )
 

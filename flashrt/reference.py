@@ -58,12 +58,13 @@ def visible(B, Sq, Sk, *, causal=False, align="bottom_right", window=(-1, -1), s
     return keep
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None, sinks=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None, sinks=None, softcap=None):
     """Returns (out, lse) and, when dout is given, (out, lse, dq, dk, dv) (and dsinks with sinks); all float64.
 
     mask: optional bool array broadcastable to (B, H, Sq, Sk) (see `visible`), applied on
     top of `causal`; False hides a key from a query.
     sinks: optional (H,) logits, one more column of every row's softmax with no value (flashrt.forward's sinks).
+    softcap: optional c > 0: every scaled score x becomes c * tanh(x / c) before the mask and the softmax.
     """
     xp = _xp(q)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
@@ -73,6 +74,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     ke, ve = xp.repeat(k, group, axis=2), xp.repeat(v, group, axis=2)
     s = xp.einsum("bqhd,bkhd->bhqk", q, ke) * scale
+    cap_grad = 1.0
+    if softcap is not None:
+        th = xp.tanh(s / softcap)
+        s, cap_grad = softcap * th, 1.0 - th * th
     keep = xp.ones((Sq, Sk), dtype=bool)
     if causal:  # bottom-right aligned: query i sees key j iff j <= i + Sk - Sq
         keep = xp.arange(Sk)[None, :] <= xp.arange(Sq)[:, None] + (Sk - Sq)
@@ -98,7 +103,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     dv = xp.einsum("bhqk,bqhd->bkhd", p, do)
     dp = xp.einsum("bqhd,bkhd->bhqk", do, ve)
     delta = (p * dp).sum(axis=-1, keepdims=True)  # = rowsum(dout * out)
-    ds = p * (dp - delta)
+    ds = p * (dp - delta) * cap_grad
     dq = xp.einsum("bhqk,bkhd->bqhd", ds, ke) * scale
     dk = xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale
     fold = lambda g: g.reshape(B, Sk, Hkv, group, D).sum(axis=3)  # noqa: E731  (sum over the GQA group)

@@ -63,8 +63,9 @@ _VALIDATE_OF_MODE = {mode: v for v, mode in masks.VALIDATE_MODES.items()}
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax_scale: Optional[float],
          impl: str, deterministic: bool, window: Optional[list[int]], max_seqlen_q: Optional[int],
          max_seqlen_k: Optional[int], validate: int, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
-         mod_names: str, sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return api.forward(q, k, v, softmax_scale=softmax_scale, sinks=sinks, validate=_VALIDATE_OF_MODE[validate],
+         mod_names: str, softcap: Optional[float], sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return api.forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
+                       validate=_VALIDATE_OF_MODE[validate],
                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names))
 
 
@@ -77,7 +78,7 @@ def _lse_shape(q, mask_tensors):
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
-              mask_tensors, mask_mod, mod_names, sinks):
+              mask_tensors, mask_mod, mod_names, softcap, sinks):
     # api.forward allocates both outputs contiguous, whatever q's strides.
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
 
@@ -86,12 +87,12 @@ def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_s
 def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
          lse: torch.Tensor, causal: str, softmax_scale: Optional[float], impl: str, deterministic: bool,
          window: Optional[list[int]], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-         mask_tensors: list[Optional[torch.Tensor]], mask_mod: str, mod_names: str,
+         mask_tensors: list[Optional[torch.Tensor]], mask_mod: str, mod_names: str, softcap: Optional[float],
          sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is empty (0,) without sinks (an op returns no None)."""
     # (the forward output is `o`: an argument named `out` reads as an out= variant in op schemas)
     grads = api.backward(_kernel_ready(dout), q, k, v, o, lse, softmax_scale=softmax_scale, impl=impl,
-                         deterministic=deterministic, sinks=sinks, validate=False,  # the forward validated them
+                         deterministic=deterministic, softcap=softcap, sinks=sinks, validate=False,  # (validated)
                          **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod,
                                         mod_names))
     return grads if sinks is not None else (*grads, lse.new_empty((0,)))
@@ -99,23 +100,23 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, o, lse, causal, softmax_scale, impl, deterministic, window, max_seqlen_q,
-              max_seqlen_k, mask_tensors, mask_mod, mod_names, sinks):
+              max_seqlen_k, mask_tensors, mask_mod, mod_names, softcap, sinks):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             lse.new_empty((0,) if sinks is None else sinks.shape))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, _, tensors, mask_mod,
-     mod_names, sinks) = inputs
+     mod_names, softcap, sinks) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks, *tensors)
     ctx.options = (causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k)
-    ctx.mod = (mask_mod, mod_names)
+    ctx.mod = (mask_mod, mod_names, softcap)
     # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
     ctx.mark_non_differentiable(lse)
 
 
-_NO_GRADS = (None,) * 11  # the forward op's arguments between v and sinks
+_NO_GRADS = (None,) * 12  # the forward op's arguments between v and sinks
 
 
 def _backward(ctx, dout, _dlse):
@@ -155,9 +156,9 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, call):
-        causal, softmax_scale, _, _, validate, mask = call
-        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, sinks=sinks, validate=validate,
-                               **mask)
+        causal, softmax_scale, _, _, validate, mask, softcap = call
+        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
+                               validate=validate, **mask)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call
         if mask:
@@ -172,13 +173,13 @@ class _Eager(torch.autograd.Function):
         if dout is None:  # out took no part in the loss
             return None, None, None, None, None
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        causal, softmax_scale, impl, deterministic, _, mask = ctx.call
+        causal, softmax_scale, impl, deterministic, _, mask, softcap = ctx.call
         if mask and _versions(mask) != ctx.versions:
             raise RuntimeError("a mask tensor given to flashrt attention was modified in place after the forward; "
                                "the backward needs the values the forward used (pass a copy, or modify a clone)")
         grads = api.backward(_kernel_ready(dout), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                             impl=impl, deterministic=deterministic, sinks=sinks, validate=False,  # forward validated
-                             **mask)
+                             impl=impl, deterministic=deterministic, softcap=softcap, sinks=sinks,
+                             validate=False, **mask)  # (the forward validated the masks)
         return (*grads, None) if sinks is not None else (*grads, None, None)
 
 
@@ -194,12 +195,13 @@ def _versions(mask: dict) -> tuple:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, return_lse: bool = False,
-              impl: str = "auto", deterministic: bool = True, sinks: Optional[torch.Tensor] = None, validate=True,
-              **mask_args):
+              impl: str = "auto", deterministic: bool = True, softcap: Optional[float] = None,
+              sinks: Optional[torch.Tensor] = None, validate=True, **mask_args):
     """Differentiable attention on torch tensors (B, S, H, D); see flashrt.forward for the semantics
     and the mask arguments.
 
     `impl` and `deterministic` choose the backward kernels (see flashrt.backward).
+    softcap: scores capped to softcap * tanh(score / softcap) (flashrt.forward).
     sinks: (H,) attention-sink logits (flashrt.forward), computed in fp32 whatever their dtype; differentiable.
     lse is returned without a gradient.
     """
@@ -209,23 +211,24 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     if causal not in _CAUSAL or isinstance(causal, (int, float)) and not isinstance(causal, bool):
         raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
+    softcap = api._check_softcap(softcap) or None  # here, not first in the backward pass
     if sinks is not None:  # (a strided or 16-bit parameter: an fp32 contiguous copy, differentiable)
         if not sinks.is_floating_point():
             raise ValueError(f"sinks must be a floating-point tensor (one logit per query head), got {sinks.dtype}")
         sinks = sinks.float().contiguous()
     scale = None if softmax_scale is None else float(softmax_scale)
     if q.is_cuda and not torch.compiler.is_compiling():
-        out, lse = _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, sinks)
+        out, lse = _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, sinks)
     else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls
-        out, lse = _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, sinks)
+        out, lse = _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, sinks)
     return (out, lse) if return_lse else out
 
 
-def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, sinks=None):
-    return _Eager.apply(q, k, v, sinks, (causal, scale, impl, bool(deterministic), validate, mask_args))
+def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, sinks=None):
+    return _Eager.apply(q, k, v, sinks, (causal, scale, impl, bool(deterministic), validate, mask_args, softcap))
 
 
-def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, sinks=None):
+def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, sinks=None):
     window = mask_args.get("window")
     window = None if window is None else [int(w) for w in window]
     mask_mod, mod_tensors = mask_args.get("mask_mod"), mask_args.get("mask_tensors") or {}
@@ -234,7 +237,7 @@ def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, si
     tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS] + list(mod_tensors.values())
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
             mask_args.get("max_seqlen_k"), masks.validate_mode(validate), tensors, mask_mod or "",
-            ",".join(mod_tensors), sinks)
+            ",".join(mod_tensors), softcap, sinks)
     return torch.ops.flashrt.fwd.default(*args)
 
 

@@ -28,20 +28,23 @@ CASES = [
 ]
 
 
-def sinks_cases():
-    """Attention sinks (softmax.cuh: add_sink): sm_80 and sm_90a forwards, rows that see no key, their gradient."""
+def score_mod_cases():
+    """Attention sinks (softmax.cuh: add_sink) and softcap (score_mod.cuh): sm_80 and sm_90a kernels, split and
+    fused backward, rows that see no key, the sinks' gradient."""
     for B, Sq, Sk, H, Hkv, D, causal in ((1, 70, 45, 4, 2, 64, True), (1, 130, 200, 2, 1, 128, False),
                                          (1, 33, 97, 2, 2, 256, True), (2, 40, 40, 2, 1, 72, True)):
         q, k, v, do = (torch.randn(B, s, h, D, device="cuda", dtype=torch.bfloat16)
                        for s, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H)))
         sinks = torch.randn(H, device="cuda")
-        out, lse = flashrt.forward(q, k, v, causal=causal, sinks=sinks)
-        flashrt.backward(do, q, k, v, out, lse, causal=causal, sinks=sinks)
+        for kw in (dict(sinks=sinks), dict(softcap=5.0), dict(softcap=5.0, sinks=sinks)):
+            out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
+            for impl in ("split", "fused"):
+                flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, **kw)
     torch.cuda.synchronize()
 
 
-if sys.argv[1:] == ["sinks"]:  # (that part alone)
-    sinks_cases()
+if sys.argv[1:] == ["score_mods"]:  # (that part alone)
+    score_mod_cases()
     raise SystemExit(0)
 
 
@@ -174,4 +177,4 @@ parts = [flashrt.forward(q, flat_k[:, a:b], flat_v[:, a:b]) for a, b in ((0, 100
 flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
 flashrt.combine(torch.stack([p[0].float() for p in parts]), torch.stack([p[1] for p in parts]))
 torch.cuda.synchronize()
-sinks_cases()
+score_mod_cases()

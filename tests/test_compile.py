@@ -11,7 +11,8 @@ import pytest
 
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL, KernelSpec
+from flashrt.spec import (ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL,
+                          SOFTCAP_FAMILIES, KernelSpec)
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 192, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -54,6 +55,16 @@ def _variants():
     mask = MASK_BITS["mod"] | MASK_BITS["lengths"] | MASK_BITS["window"]
     for d in (64, 128):
         out.add(tiles.tiling("fwd_sm90_ws", d, "bf16", False, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",)))
+    # softcap (kernels_cu/attention/score_mod.cuh) in every family that computes scores, alone and with every
+    # built-in mask feature
+    for arch in ARCHS:
+        for family in SOFTCAP_FAMILIES:
+            for d in (d for d in (64, 96, 128, 192, 256) if tiles.applies(family, d, arch, softcap=True)):
+                for causal in (False, True):
+                    for mask in (0, sum(MASK_BITS.values()) & ~MASK_BITS["mod"]):
+                        if tiles.applies(family, d, arch, mask, softcap=True):
+                            out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
+                                                 softcap=True))
     return sorted(out, key=lambda s: s.name)
 
 

@@ -1,5 +1,6 @@
 """GPU tests of the score modifications against a float64 reference: attention sinks (forward's `sinks`, backward's
-dsinks, flashrt.attention's gradient), on every forward kernel, with masks, GQA and varlen.
+dsinks, flashrt.attention's gradient) and softcap, alone and together, on every kernel that computes scores (the
+wgmma and mma.sync ones, split and fused backward), with masks, GQA and varlen.
 
 Run on a GPU machine with `pytest -m gpu`; they skip elsewhere.
 """
@@ -65,8 +66,8 @@ def _mask(torch, mask, S):
 LENGTHS_Q, LENGTHS_K = [200, 131], [260, 170]  # (the "lengths" case's valid rows and keys per batch entry)
 
 
-def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False):
-    """float64 (out, lse, dq, dk, dv, dsinks), batch-shaped like q (forward_only: (out, lse))."""
+def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False, softcap=None):
+    """float64 (out, lse, dq, dk, dv[, dsinks]), batch-shaped like q (forward_only: (out, lse))."""
     import cupy
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
@@ -81,7 +82,7 @@ def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False):
         m = reference.visible(B, Sq, Sk, segment_ids_q=ids, segment_ids_k=ids, xp=cupy)
     causal = causal and mask != "lengths"  # (there the mask holds each batch entry's own causal alignment)
     return reference.attention(_f64(q), _f64(k), _f64(v), causal=causal, dout=None if forward_only else _f64(do),
-                               mask=m, sinks=None if sinks is None else _f64(sinks))
+                               mask=m, sinks=None if sinks is None else _f64(sinks), softcap=softcap)
 
 
 def _dsinks_scale(sinks, lse, dout, out):
@@ -101,37 +102,46 @@ def _id(c):
                                                                                                  else "")
 
 
+SOFTCAP = 5.0  # (scores of N(0, 1) inputs reach ~3-4 after the scale: the cap bends them)
+
+
+@pytest.mark.parametrize("mods", ["sinks", "softcap", "softcap+sinks"])
 @pytest.mark.parametrize("no_sm90", [False, True], ids=["default-kernels", "mma-sync"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_sinks_match_float64_reference(torch, monkeypatch, case, no_sm90):
+def test_score_mods_match_float64_reference(torch, monkeypatch, case, no_sm90, mods):
     import cupy
     if no_sm90:
         monkeypatch.setenv("FLASHRT_NO_SM90", "1")
     B, Sq, Sk, H, Hkv, D, causal, dtype, mask = case
     q, k, v, do, sinks = _inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, zlib.crc32(repr(case).encode()))
+    sinks = sinks if "sinks" in mods else None
+    softcap = SOFTCAP if "softcap" in mods else None
     kw, cu = _mask(torch, mask, Sq)
     packed = (lambda x: x[0]) if cu is not None else (lambda x: x)  # noqa: E731
-    out, lse = flashrt.forward(*(packed(x) for x in (q, k, v)), causal=causal, sinks=sinks, **kw)
+    out, lse = flashrt.forward(*(packed(x) for x in (q, k, v)), causal=causal, softcap=softcap, sinks=sinks, **kw)
     grads = {impl: flashrt.backward(packed(do), *(packed(x) for x in (q, k, v)), out, lse, causal=causal, impl=impl,
-                                    sinks=sinks, **kw) for impl in ("split", "fused")}
-    ro, rlse, rdq, rdk, rdv, rds = _reference(torch, q, k, v, do, sinks, causal, mask, cu)
+                                    softcap=softcap, sinks=sinks, **kw) for impl in ("split", "fused")}
+    ro, rlse, rdq, rdk, rdv, *rds = _reference(torch, q, k, v, do, sinks, causal, mask, cu, softcap=softcap)
     if cu is not None:  # packed (total, H, D) and lse (H, total): as one batch entry
         out, lse = out[None], lse[None]
-        grads = {i: (g[0][None], g[1][None], g[2][None], g[3]) for i, g in grads.items()}
-    assert float(cupy.abs(_f64(lse) - rlse).max()) < 2e-3, "lse (sinks included)"
+        grads = {i: (g[0][None], g[1][None], g[2][None], *g[3:]) for i, g in grads.items()}
+    empty = ~cupy.isfinite(rlse)
+    assert float(cupy.abs(cupy.where(empty, 0, _f64(lse) - rlse)).max()) < 2e-3, "lse"
+    assert bool((_f64(lse)[empty] == -cupy.inf).all()), "rows that see no key and no sink: lse -inf"
     seen = cupy.isfinite(_reference(torch, q, k, v, do, None, causal, mask, cu, forward_only=True)[1])
-    if not bool(seen.all()):  # a row that saw no key: out 0 (and lse = its sink, checked above)
+    if not bool(seen.all()):  # a row that saw no key: out 0 (lse -inf, or its sink: checked above)
         assert bool((_f64(out).transpose(0, 2, 1, 3)[~seen] == 0).all())
     bound = {"bf16": 2e-2, "fp16": 5e-3}[dtype]
     assert reference.rel_error(_f64(out), ro) < bound
-    scale = _dsinks_scale(sinks, rlse, do, ro)
-    for impl, (dq, dk, dv, ds) in grads.items():
-        assert ds.shape == (H,) and ds.dtype == torch.float32
+    for impl, (dq, dk, dv, *ds) in grads.items():
+        assert len(ds) == (sinks is not None)
         for name, x, r in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
             e = reference.rel_error(_f64(x), r)
             assert e < bound, f"{impl} {name}: rel err {e:.2e}"
-        e = float((cupy.abs(_f64(ds) - rds) / scale).max())  # (per head, against its terms' scale)
-        assert e < bound / 4, f"{impl} dsinks: error {e:.2e} of its terms' scale; {_f64(ds)} against {rds}"
+        if ds:  # per head, against its terms' scale (_dsinks_scale)
+            assert ds[0].shape == (H,) and ds[0].dtype == torch.float32
+            e = float((cupy.abs(_f64(ds[0]) - rds[0]) / _dsinks_scale(sinks, rlse, do, ro)).max())
+            assert e < bound / 4, f"{impl} dsinks: error {e:.2e} of its terms' scale; {_f64(ds[0])} against {rds[0]}"
 
 
 def test_a_sink_far_below_every_score_changes_nothing(torch):
@@ -170,6 +180,31 @@ def test_attention_gives_the_sinks_their_gradient(torch, compiled):
     import cupy  # dsinks (rounded to bf16 here) against its terms' scale, as in the reference test above
     scale = _dsinks_scale(learned.float(), ref[1], do, ref[0])
     assert float((cupy.abs(_f64(learned.grad) - ref[5]) / scale).max()) < 1e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_attention_with_softcap_and_sinks_matches_reference(torch, compiled):
+    q, k, v, do, sinks = _inputs(torch, 1, 256, 256, 8, 2, 128, "bf16", 11)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    learned = sinks.clone().requires_grad_()
+    fn = lambda *a: flashrt.attention(*a, causal=True, softcap=SOFTCAP, sinks=learned)  # noqa: E731
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    out = fn(*leaves)
+    out.backward(do)
+    ref = reference.attention(*(_f64(x) for x in (q, k, v)), causal=True, dout=_f64(do), sinks=_f64(sinks),
+                              softcap=SOFTCAP)
+    for x, r in zip((out, *(t.grad for t in leaves), learned.grad), (ref[0], *ref[2:])):
+        assert reference.rel_error(_f64(x), r) < 2e-2
+
+
+def test_softcap_errors_are_clear(torch):
+    q, k, v, _, _ = _inputs(torch, 1, 16, 16, 4, 2, 64, "bf16", 1)
+    for bad in (0, -1.0, float("inf"), float("nan"), "30", True):
+        with pytest.raises(ValueError, match="softcap must be a finite positive number"):
+            flashrt.forward(q, k, v, softcap=bad)
+        with pytest.raises(ValueError, match="softcap must be a finite positive number"):
+            flashrt.attention(q, k, v, softcap=bad)
 
 
 def test_sinks_errors_are_clear(torch):

@@ -168,3 +168,25 @@ def test_sinks_join_the_denominator_and_their_gradient_matches_finite_difference
         up = loss(*args, sinks)
         args[i][idx] -= 2 * eps
         assert abs((up - loss(*args, sinks)) / (2 * eps) - grad[idx]) < 1e-6
+
+
+def test_softcap_caps_the_scaled_scores_and_its_gradients_match_finite_differences():
+    rng = np.random.default_rng(4)
+    q, k, v, do = (_rand(rng, 1, 4, 2, 8) * 3 for _ in range(4))  # large scores: the cap bends them
+    out, lse, dq, dk, dv = reference.attention(q, k, v, causal=True, dout=do, softcap=2.0)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
+    s = np.where(np.tril(np.ones((4, 4), dtype=bool)), 2.0 * np.tanh(s / 2.0), -np.inf)
+    assert np.allclose(lse, np.log(np.exp(s).sum(-1)))
+    assert not np.allclose(lse, reference.attention(q, k, v, causal=True)[1])
+
+    def loss(q_, k_, v_):
+        return float((reference.attention(q_, k_, v_, causal=True, softcap=2.0)[0] * do).sum())
+
+    eps = 1e-6
+    for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
+        for idx in [(0, 1, 1, 3), (0, 3, 0, 7)]:
+            args = [q.copy(), k.copy(), v.copy()]
+            args[i][idx] += eps
+            up = loss(*args)
+            args[i][idx] -= 2 * eps
+            assert abs((up - loss(*args)) / (2 * eps) - grad[idx]) < 1e-6

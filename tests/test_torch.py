@@ -172,6 +172,8 @@ def test_upstream_gradient_made_readable_only_when_needed():
 # ---------------------------------------------------------------------------
 # GPU: the custom ops under torch's checkers and compilers
 # ---------------------------------------------------------------------------
+_NO_SCORE_MODS = (None, None)  # the ops' softcap and sinks
+_NO_MODS = ("", "", *_NO_SCORE_MODS)  # ... after mask_mod and its tensor names
 # (B, Sq, Sk, H, Hkv, D, causal, softmax_scale, dtype)
 OPCHECK_CASES = [
     (2, 128, 160, 4, 4, 64, True, None, BF16),
@@ -188,9 +190,9 @@ def test_opcheck(case):
     options = ("bottom_right" if causal else "none", scale, "auto", True, None, None, None)
     # schema (no mutation, no aliasing), autograd registration, fake impl vs real outputs (shapes, strides),
     # and AOTAutograd (static and dynamic shapes) against eager, gradients included.
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, [None] * 8, "", "", None))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, [None] * 8, *_NO_MODS))
     out, lse = flashrt.forward(q, k, v, causal=causal, softmax_scale=scale)
-    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, [None] * 8, "", "", None))
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, [None] * 8, *_NO_MODS))
 
 
 @gpu
@@ -202,24 +204,24 @@ def test_opcheck_with_masks_and_varlen():
     ids = torch.cat([torch.zeros(50, dtype=torch.int32), torch.ones(46, dtype=torch.int32)]).cuda().expand(B, S)
     tensors = [lengths, lengths, None, None, ids.contiguous(), ids.contiguous(), None, None]
     options = ("none", None, "split", True, [16, 16], None, None)
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors, "", "", None))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors, *_NO_MODS))
     # mask_mod with a tensor of its own (after the built-in ones), per head and batch entry
     doc = torch.randint(0, 3, (B, S), dtype=torch.int32, device="cuda")
     mod = ("doc[b * 96 + q] == doc[b * 96 + k] || h == 1", "doc")
     torch.library.opcheck(torch.ops.flashrt.fwd.default,
-                          (*leaves(q, k, v), *options, True, tensors + [doc], *mod, None))
+                          (*leaves(q, k, v), *options, True, tensors + [doc], *mod, *_NO_SCORE_MODS))
     out, lse = flashrt.forward(q, k, v, window=(16, 16), seqlens_q=lengths, seqlens_k=lengths,
                                block_ids_q=tensors[4], block_ids_k=tensors[5], mask_mod=mod[0], mask_tensors={"doc": doc})
     torch.library.opcheck(torch.ops.flashrt.bwd.default,
-                          (do, q, k, v, out, lse, *options, tensors + [doc], *mod, None))
+                          (do, q, k, v, out, lse, *options, tensors + [doc], *mod, *_NO_SCORE_MODS))
     cu = torch.tensor([0, 30, 96], dtype=torch.int32, device="cuda")
     pq, pk, pv = (x[0] for x in (q, k, v))  # (96, H, D) packed: sequences of 30 and 66
     options = ("bottom_right", None, "auto", True, None, 66, 66)
     varlen = [None, None, cu, cu, None, None, None, None]
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen, "", "", None))
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen, *_NO_MODS))
     out, lse = flashrt.forward(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert lse.shape == (H, 96)
-    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, "", "", None))
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, *_NO_MODS))
 
 
 def _block_grads(model, x, dy):

@@ -61,6 +61,7 @@ struct FwdParams {
     int* sched;       // fwd_sm90_ws: work items claimed so far beyond the first wave (0 at the start and the end)
     int use_tma;      // fwd_sm90_ws: 1 when the maps are set (0: FLASHRT_NO_TMA, every tile by cp.async)
     const float* sinks;  // (H,) fp32 attention-sink logits (softmax.cuh: add_sink), or null
+    float softcap;       // FRT_SOFTCAP: the cap in raw-score units, c / softmax_scale (score_mod.cuh: Softcap)
 };
 
 struct BwdParams {
@@ -119,6 +120,7 @@ struct BwdParams {
     const int* mod_t2;
     const int* mod_t3;
     int mod_heads, mod_batches;
+    float softcap;  // FRT_SOFTCAP: the cap in raw-score units, c / softmax_scale (score_mod.cuh: Softcap)
 };
 
 // mask_check.cu: a call's mask arrays (the pointers of FwdParams / BwdParams, null when not given), the

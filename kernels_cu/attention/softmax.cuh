@@ -3,13 +3,15 @@
 // the 4 threads of a quad, each with N8 pairs of its scores (columns 8 jj + 2 t + e of an m16n8 mma.sync
 // or wgmma accumulator), which the caller names through `x(jj, e)` (a float&).
 #pragma once
+#include "attention/score_mod.cuh"
 #include "common/common.cuh"
 
 namespace frt {
 
 // One key tile's update of a row: its scores become P (unnormalised), row_max / row_sum take in the tile, and
 // the return value is alpha, the rescale of what the row accumulated before (O). A row that has seen only masked
-// keys keeps row_max = -inf, and subtracts 0 then.
+// keys keeps row_max = -inf, and subtracts 0 then. (With FRT_SOFTCAP the callers pass tanh(s / cap) as the scores
+// and Softcap::scale_of(scale_log2) as the scale: score_mod.cuh.)
 template <int N8, class Scores>
 FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Scores x) {
     float mx = -FRT_INF;

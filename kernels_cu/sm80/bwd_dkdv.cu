@@ -30,6 +30,7 @@
 // mode also relies on); with splits > 1 the grid fits in one wave
 // (tiles.dkdv_splits), so every block it waits on is resident.
 #include "attention/params.cuh"
+#include "attention/score_mod.cuh"
 
 #ifndef FRT_FUSED_DQ
 #define FRT_FUSED_DQ 0
@@ -93,6 +94,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const int n_block = tile.n_block, hk = tile.hk, split = tile.split, b = tile.b, n0 = tile.n0;
     const auto& vis = tile.vis;
     const int it_begin = tile.it_begin, it_end = tile.it_end;
+    const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
 
     const u32 sK = smem_u32(smem), sV = sK + BN * LD;
     const u32 sQdO = sK + T::SMEM_KV;  // stage s: Q at + s*STAGE, dO right after Q
@@ -161,13 +163,18 @@ __device__ void bwd_dkdv(const BwdParams& p) {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int qc = at.col(nt, c);  // the query column within the tile
-                    float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -s_lse2[qc]));
+                    float x = s[mt][nt][c], grad = 1.f;  // grad: the softcap's derivative (score_mod.cuh)
+                    if constexpr (FRT_SOFTCAP) {
+                        const float th = cap.tanh_of(x);
+                        x = cap.cap * th, grad = 1.f - th * th;
+                    }
+                    float pr = fast_exp2(fmaf(x, p.scale_log2, -s_lse2[qc]));
                     if (need_mask) {
                         if (!at.visible<true>(mt, nt, c, [&](int q, int k) { return tile.visible(m0 + q, n0 + k, pa.h); }))
                             pr = 0.f;
                     }
                     s[mt][nt][c] = pr;
-                    dp[mt][nt][c] = pr * (dp[mt][nt][c] - s_delta[qc]);
+                    dp[mt][nt][c] = (FRT_SOFTCAP ? pr * grad : pr) * (dp[mt][nt][c] - s_delta[qc]);
                 }
         acc_to_smem<T::BF16, MT1, NT1>(p_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, s, 1.f, lane);
         acc_to_smem<T::BF16, MT1, NT1>(ds_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, dp, 1.f, lane);

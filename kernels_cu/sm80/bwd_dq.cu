@@ -5,6 +5,7 @@
 // (no atomics: bitwise deterministic). P is recomputed from lse2 (see
 // bwd_preprocess.cu). K/V tiles use a two-stage cp.async pipeline.
 #include "attention/params.cuh"
+#include "attention/score_mod.cuh"
 
 namespace frt {
 
@@ -44,6 +45,7 @@ __device__ void bwd_dq(const BwdParams& p) {
     // Per-row statistics of the two rows each thread holds per m-tile.
     const i64 stat0 = tile.stat0;
     float lse2[MT][2], delta[MT][2];
+    const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -85,10 +87,16 @@ __device__ void bwd_dq(const BwdParams& p) {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int hh = c >> 1;
-                    float pr = fast_exp2(fmaf(s[mt][nt][c], p.scale_log2, -lse2[mt][hh]));
+                    float x = s[mt][nt][c], grad = 1.f;  // grad: the softcap's derivative (score_mod.cuh)
+                    if constexpr (FRT_SOFTCAP) {
+                        const float th = cap.tanh_of(x);
+                        x = cap.cap * th, grad = 1.f - th * th;
+                    }
+                    float pr = fast_exp2(fmaf(x, p.scale_log2, -lse2[mt][hh]));
                     if (!MOD_PASS && need_mask) {
                         if (!at.visible<false>(mt, nt, c, test)) pr = 0.f;
                     }
+                    if constexpr (FRT_SOFTCAP) pr *= grad;
                     s[mt][nt][c] = MOD_PASS ? pr : pr * (dp[mt][nt][c] - delta[mt][hh]);
                 }
         if constexpr (MOD_PASS) {

@@ -45,6 +45,7 @@ __device__ void fwd(const FwdParams& p) {
     float o[MT][NT_O][4];
     zero(o);
     float row_max[MT][2], row_sum[MT][2];
+    const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -77,6 +78,14 @@ __device__ void fwd(const FwdParams& p) {
             gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(s, sQ + wrow * LD, LD, sK, LD, lane);
         }
 
+        if constexpr (FRT_SOFTCAP) {  // (before the mask: score_mod.cuh, Softcap::scale_of)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) s[mt][nt][c] = cap.tanh_of(s[mt][nt][c]);
+        }
         if (tile.needs_mask(it, j))
             mask_fragments<MT, NT_S>(Fragments{tile.m0 + wrow + g, n0 + 2 * t}, -FRT_INF,
                                      [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; },
@@ -86,7 +95,7 @@ __device__ void fwd(const FwdParams& p) {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const float alpha = online_row<NT_S>(row_max[mt][hh], row_sum[mt][hh], p.scale_log2,
+                const float alpha = online_row<NT_S>(row_max[mt][hh], row_sum[mt][hh], cap.scale_of(p.scale_log2),
                                                      [&](int nt, int e) -> float& { return s[mt][nt][2 * hh + e]; });
 #pragma unroll
                 for (int dt = 0; dt < NT_O; ++dt) o[mt][dt][2 * hh] *= alpha, o[mt][dt][2 * hh + 1] *= alpha;

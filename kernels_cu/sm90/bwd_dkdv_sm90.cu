@@ -44,6 +44,7 @@
 // bwd_dkdv.cu's fused variant orders them: a counter per (batch, head, query tile); key tile n's adding thread waits
 // until it reads n, adds, and sets it to n + 1 once the add is performed (at its next add: add_dq).
 #include "attention/params.cuh"
+#include "attention/score_mod.cuh"
 #include "common/wgmma.cuh"
 
 #ifndef FRT_FUSED_DQ
@@ -161,14 +162,19 @@ FRT_DEVICE u32 hidden_bits(const Tile& tile, int h, int m, int key_base, int t) 
 }
 
 // P^T = exp2(S^T * scale_log2 - lse2[query]) on the accumulator fragment (accumulator column =
-// query), 0 where `hidden` says so.
+// query), 0 where `hidden` says so; with FRT_SOFTCAP, S^T capped first.
 template <int BM>
-FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float scale_log2, u32 hidden, int t) {
+FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float scale_log2, u32 hidden, int t,
+                              const Softcap& cap) {
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
         const float2 l = *reinterpret_cast<const float2*>(s_lse2 + 8 * j + 2 * t);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
+            if constexpr (FRT_SOFTCAP) {
+                s[4 * j + 2 * hh] = cap.apply(s[4 * j + 2 * hh]);
+                s[4 * j + 2 * hh + 1] = cap.apply(s[4 * j + 2 * hh + 1]);
+            }
             s[4 * j + 2 * hh] = fast_exp2(fmaf(s[4 * j + 2 * hh], scale_log2, -l.x));
             s[4 * j + 2 * hh + 1] = fast_exp2(fmaf(s[4 * j + 2 * hh + 1], scale_log2, -l.y));
         }
@@ -193,16 +199,22 @@ FRT_DEVICE void acc_to_partial(float* dst, const float (&acc)[D / 2], int rows, 
         }
 }
 
-// dS^T = P^T o (dP^T - delta[query]) in dp, with P^T (s) in fp32.
+// dS^T = P^T o (dP^T - delta[query]) in dp, with P^T (s) in fp32; with FRT_SOFTCAP, times the cap's derivative,
+// recovered from P^T and lse2 (s_lse2; no copy of the scores is kept).
 template <int BM>
-FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const float* s_delta, int t) {
+FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const float* s_delta, int t,
+                           const float* s_lse2, const Softcap& cap) {
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
         const float2 dl = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * t);
+        float2 gl = make_float2(1.f, 1.f);  // (the derivative's row factors, softcap only)
+        if constexpr (FRT_SOFTCAP) gl = *reinterpret_cast<const float2*>(s_lse2 + 8 * j + 2 * t);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            dp[4 * j + 2 * hh] = s[4 * j + 2 * hh] * (dp[4 * j + 2 * hh] - dl.x);
-            dp[4 * j + 2 * hh + 1] = s[4 * j + 2 * hh + 1] * (dp[4 * j + 2 * hh + 1] - dl.y);
+            float p0 = s[4 * j + 2 * hh], p1 = s[4 * j + 2 * hh + 1];
+            if constexpr (FRT_SOFTCAP) p0 *= cap.grad_from_p(p0, gl.x), p1 *= cap.grad_from_p(p1, gl.y);
+            dp[4 * j + 2 * hh] = p0 * (dp[4 * j + 2 * hh] - dl.x);
+            dp[4 * j + 2 * hh + 1] = p1 * (dp[4 * j + 2 * hh + 1] - dl.y);
         }
     }
 }
@@ -313,6 +325,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     const int b = tile.b, hk = tile.hk, n0 = tile.n0;
     // (with id masks these come from shared memory; PIPELINED keeps wgmmas in flight across pairs)
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
+    const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
 
     const i64 krow0 = tile.vis.k_row0 + n0;
     load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, tid);
@@ -383,7 +396,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             float4* xch = reinterpret_cast<float4*>(smem + (sXch - smem_base)) + wtid;
             u32 a[BM / 16][4];
             if (wg == 0) {
-                probabilities<BM>(x, s_lse2, p.scale_log2, hidden, t);
+                probabilities<BM>(x, s_lse2, p.scale_log2, hidden, t, cap);
 #pragma unroll
                 for (int q = 0; q < BM / 8; ++q)
                     xch[q * 128] = make_float4(x[4 * q], x[4 * q + 1], x[4 * q + 2], x[4 * q + 3]);
@@ -392,11 +405,16 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(x, kk, a[kk]);
             } else {
                 bar_wait<3, 256>();
-                // dS^T = P^T o (dP^T - delta[query]), with P^T in fp32.
+                // dS^T = P^T o (dP^T - delta[query]), with P^T in fp32 (and the softcap's derivative: ds_from_dp).
 #pragma unroll
                 for (int q = 0; q < BM / 8; ++q) {
-                    const float4 pt = xch[q * 128];
+                    float4 pt = xch[q * 128];
                     const float2 dl = *reinterpret_cast<const float2*>(s_delta + 8 * q + 2 * t);
+                    if constexpr (FRT_SOFTCAP) {
+                        const float2 l = *reinterpret_cast<const float2*>(s_lse2 + 8 * q + 2 * t);
+                        pt.x *= cap.grad_from_p(pt.x, l.x), pt.y *= cap.grad_from_p(pt.y, l.y);
+                        pt.z *= cap.grad_from_p(pt.z, l.x), pt.w *= cap.grad_from_p(pt.w, l.y);
+                    }
                     x[4 * q] = pt.x * (x[4 * q] - dl.x);
                     x[4 * q + 1] = pt.y * (x[4 * q + 1] - dl.y);
                     x[4 * q + 2] = pt.z * (x[4 * q + 2] - dl.x);
@@ -426,11 +444,11 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 
             wgmma_wait<2>();  // S^T is complete (the previous dV / dK and dP^T may not be)
             fence_operand(s);
-            probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t);
+            probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
             wgmma_wait<0>();
             fence_operand(dp);
             fence_acc_and_frags(acc, pa, dsa);  // the previous pair's wgmmas are done with them
-            ds_from_dp<BM>(dp, s, s_delta, t);
+            ds_from_dp<BM>(dp, s, s_delta, t, s_lse2, cap);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {
                 acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
@@ -467,7 +485,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)
             fence_operand(s);
-            probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t);
+            probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
             // dV += P^T dO now, under dS^T's arithmetic (FUSED: 1.03-1.05x, docs/perf-notes.md: Backward: fused wgmma)
@@ -476,7 +494,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             wgmma_commit();
             wgmma_wait<1>();  // dP^T is complete (dV may not be)
             fence_operand(dp);
-            ds_from_dp<BM>(dp, s, s_delta, t);
+            ds_from_dp<BM>(dp, s, s_delta, t, s_lse2, cap);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);
 

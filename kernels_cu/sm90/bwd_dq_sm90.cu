@@ -13,6 +13,7 @@
 // the same tile run. Each block also computes its rows' delta and lse2 (bwd_preprocess.cu's work:
 // row_stats) and writes them for the dK/dV pass, launched after it.
 #include "attention/params.cuh"
+#include "attention/score_mod.cuh"
 #include "common/wgmma.cuh"
 
 namespace frt {
@@ -161,6 +162,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     const int row_wg = 16 * w + g, row_base = tile.m0 + 64 * wg + row_wg;
     float lse2[2], delta[2];
     row_stats<D, T::BF16>(p, tile, 64 * wg + row_wg, t, lse2, delta);
+    const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
 
     float dq[D / 2];
 #pragma unroll
@@ -222,11 +224,19 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             wgmma_wait<1>();  // S is complete (dP may not be)
         }
         fence_operand(s);
-        // P = exp2(S * scale_log2 - lse2[row]), 0 where the mask hides the pair.
+        // P = exp2(S * scale_log2 - lse2[row]), 0 where the mask hides the pair. With FRT_SOFTCAP, S capped
+        // first and P times the cap's derivative (P is only read for dS here).
 #pragma unroll
         for (int jj = 0; jj < BN / 8; ++jj)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) s[4 * jj + c] = fast_exp2(fmaf(s[4 * jj + c], p.scale_log2, -lse2[c >> 1]));
+            for (int c = 0; c < 4; ++c) {
+                if constexpr (FRT_SOFTCAP) {
+                    const float th = cap.tanh_of(s[4 * jj + c]);
+                    s[4 * jj + c] = fast_exp2(fmaf(cap.cap * th, p.scale_log2, -lse2[c >> 1])) * (1.f - th * th);
+                } else {
+                    s[4 * jj + c] = fast_exp2(fmaf(s[4 * jj + c], p.scale_log2, -lse2[c >> 1]));
+                }
+            }
         if constexpr (T::ONE_V) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i)

@@ -23,6 +23,7 @@ struct FwdRows {
     // P V wgmma.
     float s[BN / 2], alpha[2] = {1.f, 1.f};
     u32 pa[BN / 16][4];
+    Softcap cap;  // FRT_SOFTCAP: set by the kernel (score_mod.cuh)
 
     FRT_DEVICE FwdRows() {
 #pragma unroll
@@ -107,6 +108,7 @@ struct FwdRows {
     // softmax (s becomes P, unnormalised; alpha the rescale of O). row_base: the thread's first row.
     template <class Tile>
     FRT_DEVICE void softmax(const Tile& tile, int it, int j, int row_base, int t, float scale_log2) {
+        cap_scores();
         if (tile.needs_mask(it, j)) {
             const int n0 = j * BN;
             if constexpr (Tile::INTERVALS) {  // keys [lo, hi) of the tile per row
@@ -137,6 +139,7 @@ struct FwdRows {
     template <int JLO, int JHI, class Tile>
     FRT_DEVICE void softmax_diagonal(const Tile& tile, int j, int row_base, int t, float scale_log2) {
         static_assert(Tile::ROW_LIMIT && 0 <= JLO && JLO <= JHI && JHI <= BN / 8, "softmax_diagonal: causal key groups");
+        cap_scores<JHI>();
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int hi = tile.key_limit(row_base + 8 * hh) - j * BN - 2 * t;  // in columns 8 jj + e
@@ -149,13 +152,23 @@ struct FwdRows {
         online<JHI>(scale_log2);
     }
 
+    // FRT_SOFTCAP: the scores of the key groups jj < JHI become tanh(s / cap), before any mask (online folds the cap
+    // into the scale: score_mod.cuh, Softcap::scale_of). Every caller of online runs it first.
+    template <int JHI = BN / 8>
+    FRT_DEVICE void cap_scores() {
+        if constexpr (FRT_SOFTCAP) {
+#pragma unroll
+            for (int i = 0; i < 4 * JHI; ++i) s[i] = cap.tanh_of(s[i]);
+        }
+    }
+
     // The online softmax of the scores in s, the key groups jj < JHI (s becomes P, unnormalised; alpha the rescale
     // of O); the groups from JHI on are masked for every row here, and their P is 0.
     template <int JHI = BN / 8>
     FRT_DEVICE void online(float scale_log2) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            alpha[hh] = online_row<JHI>(row_max[hh], row_sum[hh], scale_log2,
+            alpha[hh] = online_row<JHI>(row_max[hh], row_sum[hh], cap.scale_of(scale_log2),
                                         [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; });
 #pragma unroll
             for (int jj = JHI; jj < BN / 8; ++jj) s[4 * jj + 2 * hh] = s[4 * jj + 2 * hh + 1] = 0.f;

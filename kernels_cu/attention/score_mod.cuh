@@ -1,0 +1,52 @@
+// Score modifications on the raw scores s = q . k (before the softmax's scale), one definition for every kernel
+// that computes scores (spec.SOFTCAP_FAMILIES). Elementwise: they need no (row, column) mapping, so they apply to
+// any accumulator layout, the backward's transposed scores included.
+//
+// Softcap (FRT_SOFTCAP; FwdParams / BwdParams::softcap = c / softmax_scale): s becomes cap tanh(s / cap), so that
+// the scaled score x = scale s becomes c tanh(x / c). The forward applies it before the online softmax; the
+// backward recomputes it before P and multiplies dS by its derivative, 1 - tanh^2.
+#pragma once
+#include "common/common.cuh"
+
+#ifndef FRT_SOFTCAP
+#define FRT_SOFTCAP 0
+#endif
+#ifndef FRT_TANH_EXACT
+#define FRT_TANH_EXACT 0
+#endif
+
+namespace frt {
+
+// tanh.approx.f32: one MUFU op, relative error <= 2^-10.99, as FlashAttention-2/3 take it (cutlass fast_tanh;
+// perf-notes.md, "Softcap": the cost and accuracy measured). FRT_TANH_EXACT=1 (an A/B of scripts/probes/score_mod_cost.py
+// --tanh-exact, not a variant of its own): 1 - 2 / (2^(2 x log2 e) + 1), two MUFU ops, absolute error ~1e-7.
+FRT_DEVICE float tanh_fast(float x) {
+    if constexpr (FRT_TANH_EXACT) {
+        return 1.f - 2.f * fast_rcp(fast_exp2(x * (2.f * kLog2e)) + 1.f);
+    } else {
+        float r;
+        asm("tanh.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+        return r;
+    }
+}
+
+struct Softcap {
+    float cap = 0.f, inv = 0.f, per_log2 = 0.f;  // cap, 1 / cap, 1 / (scale_log2 cap)
+    Softcap() = default;
+    FRT_DEVICE Softcap(float c, float scale_log2) : cap(c), inv(1.f / c), per_log2(1.f / (scale_log2 * c)) {}
+
+    FRT_DEVICE float tanh_of(float s) const { return tanh_fast(s * inv); }
+    // The forward keeps tanh(s / cap) as its scores (taken before the mask: no -inf test) and folds cap into the
+    // exponent's scale: exp2(cap tanh * scale_log2 - m) with one multiply fewer per score.
+    FRT_DEVICE float scale_of(float scale_log2) const { return FRT_SOFTCAP ? cap * scale_log2 : scale_log2; }
+    // The capped score; a hidden pair's -inf stays -inf.
+    FRT_DEVICE float apply(float s) const { return s == -FRT_INF ? s : cap * tanh_of(s); }
+    // 1 - tanh^2 of the pair whose P = exp2(capped * scale_log2 - lse2) is `prob` (recovered from P, for a kernel
+    // that keeps no copy of the scores until dS): any finite value where P = 0 (dS is 0 there), never NaN.
+    FRT_DEVICE float grad_from_p(float prob, float lse2) const {
+        const float th = (fast_log2(fmaxf(prob, 1e-30f)) + lse2) * per_log2;
+        return prob > 0.f ? 1.f - th * th : 0.f;
+    }
+};
+
+}  // namespace frt
