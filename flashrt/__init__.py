@@ -25,15 +25,16 @@ def synchronize() -> None:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, impl="auto", deterministic=True,
-              softcap=None, sinks=None, validate=True, **mask_args):
+              softcap=None, alibi_slopes=None, sinks=None, validate=True, **mask_args):
     """Differentiable attention for torch tensors (imports torch on first use).
 
     A torch custom op with an autograd formula: works under torch.compile(fullgraph=True),
     CUDA graphs, activation checkpointing and autocast. Takes flashrt.forward's mask
     arguments (window, seqlens_*, cu_seqlens_*, block_ids_*, segment_ids_*). For torch's
     SDPA layout and signature, see flashrt.torch.scaled_dot_product_attention. softcap: scores capped to
-    softcap * tanh(score / softcap); sinks: (H,) attention-sink logits (flashrt.forward), a differentiable tensor of
-    any floating dtype.
+    softcap * tanh(score / softcap); alibi_slopes: (H,) or (B, H) ALiBi slopes (flashrt.forward) of any floating
+    dtype, not differentiable (pass alibi_slopes.detach()); sinks: (H,) attention-sink logits (flashrt.forward), a
+    differentiable tensor of any floating dtype.
     """
     try:
         from .torch_ops import attention as _attention
@@ -42,7 +43,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, im
             raise
         raise _torch_missing("flashrt.attention") from exc
     return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, impl=impl,
-                      deterministic=deterministic, softcap=softcap, sinks=sinks, validate=validate, **mask_args)
+                      deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                      validate=validate, **mask_args)
 
 
 def _install_hint(extra: str) -> str:

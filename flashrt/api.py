@@ -112,9 +112,9 @@ def _as_batch(a: Array) -> Array:
     return dataclasses.replace(a, shape=(1, *a.shape), strides=(0, *a.strides)) if len(a.shape) == 3 else a
 
 
-def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False):
-    """tiles.kernel_for with this call's dtype, mask and softcap."""
-    return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap)
+def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False, alibi: bool = False):
+    """tiles.kernel_for with this call's dtype, mask, softcap and ALiBi."""
+    return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi)
 
 
 def _check_softcap(softcap) -> float:
@@ -126,6 +126,39 @@ def _check_softcap(softcap) -> float:
         raise ValueError(f"softcap must be a finite positive number (scores become softcap * tanh(score / softcap)) "
                          f"or None, got {softcap!r}")
     return float(softcap)
+
+
+def _check_score_mods(softcap: float, alibi_slopes) -> None:
+    """The score modifications' combinations that the kernels have (softcap: _check_softcap's float)."""
+    if softcap and alibi_slopes is not None:
+        raise ValueError("softcap and alibi_slopes together are not supported yet")
+
+
+def _alibi_kind(alibi_slopes) -> int:
+    """What a plan depends on of alibi_slopes besides its layout: 0 none, 1 (H,), 2 (B, H), -1 another (its plan's
+    build raises)."""
+    if alibi_slopes is None:
+        return 0
+    ndim = getattr(alibi_slopes, "ndim", -1)
+    return ndim if ndim in (1, 2) else -1
+
+
+def _check_alibi(A: Array, Q: Array, H: int, B: int) -> int:
+    """ALiBi slopes for q's H heads and B batch entries (packed varlen: sequences); returns the kernels'
+    alibi_bstride (H for (B, H) slopes, 0 for (H,))."""
+    if A.shape not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes must have shape ({H},) or ({B}, {H}) (a slope per query head, or per batch "
+                         f"entry{' (sequence)' if len(Q.shape) == 3 else ''} and query head), got {A.shape}")
+    if A.lib != Q.lib or A.device != Q.device:
+        raise ValueError(f"alibi_slopes must be a {Q.lib} array on cuda:{Q.device} like q, got {A.lib} on "
+                         f"{'cuda:%d' % A.device if A.device >= 0 else 'the host'}")
+    if A.dtype != "float32":
+        raise ValueError(f"alibi_slopes must be float32, got {A.dtype}: pass alibi_slopes.float() / "
+                         f"alibi_slopes.astype(cupy.float32)")
+    contiguous = (H, 1)[-len(A.shape):]
+    if any(n > 1 and st != c for n, st, c in zip(A.shape, A.strides, contiguous)):
+        raise ValueError(f"alibi_slopes must be contiguous, got strides {A.strides}; pass alibi_slopes.contiguous()")
+    return H if len(A.shape) == 2 else 0
 
 
 def _classify(p: dict, m: masks.Masking, H: int, dev, *needs) -> tuple:
@@ -230,12 +263,17 @@ MASK_DOC = """
 """
 
 
-def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, softcap: float | None = None, sinks=None,
-            validate=True, **mask_args):
+def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, softcap: float | None = None,
+            alibi_slopes=None, sinks=None, validate=True, **mask_args):
     """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library.
 
     softcap: c > 0 caps every scaled score x (softmax_scale * q.k) to c * tanh(x / c) before the softmax (Gemma 2,
     Grok); pass the same to backward.
+    alibi_slopes: optional float32 (H,) or (B, H) slopes (packed varlen: B = the sequences, len(cu_seqlens_q) - 1),
+    contiguous, on q's device: the scaled score x of query i and key j becomes x - slope[b, h] * |j - i - shift|,
+    shift the causal alignment's offset of that sequence (Lk - Lq, its own lengths with seqlens / varlen; 0 with
+    causal="top_left"), causal or not (ALiBi, as FlashAttention-2's alibi_slopes). Not with softcap; pass the same to
+    backward.
     sinks: optional (H,) float32 attention-sink logits, one per query head in the scaled scores' units: each joins
     every row's softmax denominator and adds no value (gpt-oss). lse includes it; a row that sees no key then gets
     out = 0 and lse = its head's sink (padding rows past seqlens_q too; packed varlen rows outside every sequence
@@ -244,10 +282,12 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, softca
     masks.check_names(mask_args, "forward")
     mode = masks.validate_mode(validate)
     cap = _check_softcap(softcap)
-    tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
-    result = _planned("forward", tensors, (causal, softmax_scale, cap), mask_args, mode,
+    _check_score_mods(cap, alibi_slopes)
+    tensors = (q, k, v) + (() if sinks is None else (sinks,)) + (() if alibi_slopes is None else (alibi_slopes,))
+    alibi = _alibi_kind(alibi_slopes)
+    result = _planned("forward", tensors, (causal, softmax_scale, cap, sinks is not None, alibi), mask_args, mode,
                       lambda tensors: _forward_plan(tensors, causal, softmax_scale, mode, mask_args, sinks is not None,
-                                                    cap))
+                                                    cap, bool(alibi)))
     return result[0], result[1]  # (mask_mod's tile lists follow out and lse)
 
 
@@ -260,12 +300,13 @@ def _check_sinks(S: Array, Q: Array, H: int) -> None:
 
 
 def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, sinks: bool = False,
-                  softcap: float = 0.0) -> "_Plan":
+                  softcap: float = 0.0, alibi: bool = False) -> "_Plan":
     q, k, v = tensors[:3]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
     if sinks:
         _check_sinks(interop.describe(tensors[3], "sinks"), Q, H)
+    bstride = _check_alibi(interop.describe(tensors[3 + sinks], "alibi_slopes"), Q, H, m.B) if alibi else 0
     scale = _scale(softmax_scale, D)
     # Varlen: rows outside every sequence are not written by the kernel: zeros, lse -inf. Nothing to
     # attend to: out = 0, lse = -inf, no launch.
@@ -278,12 +319,12 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
                              "one key")
         return _Plan([], (), allocs, [], None)
     from . import decoding  # (it imports this module)
-    if not sinks and not softcap and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
+    if not (sinks or softcap or alibi) and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
         return decoding.forward_plan(Q4, K4, V4, m, scale)
     dev = launch.device(Q.device)
-    spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev, bool(softcap))
-    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, softcap=softcap / scale, **m.kernel_fields(H),
-             **_contiguous_fields("o", Q.shape))
+    spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev, bool(softcap), alibi)
+    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=bstride,
+             **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     if spec.family in ("fwd_sm90", "fwd_sm90_ws"):
         p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
@@ -294,7 +335,8 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
             p["use_tma"] = 1
             maps = [(0, f"{n}_map", n, tma.TileMap(n, a.shape, a.strides, rows))
                     for n, a, rows in (("q", Q4, spec.block_m), ("k", K4, spec.block_n), ("v", V4, spec.block_n))]
-    inputs = ("q", "k", "v", *(("sinks",) if sinks else ()), *(f for f, _ in _mask_arrays(mask_args)))
+    inputs = ("q", "k", "v", *(("sinks",) if sinks else ()), *(("alibi",) if alibi else ()),
+              *(f for f, _ in _mask_arrays(mask_args)))
     structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count),
                                                                                  0)], ()
     if m.mask_mod:
@@ -326,11 +368,12 @@ def _check_impl(impl: str) -> None:
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | None = None, impl: str = "auto",
-             deterministic: bool = True, softcap: float | None = None, sinks=None, validate=True, **mask_args):
+             deterministic: bool = True, softcap: float | None = None, alibi_slopes=None, sinks=None, validate=True,
+             **mask_args):
     """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v), and with
     `sinks` (the forward's) their gradient too: (dq, dk, dv, dsinks), dsinks (H,) fp32.
 
-    Pass the same mask arguments, softcap and sinks as to forward.
+    Pass the same mask arguments, softcap, alibi_slopes and sinks as to forward (the slopes get no gradient).
     impl="split": a dQ kernel over query tiles and a dK/dV kernel over key tiles, no atomics.
     impl="fused": one kernel over key tiles that also adds dQ up in an fp32 buffer with
     atomics (5 matmuls instead of 7). With deterministic=True the key tiles add in a fixed
@@ -345,9 +388,12 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
         Q = interop.describe(q, "q")
         _check_sinks(interop.describe(sinks, "sinks"), Q, Q.shape[-2] if len(Q.shape) > 1 else 0)
     cap = _check_softcap(softcap)
-    result = _planned("backward", (dout, q, k, v, out, lse), (causal, softmax_scale, impl, deterministic, cap),
-                      mask_args, mode, lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl,
-                                                                      deterministic, mode, mask_args, cap))
+    _check_score_mods(cap, alibi_slopes)
+    tensors = (dout, q, k, v, out, lse) + (() if alibi_slopes is None else (alibi_slopes,))
+    alibi = _alibi_kind(alibi_slopes)
+    result = _planned("backward", tensors, (causal, softmax_scale, impl, deterministic, cap, alibi), mask_args, mode,
+                      lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic, mode,
+                                                     mask_args, cap, bool(alibi)))
     if sinks is None:
         return result[0], result[1], result[2]  # (the scratch arrays follow)
     return result[0], result[1], result[2], _sink_grad(sinks, lse, result[3] if len(result) > 3 else None)
@@ -379,7 +425,7 @@ def _sink_grad_of(sinks, lse, delta):
 
 
 def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, mode: int,
-                   mask_args: dict, softcap: float = 0.0) -> "_Plan":
+                   mask_args: dict, softcap: float = 0.0, alibi: bool = False) -> "_Plan":
     _check_impl(impl)
     dout, q, k, v, out, lse = tensors[:6]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
@@ -387,6 +433,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     scale = _scale(softmax_scale, D)
     dO, O, L = interop.describe(dout, "dout"), interop.describe(out, "out"), interop.describe(lse, "lse")
     _check_grad_inputs(Q, dO, O, L, m.lse_shape(H))
+    bstride = _check_alibi(interop.describe(tensors[6], "alibi_slopes"), Q, H, m.B) if alibi else 0
     if impl == "fused" and deterministic and not m.ordered_dq_ok:
         raise ValueError("impl='fused' with deterministic=True cannot order its dQ additions under segment_ids "
                          "or mask_mod masks; use impl='split' (or 'auto'), or deterministic=False")
@@ -399,18 +446,18 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         return _Plan([], (), allocs, [], None)
     rows = math.prod(m.lse_shape(H))
     scratch = [("lse2", rows), ("delta", rows)]  # fp32, in one allocation (_Alloc.parts)
-    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, softcap=softcap / scale, **m.kernel_fields(H),
-             **_contiguous_fields("dq", Q.shape), **_contiguous_fields("dk", K.shape),
+    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, softcap=softcap / scale, alibi_bstride=bstride,
+             **m.kernel_fields(H), **_contiguous_fields("dq", Q.shape), **_contiguous_fields("dk", K.shape),
              **_contiguous_fields("dv", K.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=_as_batch(dO))
 
     dev = launch.device(Q.device)
     dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
-    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits, bool(softcap))
+    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi)
     if impl == "auto":
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90",
                                    fused_family == "bwd_fused_sm90", bool(m.causal), m.Sq, m.bits, H // Hkv)
-    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, D, Q, m, dev, bool(softcap))
+    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, D, Q, m, dev, bool(softcap), alibi)
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else tiles.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
@@ -436,19 +483,20 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     rowwise = m.elementwise_fields(H)
     launches = []
     for family in families:
-        spec = _kernel_for(family, D, Q, m, dev, bool(softcap))
+        spec = _kernel_for(family, D, Q, m, dev, bool(softcap), alibi)
         if family in ELEMENTWISE:
             dims = (rowwise.get("B", m.B), H, Hkv, rowwise.get("Sq", m.Sq), rowwise.get("Sk", m.Sk))
             launches.append((spec, launch.grid(spec, *dims, dev.sm_count, splits), 1 if rowwise else 0))
         else:
             launches.append((spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, splits), 0))
-    inputs = ("dout", "q", "k", "v", "o", "lse", *(f for f, _ in _mask_arrays(mask_args)))
+    inputs = ("dout", "q", "k", "v", "o", "lse", *(("alibi",) if alibi else ()),
+              *(f for f, _ in _mask_arrays(mask_args)))
     # The row-wise families read their own copy of the struct (masks.Masking.elementwise_fields).
     structs, keep = [(params.BWD, p, {})] + ([(params.BWD, {**p, **rowwise}, {})] if rowwise else []), ()
     if m.mask_mod:
         needs = [(main, "mask_cols")]
         if impl != "fused":
-            needs.append((_kernel_for(dq_family, D, Q, m, dev, bool(softcap)), "mask_rows"))
+            needs.append((_kernel_for(dq_family, D, Q, m, dev, bool(softcap), alibi), "mask_rows"))
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, *needs))
     if mode and m.checked:

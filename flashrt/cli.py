@@ -151,20 +151,24 @@ def _check_nvrtc_arch(arch: str) -> None:
         raise CliError(f"flashrt prewarm: error: argument --arch: {exc}") from None
 
 
-def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: bool = False) -> list[KernelSpec]:
+def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: bool = False,
+           alibi: bool = False) -> list[KernelSpec]:
     """Every kernel the forward and backward passes may launch for these head_dims and dtypes, causal or not; with
     `masks` (MASK_NAMES), also every kernel of every combination of them (causal and not only if "causal" is named:
-    the unmasked ones are always both); with `softcap`, also the softcapped ones (spec.SOFTCAP_FAMILIES). mask_mod's
-    kernels need their expression: a manifest prewarms them."""
+    the unmasked ones are always both); with `softcap` / `alibi`, also the softcapped / ALiBi ones
+    (spec.SOFTCAP_FAMILIES; never both in one kernel). mask_mod's kernels need their expression: a manifest prewarms
+    them."""
     bits = [MASK_NAMES[n] for n in masks if n != "causal"]
     combos = [(0, c) for c in (False, True)]
     combos += [(sum(subset), c) for r in range(1, len(bits) + 1) for subset in itertools.combinations(bits, r)
                for c in ((False, True) if "causal" in masks else (False,))]
+    # score modifications: (softcap, alibi) of the variants of a family that computes scores
+    mods = [(False, False)] + [(True, False)] * softcap + [(False, True)] * alibi
     # (mask_mod's classifiers need an expression)
-    specs = {tiles.tiling(f, d, t, c, arch, smem_limit, mask, softcap=cap)
+    specs = {tiles.tiling(f, d, t, c, arch, smem_limit, mask, softcap=cap, alibi=ali)
              for mask, c in combos for f in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS) for d in head_dims
-             for t in dtypes for cap in ((False, True) if softcap and f in SOFTCAP_FAMILIES else (False,))
-             if tiles.applies(f, d, arch, mask, cap) and not (mask and f in ELEMENTWISE) and f != "combine_f32"}
+             for t in dtypes for cap, ali in (mods if f in SOFTCAP_FAMILIES else mods[:1])
+             if tiles.applies(f, d, arch, mask, cap, ali) and not (mask and f in ELEMENTWISE) and f != "combine_f32"}
     # (flashrt.combine of fp32 parts: no 16-bit dtype, compiled as bf16 whatever the dtypes)
     specs.add(tiles.tiling("combine_f32", 256, "bf16", False, arch, smem_limit))
     specs.update(s for d in head_dims for t in dtypes for s in tiles.decode_variants(d, t, arch, smem_limit))
@@ -259,9 +263,9 @@ def _nvrtc_version() -> str:
 
 
 def prewarm(arch: str | None, head_dims, dtypes, jobs: int, quiet: bool = False, masks=(),
-            softcap: bool = False) -> dict:
+            softcap: bool = False, alibi: bool = False) -> dict:
     arch, smem = _target(arch)
-    specs = matrix(arch, smem, head_dims, dtypes, masks, softcap)
+    specs = matrix(arch, smem, head_dims, dtypes, masks, softcap, alibi)
     if not quiet:
         print(f"flashrt {__version__}: {len(specs)} kernels for {arch} (NVRTC {_nvrtc_version()})"
               f", cache {cache.cache_dir()}")
@@ -289,7 +293,8 @@ def cmd_prewarm(args) -> int:
     tty = False if args.verbose else None  # log lines and an in-place bar do not mix
     if args.manifest is not None:
         given = [o for o, v in (("--head-dims", args.head_dims), ("--dtypes", args.dtypes), ("--masks", args.masks),
-                                 ("--softcap", args.softcap or None)) if v is not None]
+                                 ("--softcap", args.softcap or None), ("--alibi", args.alibi or None))
+                 if v is not None]
         if given:
             raise CliError(f"flashrt prewarm: error: --manifest compiles exactly the manifest's variants; drop "
                            f"{' and '.join(given)}")
@@ -302,7 +307,7 @@ def cmd_prewarm(args) -> int:
         head_dims = args.head_dims if args.head_dims is not None else list(HEAD_DIMS)
         dtypes = args.dtypes if args.dtypes is not None else list(DTYPES)
         arch, smem = _target(args.arch)
-        specs = matrix(arch, smem, head_dims, dtypes, args.masks or (), args.softcap)
+        specs = matrix(arch, smem, head_dims, dtypes, args.masks or (), args.softcap, args.alibi)
         label = f"for {arch}"
     if args.list:
         for s in specs:
@@ -526,6 +531,8 @@ def _parser() -> argparse.ArgumentParser:
                         f"--manifest)")
     p.add_argument("--softcap", action="store_true", help="also the variants with a softcap (flashrt.forward's "
                                                           "softcap=)")
+    p.add_argument("--alibi", action="store_true", help="also the variants with ALiBi (flashrt.forward's "
+                                                        "alibi_slopes=)")
     p.add_argument("--manifest", metavar="PATH", help="compile exactly the variants of this JSON manifest "
                                                       "(FLASHRT_RECORD, flashrt cache export)")
     p.add_argument("--jobs", type=jobs_type, default=os.cpu_count() or 1, help="compiles at once (default: CPUs)")

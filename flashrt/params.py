@@ -54,6 +54,8 @@ _DIMS = [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "Sk", "win_left", "win_right
 _MOD = ([(n, _PTR) for n in ("mod_map", "mod_rows", "mod_rows_count", "mod_cols", "mod_cols_count", "mod_t0", "mod_t1",
                              "mod_t2", "mod_t3")]
         + [("mod_heads", _I32), ("mod_batches", _I32)])
+# ALiBi's slopes (null: none) and their batch stride (H for (B, H) slopes, 0 for (H,)), last in both structs.
+_ALIBI = [("alibi", _PTR), ("alibi_bstride", _I32)]
 
 FWD = np.dtype(
     [(n, _MAP) for n in ("q_map", "k_map", "v_map")]
@@ -63,7 +65,8 @@ FWD = np.dtype(
     + _STATS + _DIMS
     + [("scale_log2", _F32)]
     + _MOD
-    + [("sched_pairs", _I32), ("sched", _PTR), ("use_tma", _I32), ("sinks", _PTR), ("softcap", _F32)],
+    + [("sched_pairs", _I32), ("sched", _PTR), ("use_tma", _I32), ("sinks", _PTR), ("softcap", _F32)]
+    + _ALIBI,
     align=True,
 )
 # The C struct's size is a multiple of its alignment, 64 with the maps (numpy's align=True goes to 8).
@@ -79,7 +82,8 @@ BWD = np.dtype(
     + _STATS + _DIMS
     + [("scale_log2", _F32), ("scale", _F32)]
     + _MOD
-    + [("softcap", _F32)],
+    + [("softcap", _F32)]
+    + _ALIBI,
     align=True,
 )
 

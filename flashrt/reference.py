@@ -58,13 +58,56 @@ def visible(B, Sq, Sk, *, causal=False, align="bottom_right", window=(-1, -1), s
     return keep
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None, sinks=None, softcap=None):
+def alibi_bias(B, Sq, Sk, slopes, *, align="bottom_right", seqlens_q=None, seqlens_k=None, cu_seqlens_q=None,
+               cu_seqlens_k=None, xp=None):
+    """ALiBi's additive bias (B, H, Sq, Sk) in float64 (flashrt.forward's alibi_slopes), for attention's `bias`.
+
+    Query i and key j of batch entry b gain -slopes[b, h] * |j - i - shift|, with `visible`'s shift (causal or not):
+    seqlens_k[b] - seqlens_q[b] (default: Sk - Sq) when aligned "bottom_right", 0 when "top_left". slopes: (H,) or
+    (B, H).
+    Packed varlen (cu_seqlens_q/k, the (B + 1,) offsets of flashrt.forward): the packed rows as one batch entry (B = 1,
+    Sq = total_q, Sk = total_k), slopes (H,) or (sequences, H); i and j count from their sequence's start, the shift
+    and slopes are those of query i's sequence (pairs across sequences get a value too: `visible` with segment ids
+    hides them).
+    """
+    import numpy
+    xp = xp or numpy
+    if align not in ("bottom_right", "top_left"):
+        raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
+    slopes = xp.asarray(slopes, dtype=xp.float64)
+    H = slopes.shape[-1]
+    i = xp.arange(Sq).reshape(1, 1, Sq, 1)
+    j = xp.arange(Sk).reshape(1, 1, 1, Sk)
+    if cu_seqlens_q is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the packed rows are one batch entry: B must be 1, got {B}")
+        cu_q, cu_k = (xp.asarray(c, dtype=xp.int64).reshape(-1) for c in (cu_seqlens_q, cu_seqlens_k))
+        n = cu_q.shape[0] - 1
+        seq = xp.clip(xp.searchsorted(cu_q, xp.arange(Sq), side="right") - 1, 0, n - 1)  # query i's sequence
+        lq, lk = (cu_q[1:] - cu_q[:-1])[seq], (cu_k[1:] - cu_k[:-1])[seq]
+        shift = (lk - lq if align == "bottom_right" else xp.zeros_like(lq)).reshape(1, 1, Sq, 1)
+        i, j = i - cu_q[seq].reshape(1, 1, Sq, 1), j - cu_k[seq].reshape(1, 1, Sq, 1)
+        slope = (slopes if slopes.ndim == 1 else slopes[seq]).reshape(-1, H).T.reshape(1, H, -1, 1)
+    else:
+        lq = xp.asarray(seqlens_q if seqlens_q is not None else [Sq] * B).reshape(B, 1, 1, 1)
+        lk = xp.asarray(seqlens_k if seqlens_k is not None else [Sk] * B).reshape(B, 1, 1, 1)
+        shift = lk - lq if align == "bottom_right" else xp.zeros_like(lk)
+        slope = slopes.reshape(-1, H, 1, 1)
+    return -slope * xp.abs(j - i - shift)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None, sinks=None, softcap=None,
+              alibi_slopes=None, bias=None):
     """Returns (out, lse) and, when dout is given, (out, lse, dq, dk, dv) (and dsinks with sinks); all float64.
 
     mask: optional bool array broadcastable to (B, H, Sq, Sk) (see `visible`), applied on
     top of `causal`; False hides a key from a query.
     sinks: optional (H,) logits, one more column of every row's softmax with no value (flashrt.forward's sinks).
     softcap: optional c > 0: every scaled score x becomes c * tanh(x / c) before the mask and the softmax.
+    alibi_slopes: optional (H,) or (B, H) ALiBi slopes: every scaled score x (after softcap) of query i and key j
+    becomes x - slope[b, h] * |j - i - (Sk - Sq)| (alibi_bias with its defaults: the whole extents, bottom-right, as
+    `causal`). For other lengths (seqlens, packed varlen) or causal="top_left", pass alibi_bias(...) as `bias`.
+    bias: optional float array broadcastable to (B, H, Sq, Sk), added to the scaled scores (after softcap).
     """
     xp = _xp(q)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
@@ -78,6 +121,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     if softcap is not None:
         th = xp.tanh(s / softcap)
         s, cap_grad = softcap * th, 1.0 - th * th
+    if alibi_slopes is not None:
+        s = s + alibi_bias(B, Sq, Sk, alibi_slopes, xp=xp)
+    if bias is not None:
+        s = s + xp.asarray(bias, dtype=xp.float64)
     keep = xp.ones((Sq, Sk), dtype=bool)
     if causal:  # bottom-right aligned: query i sees key j iff j <= i + Sk - Sq
         keep = xp.arange(Sk)[None, :] <= xp.arange(Sq)[:, None] + (Sk - Sq)

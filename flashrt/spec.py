@@ -57,7 +57,7 @@ PACKED_ROWS = ("decode",)
 KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90", "bwd_fused_sm90")
 # Query-parallel families: grid over query tiles (QueryTile in params.cuh).
 QUERY_PARALLEL = ("fwd", "fwd_sm90", "fwd_sm90_ws", "bwd_dq", "bwd_dq_sm90")
-# Families that apply a softcap to the scores when compiled with it (kernels_cu/attention/score_mod.cuh: Softcap).
+# Families that apply a softcap (or ALiBi) to the scores when compiled with it (kernels_cu/attention/score_mod.cuh).
 SOFTCAP_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
 # wgmma families (sm_90a only; kernels_cu/common/wgmma.cuh) and the head_dims each has a variant at (layout_problem
 # rejects the others; tiles.applies chooses among them).
@@ -124,6 +124,7 @@ class KernelSpec:
     mod_tensors: tuple = ()         # names the expression gives its int32 tensors, in order
     min_blocks: int = 1             # blocks per SM the registers must allow (__launch_bounds__; 1: no cap)
     softcap: bool = False           # scores capped by c tanh(s / c) (SOFTCAP_FAMILIES; c is a run-time argument)
+    alibi: bool = False             # ALiBi: scores less slope * |j - i - shift| (SOFTCAP_FAMILIES; slopes at run time)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -148,6 +149,10 @@ class KernelSpec:
             raise ValueError(f"{self.family} reads no attention inputs: it takes no mask")
         if self.softcap and self.family not in SOFTCAP_FAMILIES:
             raise ValueError(f"{self.family} computes no scores: it takes no softcap")
+        if self.alibi and self.family not in SOFTCAP_FAMILIES:
+            raise ValueError(f"{self.family} computes no scores: it takes no ALiBi")
+        if self.alibi and self.softcap:
+            raise ValueError("softcap and alibi together are not supported yet")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
             raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
         problem = self.layout_problem()
@@ -169,6 +174,8 @@ class KernelSpec:
             mask += hashlib.sha256(repr((self.mask_mod, self.mod_tensors)).encode()).hexdigest()[:12]
         if self.softcap:
             mask += "_cap"
+        if self.alibi:
+            mask += "_alibi"
         what = self.family if self.family in CLASSIFY else f"{self.family}_hd{self.head_dim}_{self.dtype}"
         occupancy = f"b{self.min_blocks}" if self.min_blocks > 1 else ""
         return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}{occupancy}_{self.arch}"
@@ -293,6 +300,7 @@ class KernelSpec:
             "FRT_SMEM_BYTES": self.smem_bytes,
             "FRT_MASK": self.mask,
             "FRT_SOFTCAP": int(self.softcap),
+            "FRT_ALIBI": int(self.alibi),
             **FAMILIES[self.family][2],
         }
         if self.family == "mask_map":

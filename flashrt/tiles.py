@@ -48,16 +48,17 @@ _SM90_MASK_LIMITS = {
 }
 
 
-# Softcap variants not chosen: family -> head_dims above which its softcapped kernel spills (the wgmma fused
-# backward at head_dim 128: 4-28 bytes at 255 registers, NVRTC 12.9; the split pair runs instead).
-_SOFTCAP_MAX_HEAD_DIM = {"bwd_fused_sm90": 64}
+# Score-modification variants (softcap, ALiBi) not chosen: family -> head_dims above which its kernel with either
+# spills (the wgmma fused backward at head_dim 128: softcap 4-28 bytes, ALiBi with masks 24-32, at 255 registers,
+# NVRTC 12.9; the split pair runs instead).
+_SCORE_MOD_MAX_HEAD_DIM = {"bwd_fused_sm90": 64}
 
 
-def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool = False) -> bool:
-    """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS) (and softcap); wgmma families:
-    sm_90a, spec.SM90_HEAD_DIMS (the head_dims they have a variant at, which KernelSpec checks), _SM90_MASK_LIMITS,
-    _SOFTCAP_MAX_HEAD_DIM."""
-    if softcap and head_dim > _SOFTCAP_MAX_HEAD_DIM.get(family, 256):
+def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool = False, alibi: bool = False) -> bool:
+    """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS) (and softcap or ALiBi); wgmma
+    families: sm_90a, spec.SM90_HEAD_DIMS (the head_dims they have a variant at, which KernelSpec checks),
+    _SM90_MASK_LIMITS, _SCORE_MOD_MAX_HEAD_DIM."""
+    if (softcap or alibi) and head_dim > _SCORE_MOD_MAX_HEAD_DIM.get(family, 256):
         return False
     if family not in SM90_HEAD_DIMS:
         return True
@@ -92,10 +93,12 @@ def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> 
                  for sm90, mma in (("bwd_dq_sm90", "bwd_dq"), ("bwd_dkdv_sm90", "bwd_dkdv")))
 
 
-def fused_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, softcap: bool = False) -> str:
+def fused_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, softcap: bool = False,
+                 alibi: bool = False) -> str:
     """The fused backward's kernel family: the wgmma one (bwd_fused_sm90, head_dim 64 / 128) on Hopper where it fits
-    (and has a softcap variant: _SOFTCAP_MAX_HEAD_DIM), else the mma.sync one (FLASHRT_NO_SM90=1: always)."""
-    sm90 = (applies("bwd_fused_sm90", head_dim, arch, mask, softcap)
+    (and has a softcap / ALiBi variant: _SCORE_MOD_MAX_HEAD_DIM), else the mma.sync one
+    (FLASHRT_NO_SM90=1: always)."""
+    sm90 = (applies("bwd_fused_sm90", head_dim, arch, mask, softcap, alibi)
             and _sm90_fits("bwd_fused_sm90", head_dim, arch, smem_limit, _env.no_sm90(), mask))
     return "bwd_fused_sm90" if sm90 else "bwd_fused"
 
@@ -213,16 +216,17 @@ _PREFERENCES = {
     "combine": [(256, [(0, 0, 8)])],
     "combine_f32": [(256, [(0, 0, 8)])],
 }
-# Tilings with element masks beyond lengths (window, block / segment ids): family -> buckets as in _PREFERENCES,
-# replacing that family's for such masks. Chosen by spills: the mask predicate's registers make some preferred
-# tilings spill (NVRTC 12.9, tests/test_compile.py); these replace them for masked variants.
-# Tilings of softcapped variants (spec.KernelSpec.softcap), family -> buckets as in _PREFERENCES, replacing the
-# family's: the derivative's registers make these preferred tilings spill (NVRTC 12.9, tests/test_compile.py):
-# bwd_dq 64x32 at head_dim 256 causal (24 bytes), bwd_fused 64x128 at 96 (4 bytes) and at 128 with masks (8 bytes).
-_SOFTCAP_PREFERENCES = {
+# Tilings of softcap and ALiBi variants (spec.KernelSpec.softcap, alibi), family -> buckets as in _PREFERENCES,
+# replacing the family's: the modification's registers make these preferred tilings spill (NVRTC 12.9,
+# tests/test_compile.py): bwd_dq 64x32 at head_dim 256 causal (softcap and ALiBi 24 bytes, sm_80), bwd_fused 64x128
+# at 96 (softcap 4 bytes) and at 128 with masks (8 bytes).
+_SCORE_MOD_PREFERENCES = {
     "bwd_dq": [(128, [(64, 64, 4)]), (224, [(128, 32, 8), (64, 32, 4)]), (256, [(128, 32, 8), (64, 16, 4)])],
     "bwd_fused": [(128, [(64, 64, 8)]), (256, [(64, 64, 8), (64, 32, 8), (32, 64, 8)])],
 }
+# Tilings with element masks beyond lengths (window, block / segment ids): family -> buckets as in _PREFERENCES,
+# replacing that family's for such masks. Chosen by spills: the mask predicate's registers make some preferred
+# tilings spill (NVRTC 12.9, tests/test_compile.py); these replace them for masked variants.
 _MASKED_PREFERENCES = {
     "fwd": [(192, [(128, 64, 8), (64, 64, 4)]), (256, [(64, 32, 4)])],
     # (the head_dim 64 dQ at two blocks per SM spills 8-156 bytes with window, block or segment ids)
@@ -278,16 +282,16 @@ class TilingError(RuntimeError):
     """No tiling of a kernel fits the device."""
 
 
-def candidates(family: str, head_dim: int, mask: int = 0,
-               softcap: bool = False) -> list[tuple[int, int, int, int]]:
+def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
+               alibi: bool = False) -> list[tuple[int, int, int, int]]:
     """(block_m, block_n, warps, min_blocks) of `family` at `head_dim` in order of preference."""
     table = _PREFERENCES[family]
     if mask & ~MASK_BITS["lengths"]:
         table = _MASKED_PREFERENCES.get(family, table)
     if mask & MASK_BITS["mod"]:
         table = _MOD_PREFERENCES.get(family, table)
-    if softcap:
-        table = _SOFTCAP_PREFERENCES.get(family, table)
+    if softcap or alibi:
+        table = _SCORE_MOD_PREFERENCES.get(family, table)
     for max_d, prefs in table:
         if head_dim <= max_d:
             return [(*t, 1) if len(t) == 3 else t for t in prefs + [f for f in _FALLBACKS[family] if f not in prefs]]
@@ -295,24 +299,26 @@ def candidates(family: str, head_dim: int, mask: int = 0,
 
 
 def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int,
-           mask: int = 0, mask_mod: str = "", mod_tensors: tuple = (), softcap: bool = False) -> KernelSpec:
+           mask: int = 0, mask_mod: str = "", mod_tensors: tuple = (), softcap: bool = False,
+           alibi: bool = False) -> KernelSpec:
     """The kernel of `family` for an arch and a shared-memory limit: the first of its candidates (tiles and
     warps) that is valid at this head_dim and fits `smem_limit` bytes; TilingError if none does.
 
     `mask` (spec.MASK_BITS): element masks beyond lengths take _MASKED_PREFERENCES where a family has them,
-    mask_mod _MOD_PREFERENCES; `mask_mod`, `mod_tensors`: a user's expression (spec.KernelSpec); `softcap`: the
-    score cap compiled in (families without scores ignore it).
+    mask_mod _MOD_PREFERENCES; `mask_mod`, `mod_tensors`: a user's expression (spec.KernelSpec); `softcap`, `alibi`:
+    the score cap or ALiBi compiled in (families without scores ignore them).
     kernel_for is this for a device (what a call runs); this form serves prewarm and tests, with no GPU.
     """
     elementwise = family in ELEMENTWISE
     if family in ANY_HEAD_DIM:  # (head_dim is a run-time argument there)
         head_dim = 256
-    return _first_fit(family, head_dim, smem_limit, candidates(family, head_dim, mask, softcap),
+    scores = family in SOFTCAP_FAMILIES
+    return _first_fit(family, head_dim, smem_limit, candidates(family, head_dim, mask, softcap, alibi),
                       lambda bm, bn, nw, mb: KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise,
                                                         arch, 0 if elementwise else mask,
                                                         "" if elementwise else mask_mod,
                                                         () if elementwise else tuple(mod_tensors), mb,
-                                                        softcap and family in SOFTCAP_FAMILIES))
+                                                        softcap and scores, alibi and scores))
 
 
 def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> KernelSpec:
@@ -334,10 +340,11 @@ def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> Ker
 
 @functools.cache
 def kernel_for(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0, mask_mod: str = "",
-               mod_tensors: tuple = (), softcap: bool = False) -> KernelSpec:
+               mod_tensors: tuple = (), softcap: bool = False, alibi: bool = False) -> KernelSpec:
     """The kernel of `family` that runs on the device `dev` (launch.Device): tiling for its arch and opt-in
     shared-memory limit, cached."""
-    return tiling(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask, mask_mod, mod_tensors, softcap)
+    return tiling(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask, mask_mod, mod_tensors, softcap,
+                  alibi)
 
 
 # ---------------------------------------------------------------------------
@@ -354,7 +361,7 @@ def classifier_spec(consumer: KernelSpec, family: str) -> KernelSpec:
     reads its map or lists: head_dim and dtype fixed (it reads no q/k/v), CLASSIFY_WARPS; the list makers read
     only the map, so they take no mask bits and no expression (one compile serves every mask_mod)."""
     fixed = {"family": family, "head_dim": 64, "dtype": "bf16", "warps": CLASSIFY_WARPS[family], "min_blocks": 1,
-             "softcap": False}
+             "softcap": False, "alibi": False}
     if family != "mask_map":
         fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
     return dataclasses.replace(consumer, **fixed)

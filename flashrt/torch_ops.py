@@ -63,8 +63,9 @@ _VALIDATE_OF_MODE = {mode: v for v, mode in masks.VALIDATE_MODES.items()}
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax_scale: Optional[float],
          impl: str, deterministic: bool, window: Optional[list[int]], max_seqlen_q: Optional[int],
          max_seqlen_k: Optional[int], validate: int, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
-         mod_names: str, softcap: Optional[float], sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return api.forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
+         mod_names: str, softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
+         sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return api.forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                        validate=_VALIDATE_OF_MODE[validate],
                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names))
 
@@ -78,7 +79,7 @@ def _lse_shape(q, mask_tensors):
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
-              mask_tensors, mask_mod, mod_names, softcap, sinks):
+              mask_tensors, mask_mod, mod_names, softcap, alibi_slopes, sinks):
     # api.forward allocates both outputs contiguous, whatever q's strides.
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
 
@@ -88,11 +89,13 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
          lse: torch.Tensor, causal: str, softmax_scale: Optional[float], impl: str, deterministic: bool,
          window: Optional[list[int]], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
          mask_tensors: list[Optional[torch.Tensor]], mask_mod: str, mod_names: str, softcap: Optional[float],
+         alibi_slopes: Optional[torch.Tensor],
          sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is empty (0,) without sinks (an op returns no None)."""
     # (the forward output is `o`: an argument named `out` reads as an out= variant in op schemas)
     grads = api.backward(_kernel_ready(dout), q, k, v, o, lse, softmax_scale=softmax_scale, impl=impl,
-                         deterministic=deterministic, softcap=softcap, sinks=sinks, validate=False,  # (validated)
+                         deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                         validate=False,  # (the forward validated them)
                          **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod,
                                         mod_names))
     return grads if sinks is not None else (*grads, lse.new_empty((0,)))
@@ -100,30 +103,30 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, o, lse, causal, softmax_scale, impl, deterministic, window, max_seqlen_q,
-              max_seqlen_k, mask_tensors, mask_mod, mod_names, softcap, sinks):
+              max_seqlen_k, mask_tensors, mask_mod, mod_names, softcap, alibi_slopes, sinks):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             lse.new_empty((0,) if sinks is None else sinks.shape))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, _, tensors, mask_mod,
-     mod_names, softcap, sinks) = inputs
+     mod_names, softcap, alibi_slopes, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks, *tensors)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, *tensors)
     ctx.options = (causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k)
     ctx.mod = (mask_mod, mod_names, softcap)
     # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
     ctx.mark_non_differentiable(lse)
 
 
-_NO_GRADS = (None,) * 12  # the forward op's arguments between v and sinks
+_NO_GRADS = (None,) * 13  # the forward op's arguments between v and sinks (alibi_slopes' too: the slopes take none)
 
 
 def _backward(ctx, dout, _dlse):
     # One read of saved_tensors: non-reentrant checkpointing unpacks each saved tensor once.
-    q, k, v, out, lse, sinks, *tensors = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sinks, *tensors = ctx.saved_tensors
     dq, dk, dv, dsinks = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options, tensors, *ctx.mod,
-                                                       sinks)
+                                                       alibi_slopes, sinks)
     return (dq, dk, dv, *_NO_GRADS, None if sinks is None else dsinks)
 
 
@@ -149,20 +152,21 @@ class _Eager(torch.autograd.Function):
     on the H100 host (scripts/host_overhead.py: 1233 us per call before, 1024-1145 after),
     as much as the kernels at small shapes; the ops are only needed where torch traces
     (torch.compile), so eager calls come here. The options and the mask arguments travel as one
-    tuple, the mask tensors inside it and on ctx, not as arguments of apply or saved tensors: each of
-    those costs host time on every call (docs/perf-notes.md: Host time per call). Their versions are
-    kept instead, so that one modified in place before the backward raises, as a saved tensor would.
+    tuple, the mask tensors (and ALiBi's slopes) inside it and on ctx, not as arguments of apply or
+    saved tensors: each of those costs host time on every call (docs/perf-notes.md: Host time per
+    call). Their versions are kept instead, so that one modified in place before the backward raises,
+    as a saved tensor would.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, call):
-        causal, softmax_scale, _, _, validate, mask, softcap = call
-        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
-                               validate=validate, **mask)
+        causal, softmax_scale, _, _, validate, mask, softcap, alibi_slopes = call
+        out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
+                               alibi_slopes=alibi_slopes, sinks=sinks, validate=validate, **mask)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call
-        if mask:
-            ctx.versions = _versions(mask)
+        if mask or alibi_slopes is not None:
+            ctx.versions = _versions(mask, alibi_slopes)
         # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled lse gradient per backward (an allocation and a fill)
@@ -173,19 +177,20 @@ class _Eager(torch.autograd.Function):
         if dout is None:  # out took no part in the loss
             return None, None, None, None, None
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        causal, softmax_scale, impl, deterministic, _, mask, softcap = ctx.call
-        if mask and _versions(mask) != ctx.versions:
-            raise RuntimeError("a mask tensor given to flashrt attention was modified in place after the forward; "
-                               "the backward needs the values the forward used (pass a copy, or modify a clone)")
+        causal, softmax_scale, impl, deterministic, _, mask, softcap, alibi_slopes = ctx.call
+        if (mask or alibi_slopes is not None) and _versions(mask, alibi_slopes) != ctx.versions:
+            raise RuntimeError("a mask tensor or alibi_slopes given to flashrt attention was modified in place after "
+                               "the forward; the backward needs the values the forward used (pass a copy, or modify a "
+                               "clone)")
         grads = api.backward(_kernel_ready(dout), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                             impl=impl, deterministic=deterministic, softcap=softcap, sinks=sinks,
-                             validate=False, **mask)  # (the forward validated the masks)
+                             impl=impl, deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes,
+                             sinks=sinks, validate=False, **mask)  # (the forward validated the masks)
         return (*grads, None) if sinks is not None else (*grads, None, None)
 
 
-def _versions(mask: dict) -> tuple:
-    """The in-place version counters of a call's mask tensors (the arrays and mask_tensors' values)."""
-    found = []
+def _versions(mask: dict, alibi_slopes=None) -> tuple:
+    """The in-place version counters of a call's mask tensors (the arrays and mask_tensors' values) and slopes."""
+    found = [] if alibi_slopes is None else [alibi_slopes._version]
     for a in mask.values():
         if isinstance(a, torch.Tensor):
             found.append(a._version)
@@ -196,12 +201,15 @@ def _versions(mask: dict) -> tuple:
 
 def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, return_lse: bool = False,
               impl: str = "auto", deterministic: bool = True, softcap: Optional[float] = None,
-              sinks: Optional[torch.Tensor] = None, validate=True, **mask_args):
+              alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None, validate=True,
+              **mask_args):
     """Differentiable attention on torch tensors (B, S, H, D); see flashrt.forward for the semantics
     and the mask arguments.
 
     `impl` and `deterministic` choose the backward kernels (see flashrt.backward).
     softcap: scores capped to softcap * tanh(score / softcap) (flashrt.forward).
+    alibi_slopes: (H,) or (B, H) ALiBi slopes (flashrt.forward), computed in fp32 whatever their floating dtype; not
+    differentiable (one that requires grad is refused: pass alibi_slopes.detach()).
     sinks: (H,) attention-sink logits (flashrt.forward), computed in fp32 whatever their dtype; differentiable.
     lse is returned without a gradient.
     """
@@ -212,23 +220,38 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
         raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
     softcap = api._check_softcap(softcap) or None  # here, not first in the backward pass
+    api._check_score_mods(softcap, alibi_slopes)
+    if alibi_slopes is not None:  # (a strided or 16-bit tensor: an fp32 contiguous copy)
+        if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
+            got = alibi_slopes.dtype if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+            raise ValueError(f"alibi_slopes must be a floating-point tensor (a slope per query head, or per batch "
+                             f"entry and query head), got {got}")
+        if alibi_slopes.requires_grad:
+            raise ValueError("alibi_slopes get no gradient from flashrt.attention, and this tensor requires one: pass "
+                             "alibi_slopes.detach() (fixed slopes), or compute the slopes' gradient elsewhere")
+        alibi_slopes = alibi_slopes.float().contiguous()
     if sinks is not None:  # (a strided or 16-bit parameter: an fp32 contiguous copy, differentiable)
         if not sinks.is_floating_point():
             raise ValueError(f"sinks must be a floating-point tensor (one logit per query head), got {sinks.dtype}")
         sinks = sinks.float().contiguous()
     scale = None if softmax_scale is None else float(softmax_scale)
     if q.is_cuda and not torch.compiler.is_compiling():
-        out, lse = _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, sinks)
+        out, lse = _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, alibi_slopes,
+                          sinks)
     else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls
-        out, lse = _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, sinks)
+        out, lse = _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, alibi_slopes,
+                           sinks)
     return (out, lse) if return_lse else out
 
 
-def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, sinks=None):
-    return _Eager.apply(q, k, v, sinks, (causal, scale, impl, bool(deterministic), validate, mask_args, softcap))
+def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, alibi_slopes=None,
+           sinks=None):
+    return _Eager.apply(q, k, v, sinks, (causal, scale, impl, bool(deterministic), validate, mask_args, softcap,
+                                         alibi_slopes))
 
 
-def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, sinks=None):
+def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, alibi_slopes=None,
+            sinks=None):
     window = mask_args.get("window")
     window = None if window is None else [int(w) for w in window]
     mask_mod, mod_tensors = mask_args.get("mask_mod"), mask_args.get("mask_tensors") or {}
@@ -237,7 +260,7 @@ def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, so
     tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS] + list(mod_tensors.values())
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
             mask_args.get("max_seqlen_k"), masks.validate_mode(validate), tensors, mask_mod or "",
-            ",".join(mod_tensors), softcap, sinks)
+            ",".join(mod_tensors), softcap, alibi_slopes, sinks)
     return torch.ops.flashrt.fwd.default(*args)
 
 

@@ -29,14 +29,16 @@ CASES = [
 
 
 def score_mod_cases():
-    """Attention sinks (softmax.cuh: add_sink) and softcap (score_mod.cuh): sm_80 and sm_90a kernels, split and
-    fused backward, rows that see no key, the sinks' gradient."""
+    """Attention sinks (softmax.cuh: add_sink), softcap and ALiBi (score_mod.cuh; (H,) and (B, H) slopes): sm_80 and
+    sm_90a kernels, split and fused backward, rows that see no key, the sinks' gradient."""
     for B, Sq, Sk, H, Hkv, D, causal in ((1, 70, 45, 4, 2, 64, True), (1, 130, 200, 2, 1, 128, False),
                                          (1, 33, 97, 2, 2, 256, True), (2, 40, 40, 2, 1, 72, True)):
         q, k, v, do = (torch.randn(B, s, h, D, device="cuda", dtype=torch.bfloat16)
                        for s, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H)))
         sinks = torch.randn(H, device="cuda")
-        for kw in (dict(sinks=sinks), dict(softcap=5.0), dict(softcap=5.0, sinks=sinks)):
+        slopes = torch.rand(B, H, device="cuda")
+        for kw in (dict(sinks=sinks), dict(softcap=5.0), dict(softcap=5.0, sinks=sinks), dict(alibi_slopes=slopes[0]),
+                   dict(alibi_slopes=slopes, sinks=sinks)):
             out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
             for impl in ("split", "fused"):
                 flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, **kw)

@@ -1,7 +1,9 @@
 """Validation and layout rules of the public API that need no GPU (array descriptors are plain data)."""
 import importlib
+import re
 import sys
 
+import numpy as np
 import pytest
 
 from flashrt import api, masks
@@ -62,6 +64,39 @@ def test_sinks_are_one_float32_logit_per_query_head():
                 arr((8,), dtype="float32", device=1), arr((8,), dtype="float32", lib="cupy")):
         with pytest.raises(ValueError, match=r"sinks must be a contiguous torch float32 array of shape \(8,\)"):
             api._check_sinks(bad, q, 8)
+
+
+def test_alibi_slopes_are_float32_per_head_or_per_batch_entry_and_head():
+    q = arr(Q)
+    assert api._check_alibi(arr((8,), dtype="float32"), q, 8, 2) == 0  # (H,): batch stride 0
+    assert api._check_alibi(arr((2, 8), dtype="float32"), q, 8, 2) == 8  # (B, H): H
+    assert api._check_alibi(arr((1, 8), strides=(3, 1), dtype="float32"), q, 8, 1) == 8  # (a size-1 axis' stride)
+    expected = r"alibi_slopes must have shape \(8,\) or \(2, 8\) \(a slope per query head, or per batch entry and "
+    for shape in ((4,), (3, 8), (8, 2), (2, 8, 1), ()):
+        with pytest.raises(ValueError, match=expected + r"query head\), got " + re.escape(str(shape))):
+            api._check_alibi(arr(shape, dtype="float32"), q, 8, 2)
+    with pytest.raises(ValueError, match=r"\(3, 8\) \(a slope per query head, or per batch entry \(sequence\) and"):
+        api._check_alibi(arr((2, 8), dtype="float32"), arr((100, 8, 64)), 8, 3)  # packed: B is the sequences
+    device = r"alibi_slopes must be a torch array on cuda:0 like q, got "
+    for bad, pattern in ((dict(dtype="bf16"), r"alibi_slopes must be float32, got bf16: pass alibi_slopes\.float\(\)"),
+                         (dict(device=1), device + "torch on cuda:1"), (dict(device=-1), device + "torch on the host"),
+                         (dict(lib="cupy"), device + "cupy"),
+                         (dict(strides=(16, 1)), r"alibi_slopes must be contiguous, got strides \(16, 1\)"),
+                         (dict(strides=(1, 2)), r"alibi_slopes must be contiguous.*alibi_slopes\.contiguous\(\)")):
+        with pytest.raises(ValueError, match=pattern):
+            api._check_alibi(arr((2, 8), **{"dtype": "float32", **bad}), q, 8, 2)
+
+
+def test_softcap_with_alibi_is_refused_before_any_work():
+    # Rejected before the inputs are even looked at (None would fail there).
+    for call in (lambda **kw: api.forward(None, None, None, **kw),
+                 lambda **kw: api.backward(None, None, None, None, None, None, **kw)):
+        with pytest.raises(ValueError, match=r"^softcap and alibi_slopes together are not supported yet$"):
+            call(softcap=30.0, alibi_slopes=object())
+        with pytest.raises(ValueError, match="softcap must be a finite positive number"):
+            call(softcap=-1.0, alibi_slopes=object())
+    # a plan never reused across what alibi_slopes is: none, (H,), (B, H)
+    assert [api._alibi_kind(x) for x in (None, np.zeros(4), np.zeros((2, 4)), np.zeros(()), [1.0])] == [0, 1, 2, -1, -1]
 
 
 def test_valid_qkv_gives_the_dimensions():

@@ -11,7 +11,7 @@ import pytest
 from conftest import HAS_GPU
 from flashrt import cache, cli, tiles
 from flashrt._version import __version__
-from flashrt.spec import MASK_BITS
+from flashrt.spec import MASK_BITS, SOFTCAP_FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 SMEM80 = cli.SMEM_OPTIN[80]
@@ -280,6 +280,26 @@ def test_masks_add_the_masked_variants(tmp_path):
     added = set(r.stdout.split()) - base
     assert len(added) == 4 * 3 and all("_full_" in n for n in added)
     assert {n for n in added if "_full_len_seg_" in n} and {n for n in added if "_full_seg_" in n}
+
+
+def test_softcap_and_alibi_add_their_variants(tmp_path):
+    args = ("prewarm", "--arch", "sm_90a", "--head-dims", "128", "--dtypes", "bf16", "--list")
+    base, mods = run(*args, cache_dir=tmp_path), run(*args, "--softcap", "--alibi", cache_dir=tmp_path)
+    assert base.returncode == 0 and mods.returncode == 0, mods.stderr
+    base = set(base.stdout.split())
+    added = set(mods.stdout.split()) - base
+    assert not list(tmp_path.rglob("*.cubin")), "--list compiled something"
+    assert all(("_cap_" in n) != ("_alibi_" in n) for n in added), added  # one or the other, never both
+    # every family that computes scores, causal and not (the wgmma fused backward has no softcap at head_dim 128);
+    # ALiBi at the plain tilings
+    for tag, skipped in (("_cap_", {"bwd_fused_sm90"}), ("_alibi_", set())):
+        names = {n for n in added if tag in n}
+        assert {n.split("_hd128")[0].removeprefix("flashrt_") for n in names} == set(SOFTCAP_FAMILIES) - skipped
+        assert len(names) == 2 * len(set(SOFTCAP_FAMILIES) - skipped)
+    assert {n.replace("_alibi_", "_") for n in added if "_alibi_" in n} <= base
+    assert tiles.tiling("bwd_dq_sm90", 128, "bf16", True, "sm_90a", cli.SMEM_OPTIN[90], alibi=True).name in added
+    assert_usage_error(run("prewarm", "--manifest", str(tmp_path / "m.json"), "--alibi", cache_dir=tmp_path),
+                       "drop --alibi")
 
 
 def test_masked_prewarm_compiles_them(tmp_path):

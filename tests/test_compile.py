@@ -65,6 +65,15 @@ def _variants():
                         if tiles.applies(family, d, arch, mask, softcap=True):
                             out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
                                                  softcap=True))
+    # ALiBi (kernels_cu/attention/score_mod.cuh: Alibi) in the same families, alone and with every built-in mask feature
+    for arch in ARCHS:
+        for family in SOFTCAP_FAMILIES:
+            for d in (d for d in (64, 96, 128, 192, 256) if tiles.applies(family, d, arch, alibi=True)):
+                for causal in (False, True):
+                    for mask in (0, sum(MASK_BITS.values()) & ~MASK_BITS["mod"]):
+                        if tiles.applies(family, d, arch, mask, alibi=True):
+                            out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
+                                                 alibi=True))
     return sorted(out, key=lambda s: s.name)
 
 

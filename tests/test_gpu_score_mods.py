@@ -1,6 +1,6 @@
 """GPU tests of the score modifications against a float64 reference: attention sinks (forward's `sinks`, backward's
-dsinks, flashrt.attention's gradient) and softcap, alone and together, on every kernel that computes scores (the
-wgmma and mma.sync ones, split and fused backward), with masks, GQA and varlen.
+dsinks, flashrt.attention's gradient), softcap and ALiBi (`alibi_slopes`), alone and with sinks, on every kernel that
+computes scores (the wgmma and mma.sync ones, split and fused backward), with masks, GQA and varlen.
 
 Run on a GPU machine with `pytest -m gpu`; they skip elsewhere.
 """
@@ -27,6 +27,15 @@ def _inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed):
     sinks = torch.randn(H, device="cuda", generator=g) * 2
     sinks[0] = 6.0  # a sink that outweighs most of its rows' keys
     return q, k, v, do, sinks
+
+
+def _slopes(torch, n, H, seed):
+    """ALiBi slopes: the geometric 2^(-8 k / H), k = 1..H, each times a random factor in [0.5, 1.5); (H,) for n = 0,
+    else (n, H) (per batch entry, or per packed sequence)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    geometric = 2.0 ** (-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+    factor = 0.5 + torch.rand(max(n, 1), H, device="cuda", generator=g)
+    return geometric * (factor[0] if n == 0 else factor)
 
 
 def _f64(x):
@@ -66,12 +75,18 @@ def _mask(torch, mask, S):
 LENGTHS_Q, LENGTHS_K = [200, 131], [260, 170]  # (the "lengths" case's valid rows and keys per batch entry)
 
 
-def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False, softcap=None):
-    """float64 (out, lse, dq, dk, dv[, dsinks]), batch-shaped like q (forward_only: (out, lse))."""
+def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False, softcap=None, alibi=None):
+    """float64 (out, lse, dq, dk, dv[, dsinks]), batch-shaped like q (forward_only: (out, lse)); alibi: the slopes
+    (each batch entry's or packed sequence's own lengths align them, bottom-right)."""
     import cupy
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
-    m = None
+    m = bias = None
+    if alibi is not None:
+        lengths = dict(seqlens_q=LENGTHS_Q, seqlens_k=LENGTHS_K) if mask == "lengths" else {}
+        if mask == "varlen":
+            lengths = dict(cu_seqlens_q=cupy.asarray(cu), cu_seqlens_k=cupy.asarray(cu))
+        bias = reference.alibi_bias(B, Sq, Sk, _f64(alibi), xp=cupy, **lengths)
     if mask == "window":
         m = reference.visible(B, Sq, Sk, window=(50, 20), xp=cupy)
     elif mask == "lengths":
@@ -82,7 +97,7 @@ def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False, 
         m = reference.visible(B, Sq, Sk, segment_ids_q=ids, segment_ids_k=ids, xp=cupy)
     causal = causal and mask != "lengths"  # (there the mask holds each batch entry's own causal alignment)
     return reference.attention(_f64(q), _f64(k), _f64(v), causal=causal, dout=None if forward_only else _f64(do),
-                               mask=m, sinks=None if sinks is None else _f64(sinks), softcap=softcap)
+                               mask=m, sinks=None if sinks is None else _f64(sinks), softcap=softcap, bias=bias)
 
 
 def _dsinks_scale(sinks, lse, dout, out):
@@ -105,7 +120,7 @@ def _id(c):
 SOFTCAP = 5.0  # (scores of N(0, 1) inputs reach ~3-4 after the scale: the cap bends them)
 
 
-@pytest.mark.parametrize("mods", ["sinks", "softcap", "softcap+sinks"])
+@pytest.mark.parametrize("mods", ["sinks", "softcap", "softcap+sinks", "alibi", "alibi+sinks"])
 @pytest.mark.parametrize("no_sm90", [False, True], ids=["default-kernels", "mma-sync"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_score_mods_match_float64_reference(torch, monkeypatch, case, no_sm90, mods):
@@ -117,11 +132,16 @@ def test_score_mods_match_float64_reference(torch, monkeypatch, case, no_sm90, m
     sinks = sinks if "sinks" in mods else None
     softcap = SOFTCAP if "softcap" in mods else None
     kw, cu = _mask(torch, mask, Sq)
+    # ALiBi: (H,) slopes for one batch entry, (B, H) for several, and one row per sequence when packed
+    n = len(cu) - 1 if cu is not None else (B if B > 1 else 0)
+    alibi = _slopes(torch, n, H, zlib.crc32(repr(case).encode()) + 1) if "alibi" in mods else None
     packed = (lambda x: x[0]) if cu is not None else (lambda x: x)  # noqa: E731
-    out, lse = flashrt.forward(*(packed(x) for x in (q, k, v)), causal=causal, softcap=softcap, sinks=sinks, **kw)
+    mod_kw = dict(softcap=softcap, alibi_slopes=alibi, sinks=sinks)
+    out, lse = flashrt.forward(*(packed(x) for x in (q, k, v)), causal=causal, **mod_kw, **kw)
     grads = {impl: flashrt.backward(packed(do), *(packed(x) for x in (q, k, v)), out, lse, causal=causal, impl=impl,
-                                    softcap=softcap, sinks=sinks, **kw) for impl in ("split", "fused")}
-    ro, rlse, rdq, rdk, rdv, *rds = _reference(torch, q, k, v, do, sinks, causal, mask, cu, softcap=softcap)
+                                    **mod_kw, **kw) for impl in ("split", "fused")}
+    ro, rlse, rdq, rdk, rdv, *rds = _reference(torch, q, k, v, do, sinks, causal, mask, cu, softcap=softcap,
+                                               alibi=alibi)
     if cu is not None:  # packed (total, H, D) and lse (H, total): as one batch entry
         out, lse = out[None], lse[None]
         grads = {i: (g[0][None], g[1][None], g[2][None], *g[3:]) for i, g in grads.items()}
@@ -196,6 +216,64 @@ def test_attention_with_softcap_and_sinks_matches_reference(torch, compiled):
                               softcap=SOFTCAP)
     for x, r in zip((out, *(t.grad for t in leaves), learned.grad), (ref[0], *ref[2:])):
         assert reference.rel_error(_f64(x), r) < 2e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_attention_with_alibi_and_sinks_matches_reference(torch, compiled):
+    """(B, H) slopes in bf16 (computed in fp32), top-left causal alignment with Sq < Sk (a shift of 0, not Sk - Sq)."""
+    B, Sq, Sk, H = 2, 192, 256, 8
+    q, k, v, do, sinks = _inputs(torch, B, Sq, Sk, H, 2, 128, "bf16", 13)
+    slopes = _slopes(torch, B, H, 13).to(torch.bfloat16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    learned = sinks.clone().requires_grad_()
+    fn = lambda *a: flashrt.attention(*a, causal="top_left", alibi_slopes=slopes, sinks=learned)  # noqa: E731
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    out = fn(*leaves)
+    out.backward(do)
+    import cupy
+    mask = reference.visible(B, Sq, Sk, causal=True, align="top_left", xp=cupy)
+    bias = reference.alibi_bias(B, Sq, Sk, _f64(slopes.float()), align="top_left", xp=cupy)
+    ref = reference.attention(*(_f64(x) for x in (q, k, v)), dout=_f64(do), sinks=_f64(sinks), mask=mask, bias=bias)
+    for x, r in zip((out, *(t.grad for t in leaves)), (ref[0], *ref[2:5])):
+        assert reference.rel_error(_f64(x), r) < 2e-2
+    scale = _dsinks_scale(sinks, ref[1], do, ref[0])
+    assert float((cupy.abs(_f64(learned.grad) - ref[5]) / scale).max()) < 1e-2
+
+
+def test_alibi_plans_follow_the_slopes_shape_and_are_not_the_sinks(torch):
+    """The plan cache tells (H,) slopes from (B, H) ones and from sinks of the same shape: each call gets its own."""
+    q, k, v, _, _ = _inputs(torch, 2, 100, 140, 4, 2, 64, "bf16", 3)
+    slopes = _slopes(torch, 0, 4, 3)
+    per_head = flashrt.forward(q, k, v, causal=True, alibi_slopes=slopes)
+    per_entry = flashrt.forward(q, k, v, causal=True, alibi_slopes=slopes.expand(2, 4).contiguous())
+    as_sinks = flashrt.forward(q, k, v, causal=True, sinks=slopes)
+    again = flashrt.forward(q, k, v, causal=True, alibi_slopes=slopes)
+    assert all(torch.equal(a, b) for a, b in zip(per_head, per_entry)) and torch.equal(per_head[0], again[0])
+    assert not torch.equal(per_head[1], as_sinks[1])
+    ref = reference.attention(*(_f64(x) for x in (q, k, v)), causal=True, alibi_slopes=_f64(slopes))
+    assert reference.rel_error(_f64(per_head[0]), ref[0]) < 2e-2
+
+
+def test_alibi_errors_are_clear(torch):
+    q, k, v, do, sinks = _inputs(torch, 2, 16, 16, 4, 2, 64, "bf16", 1)
+    slopes = _slopes(torch, 2, 4, 1)
+    for bad, pattern in ((slopes[:, :3], r"alibi_slopes must have shape \(4,\) or \(2, 4\)"),
+                         (slopes[None], r"alibi_slopes must have shape"),
+                         (slopes.half(), "alibi_slopes must be float32, got fp16"),
+                         (slopes.cpu(), "alibi_slopes must be a torch array on cuda:0 like q, got torch on the host"),
+                         (slopes.t().contiguous().t(), "alibi_slopes must be contiguous")):
+        with pytest.raises(ValueError, match=pattern):
+            flashrt.forward(q, k, v, alibi_slopes=bad)
+    out, lse = flashrt.forward(q, k, v, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\) or \(2, 4\)"):
+        flashrt.backward(do, q, k, v, out, lse, alibi_slopes=slopes[0, :2])
+    with pytest.raises(ValueError, match="softcap and alibi_slopes together are not supported yet"):
+        flashrt.forward(q, k, v, softcap=SOFTCAP, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match=r"pass alibi_slopes\.detach\(\)"):
+        flashrt.attention(q, k, v, alibi_slopes=slopes.clone().requires_grad_())
+    with pytest.raises(ValueError, match="alibi_slopes must be a floating-point tensor"):
+        flashrt.attention(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.int32, device="cuda"))
 
 
 def test_softcap_errors_are_clear(torch):

@@ -190,3 +190,103 @@ def test_softcap_caps_the_scaled_scores_and_its_gradients_match_finite_differenc
             up = loss(*args)
             args[i][idx] -= 2 * eps
             assert abs((up - loss(*args)) / (2 * eps) - grad[idx]) < 1e-6
+
+
+def _alibi_loop(q, k, v, slopes, causal, scale, shift):
+    """(out, lse) of one batch entry (S, H, D) with ALiBi, row by row: softmax over the visible keys of
+    scale * q.k - slope[h] * |j - i - shift|, causal aligned by the same shift."""
+    Sq, H, _ = q.shape
+    Sk, Hkv = k.shape[0], k.shape[1]
+    out, lse = np.zeros_like(q), np.full((H, Sq), -np.inf)
+    for h in range(H):
+        for i in range(Sq):
+            keys = [j for j in range(Sk) if not causal or j <= i + shift]
+            if not keys:
+                continue
+            s = np.array([q[i, h] @ k[j, h // (H // Hkv)] * scale - slopes[h] * abs(j - i - shift) for j in keys])
+            lse[h, i] = np.log(np.exp(s - s.max()).sum()) + s.max()
+            out[i, h] = sum(np.exp(sj - lse[h, i]) * v[j, h // (H // Hkv)] for sj, j in zip(s, keys))
+    return out, lse
+
+
+@pytest.mark.parametrize("Sq,Sk,causal", [(5, 7, False), (7, 5, True), (6, 6, True), (7, 4, False)])
+def test_alibi_matches_a_loop_and_its_gradients_finite_differences(Sq, Sk, causal):
+    rng = np.random.default_rng(5)
+    q, k, v, do = _rand(rng, 2, Sq, 4, 8), _rand(rng, 2, Sk, 2, 8), _rand(rng, 2, Sk, 2, 8), _rand(rng, 2, Sq, 4, 8)
+    slopes = 2.0 ** (-8 * np.arange(1, 5) / 4) * rng.uniform(0.5, 2.0, (2, 4))  # (B, H)
+    out, lse, dq, dk, dv = reference.attention(q, k, v, causal=causal, softmax_scale=0.3, dout=do, alibi_slopes=slopes)
+    for b in range(2):
+        want_out, want_lse = _alibi_loop(q[b], k[b], v[b], slopes[b], causal, 0.3, Sk - Sq)
+        np.testing.assert_allclose(out[b], want_out, atol=1e-12)
+        np.testing.assert_array_equal(np.isinf(lse[b]), np.isinf(want_lse))
+        np.testing.assert_allclose(lse[b][np.isfinite(lse[b])], want_lse[np.isfinite(want_lse)], atol=1e-12)
+    assert not np.allclose(out, reference.attention(q, k, v, causal=causal, softmax_scale=0.3)[0])
+
+    def loss(q_, k_, v_):
+        return float((reference.attention(q_, k_, v_, causal=causal, softmax_scale=0.3,
+                                          alibi_slopes=slopes)[0] * do).sum())
+
+    eps = 1e-6
+    for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
+        idx = (1, x.shape[1] - 1, 1, 3)
+        args = [q.copy(), k.copy(), v.copy()]
+        args[i][idx] += eps
+        up = loss(*args)
+        args[i][idx] -= 2 * eps
+        assert abs((up - loss(*args)) / (2 * eps) - grad[idx]) < 1e-6
+
+
+def test_alibi_slopes_zero_change_nothing_and_per_head_slopes_broadcast():
+    rng = np.random.default_rng(6)
+    q, k, v, do = _rand(rng, 3, 6, 4, 8), _rand(rng, 3, 9, 2, 8), _rand(rng, 3, 9, 2, 8), _rand(rng, 3, 6, 4, 8)
+    plain = reference.attention(q, k, v, causal=True, dout=do)
+    for got, want in zip(reference.attention(q, k, v, causal=True, dout=do, alibi_slopes=np.zeros(4)), plain):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-14)  # (equal but for the matmuls' summation order)
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    per_head = reference.attention(q, k, v, causal=True, dout=do, alibi_slopes=slopes)
+    per_entry = reference.attention(q, k, v, causal=True, dout=do, alibi_slopes=np.tile(slopes, (3, 1)))
+    for a, b in zip(per_head, per_entry):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-14)
+    # the bias form gives the same, and top_left alignment is a shift of 0
+    bias = reference.alibi_bias(3, 6, 9, slopes)
+    assert bias.shape == (3, 4, 6, 9) and bias[0, 1, 2, 5] == -0.25 * abs(5 - 2 - 3)
+    np.testing.assert_allclose(reference.attention(q, k, v, causal=True, bias=bias)[1], per_head[1], rtol=0, atol=1e-14)
+    assert reference.alibi_bias(1, 6, 9, slopes, align="top_left")[0, 1, 2, 5] == -0.25 * abs(5 - 2)
+
+
+def test_alibi_with_lengths_and_packed_sequences_is_each_sequence_on_its_own():
+    """alibi_bias with seqlens and with cu_seqlens: each sequence gets the bias of its own lengths (bottom-right:
+    shift Lk - Lq) and its own slopes, as that sequence alone with alibi_slopes would."""
+    rng = np.random.default_rng(7)
+    lens_q, lens_k = [3, 6, 0, 5], [7, 4, 2, 5]
+    slopes = rng.uniform(0.1, 1.0, (4, 2))  # (sequences, H)
+    seqs = [(_rand(rng, 1, lq, 2, 8), _rand(rng, 1, lk, 1, 8), _rand(rng, 1, lk, 1, 8))
+            for lq, lk in zip(lens_q, lens_k)]
+    alone = [reference.attention(q, k, v, causal=True, alibi_slopes=s[None]) if q.shape[1] else None
+             for (q, k, v), s in zip(seqs, slopes)]
+    # padding: (B, max S) with seqlens
+    Sq, Sk = max(lens_q), max(lens_k)
+    pad = lambda x, S: np.concatenate([x, np.zeros((1, S - x.shape[1], *x.shape[2:]))], axis=1)  # noqa: E731
+    q, k, v = (np.concatenate([pad(s[n], S) for s in seqs]) for n, S in ((0, Sq), (1, Sk), (2, Sk)))
+    mask = reference.visible(4, Sq, Sk, causal=True, seqlens_q=lens_q, seqlens_k=lens_k)
+    bias = reference.alibi_bias(4, Sq, Sk, slopes, seqlens_q=lens_q, seqlens_k=lens_k)
+    out, lse = reference.attention(q, k, v, mask=mask, bias=bias)
+    for b, got in enumerate(alone):
+        if got is not None:
+            np.testing.assert_allclose(out[b, :lens_q[b]], got[0][0], atol=1e-12)
+            np.testing.assert_allclose(lse[b, :, :lens_q[b]], got[1][0], atol=1e-12)
+    # packed varlen: one batch entry, sequences told apart by segment ids
+    cu_q, cu_k = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+    q, k, v = (np.concatenate([s[n] for s in seqs], axis=1) for n in range(3))
+    ids_q, ids_k = (np.repeat(np.arange(4), lens)[None] for lens in (lens_q, lens_k))
+    doc = reference.visible(1, cu_q[-1], cu_k[-1], segment_ids_q=ids_q, segment_ids_k=ids_k)
+    keep = doc.copy()  # and causal within each sequence, bottom-right aligned by its own lengths
+    for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
+        keep[0, 0, cu_q[s]:cu_q[s + 1], cu_k[s]:cu_k[s + 1]] &= j <= i + lk - lq
+    bias = reference.alibi_bias(1, cu_q[-1], cu_k[-1], slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse = reference.attention(q, k, v, mask=keep, bias=bias)
+    for s, got in enumerate(alone):
+        if got is not None:
+            np.testing.assert_allclose(out[0, cu_q[s]:cu_q[s + 1]], got[0][0], atol=1e-12)
+            np.testing.assert_allclose(lse[0, :, cu_q[s]:cu_q[s + 1]], got[1][0], atol=1e-12)

@@ -7,7 +7,8 @@ import pytest
 
 from flashrt import cache, launch, masks, params, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import ANY_HEAD_DIM, FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS, KernelSpec
+from flashrt.spec import (ANY_HEAD_DIM, FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS, SOFTCAP_FAMILIES,
+                          KernelSpec)
 
 
 def spec(**kw):
@@ -60,6 +61,26 @@ def test_tilings_for_several_blocks_per_sm_fit_their_shared_memory():
 def test_invalid_specs_are_rejected(bad):
     with pytest.raises(ValueError):
         spec(**bad)
+
+
+def test_score_mods_are_compiled_in_and_named():
+    assert spec(softcap=True).name == "flashrt_fwd_hd128_bf16_causal_cap_m128n64w8_sm_90a"
+    assert spec(alibi=True).name == "flashrt_fwd_hd128_bf16_causal_alibi_m128n64w8_sm_90a"
+    assert "-DFRT_ALIBI=1" in spec(alibi=True).options() and "-DFRT_ALIBI=0" in spec().options()
+    assert "-DFRT_SOFTCAP=0" in spec(alibi=True).options()
+    with pytest.raises(ValueError, match="softcap and alibi together are not supported yet"):
+        spec(softcap=True, alibi=True)
+    with pytest.raises(ValueError, match="bwd_preprocess computes no scores: it takes no ALiBi"):
+        KernelSpec("bwd_preprocess", 64, "bf16", 0, 0, 8, False, "sm_80", alibi=True)
+    # tiling: only the families that compute scores take it; the helper kernels never do
+    for family in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_fused", "bwd_preprocess", "bwd_dq_convert"):
+        s = tiles.tiling(family, 128, "bf16", True, "sm_80", SMEM_OPTIN[80], alibi=True)
+        assert s.alibi == (family in SOFTCAP_FAMILIES) and not s.softcap
+        if s.alibi:  # the plain tiling (no table of its own yet)
+            plain = tiles.tiling(family, 128, "bf16", True, "sm_80", SMEM_OPTIN[80])
+            assert dataclasses.replace(s, alibi=False) == plain
+    fwd = tiles.tiling("fwd", 64, "bf16", True, "sm_80", SMEM_OPTIN[80], MASK_BITS["mod"], "k <= q", alibi=True)
+    assert fwd.alibi and not tiles.classifier_spec(fwd, "mask_map").alibi
 
 
 def test_smem_formula():

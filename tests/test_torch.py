@@ -100,6 +100,24 @@ def test_sinks_gradient_through_the_fake_impls():
         flashrt.attention(q, k, k, sinks=torch.zeros(8, dtype=torch.int32, device="meta"))
 
 
+def test_alibi_slopes_through_the_fake_impls_and_their_errors():
+    q = torch.empty(2, 5, 8, 64, device="meta", dtype=BF16, requires_grad=True)
+    k = torch.empty(2, 7, 2, 64, device="meta", dtype=BF16, requires_grad=True)
+    for slopes in (torch.empty(8, device="meta"), torch.empty(2, 8, device="meta", dtype=BF16)):
+        out = flashrt.attention(q, k, k, causal=True, alibi_slopes=slopes)
+        out.backward(torch.ones_like(out))  # the slopes take no gradient: None in the autograd formula
+        assert q.grad.shape == q.shape and slopes.grad is None
+        q.grad = None
+    with pytest.raises(ValueError, match=r"alibi_slopes get no gradient.*alibi_slopes\.detach\(\)"):
+        flashrt.attention(q, k, k, alibi_slopes=torch.empty(8, device="meta", requires_grad=True))
+    with pytest.raises(ValueError, match="alibi_slopes must be a floating-point tensor"):
+        flashrt.attention(q, k, k, alibi_slopes=torch.zeros(8, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match="alibi_slopes must be a floating-point tensor .* got list"):
+        flashrt.attention(q, k, k, alibi_slopes=[0.5] * 8)
+    with pytest.raises(ValueError, match="softcap and alibi_slopes together are not supported yet"):
+        flashrt.attention(q, k, k, softcap=30.0, alibi_slopes=torch.empty(8, device="meta"))
+
+
 def _cpu_bhsd(Sq=4, Sk=4, H=2, Hkv=2):
     return torch.randn(1, H, Sq, 8), torch.randn(1, Hkv, Sk, 8), torch.randn(1, Hkv, Sk, 8)
 
@@ -172,7 +190,7 @@ def test_upstream_gradient_made_readable_only_when_needed():
 # ---------------------------------------------------------------------------
 # GPU: the custom ops under torch's checkers and compilers
 # ---------------------------------------------------------------------------
-_NO_SCORE_MODS = (None, None)  # the ops' softcap and sinks
+_NO_SCORE_MODS = (None, None, None)  # the ops' softcap, alibi_slopes and sinks
 _NO_MODS = ("", "", *_NO_SCORE_MODS)  # ... after mask_mod and its tensor names
 # (B, Sq, Sk, H, Hkv, D, causal, softmax_scale, dtype)
 OPCHECK_CASES = [
@@ -222,6 +240,12 @@ def test_opcheck_with_masks_and_varlen():
     out, lse = flashrt.forward(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert lse.shape == (H, 96)
     torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, *_NO_MODS))
+    # ALiBi slopes per packed sequence (a tensor the ops take no gradient of)
+    slopes = torch.rand(2, H, device="cuda")
+    alibi = ("", "", None, slopes, None)
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen, *alibi))
+    out, lse = flashrt.forward(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, alibi_slopes=slopes)
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, *alibi))
 
 
 def _block_grads(model, x, dy):
@@ -571,3 +595,16 @@ def test_mask_tensor_modified_in_place_before_the_backward_raises(which):
         out.backward(do)
     unchanged = flashrt.attention(*leaves(q, k, v), **mask)  # and a fresh call after it runs
     unchanged.backward(do)
+
+
+@gpu
+def test_alibi_slopes_modified_in_place_before_the_backward_raises():
+    """ALiBi's slopes travel with the mask arguments on the eager path (fp32 contiguous slopes are the caller's own
+    tensor): a version bump before the backward raises, as for the mask tensors."""
+    q, k, v, do = make_inputs(2, 64, 64, 4, 2, 64, BF16, seed=4)
+    slopes = torch.rand(2, 4, device="cuda")
+    out = flashrt.attention(*leaves(q, k, v), causal=True, alibi_slopes=slopes)
+    slopes.mul_(1)
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        out.backward(do)
+    flashrt.attention(*leaves(q, k, v), causal=True, alibi_slopes=slopes).backward(do)

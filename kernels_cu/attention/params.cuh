@@ -62,6 +62,8 @@ struct FwdParams {
     int use_tma;      // fwd_sm90_ws: 1 when the maps are set (0: FLASHRT_NO_TMA, every tile by cp.async)
     const float* sinks;  // (H,) fp32 attention-sink logits (softmax.cuh: add_sink), or null
     float softcap;       // FRT_SOFTCAP: the cap in raw-score units, c / softmax_scale (score_mod.cuh: Softcap)
+    const float* alibi;  // FRT_ALIBI: slopes, alibi[b * alibi_bstride + h] (score_mod.cuh: Alibi)
+    int alibi_bstride;   // H for (B, H) slopes, 0 for (H,)
 };
 
 struct BwdParams {
@@ -121,6 +123,8 @@ struct BwdParams {
     const int* mod_t3;
     int mod_heads, mod_batches;
     float softcap;  // FRT_SOFTCAP: the cap in raw-score units, c / softmax_scale (score_mod.cuh: Softcap)
+    const float* alibi;  // FRT_ALIBI: slopes, alibi[b * alibi_bstride + h] (score_mod.cuh: Alibi)
+    int alibi_bstride;   // H for (B, H) slopes, 0 for (H,)
 };
 
 // mask_check.cu: a call's mask arrays (the pointers of FwdParams / BwdParams, null when not given), the

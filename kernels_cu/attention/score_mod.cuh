@@ -1,15 +1,22 @@
 // Score modifications on the raw scores s = q . k (before the softmax's scale), one definition for every kernel
-// that computes scores (spec.SOFTCAP_FAMILIES). Elementwise: they need no (row, column) mapping, so they apply to
-// any accumulator layout, the backward's transposed scores included.
+// that computes scores (spec.SOFTCAP_FAMILIES). Softcap is elementwise; ALiBi reads each element's (query, key)
+// through mask.cuh's Fragments, the backward's transposed scores included.
 //
 // Softcap (FRT_SOFTCAP; FwdParams / BwdParams::softcap = c / softmax_scale): s becomes cap tanh(s / cap), so that
 // the scaled score x = scale s becomes c tanh(x / c). The forward applies it before the online softmax; the
 // backward recomputes it before P and multiplies dS by its derivative, 1 - tanh^2.
 #pragma once
+#include "attention/mask.cuh"
 #include "common/common.cuh"
 
 #ifndef FRT_SOFTCAP
 #define FRT_SOFTCAP 0
+#endif
+#ifndef FRT_ALIBI
+#define FRT_ALIBI 0
+#endif
+#if FRT_ALIBI && FRT_SOFTCAP
+#error "softcap with ALiBi: no such variant (flashrt/api.py refuses the pair)"
 #endif
 #ifndef FRT_TANH_EXACT
 #define FRT_TANH_EXACT 0
@@ -46,6 +53,36 @@ struct Softcap {
     FRT_DEVICE float grad_from_p(float prob, float lse2) const {
         const float th = (fast_log2(fmaxf(prob, 1e-30f)) + lse2) * per_log2;
         return prob > 0.f ? 1.f - th * th : 0.f;
+    }
+};
+
+// ALiBi (FRT_ALIBI; FwdParams / BwdParams::alibi, alibi_bstride): the scaled score of query i and key j gains
+// -slope |j - i - shift|, shift the sequence's causal alignment (Visibility::shift, used causal or not), so the raw
+// score gains -(slope / scale) |j - i - shift|. Additive and not learned: the backward recomputes P with it, and dS
+// needs nothing more. Per element one FADD (the distance, from one conversion per call and constant offsets: no
+// I2F per element, which would share the MUFU ops' issue rate) and one FFMA with |d|.
+struct Alibi {
+    float slope = 0.f;  // per raw-score unit: slope / softmax_scale
+    int shift = 0;
+    Alibi() = default;
+    template <class P>
+    FRT_DEVICE Alibi(const P& p, int b, int h, int shift_)
+        : slope(p.alibi[(i64)b * p.alibi_bstride + h] * (kLog2e / p.scale_log2)), shift(shift_) {}
+
+    // x(mt, jj, c) (a float&) of MT m-tiles by N8 n-groups at `at` gain their pair's bias (TRANSPOSED: rows are keys).
+    template <int MT, int N8, bool TRANSPOSED = false, class Elem>
+    FRT_DEVICE void add(Fragments at, const Elem& x) const {
+        const float base = (float)(TRANSPOSED ? at.row0 - at.col0 - shift : at.col0 - at.row0 - shift);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int jj = 0; jj < N8; ++jj)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int rows = 16 * mt + 8 * (c >> 1), cols = 8 * jj + (c & 1);  // the element's offsets
+                    const float d = base + (float)(TRANSPOSED ? rows - cols : cols - rows);  // key - query - shift
+                    x(mt, jj, c) = fmaf(-slope, fabsf(d), x(mt, jj, c));
+                }
     }
 };
 

@@ -156,6 +156,9 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         u16* p_tile = reinterpret_cast<u16*>(smem + (sP - sK));
         u16* ds_tile = reinterpret_cast<u16*>(smem + (sdS - sK));
         const Fragments at{krow1 + g, qcol1 + 2 * t};  // S^T: rows are keys, columns queries (within the tiles)
+        if constexpr (FRT_ALIBI)  // (the pair's query head's slope; positions in the sequence)
+            Alibi(p, b, pa.h, vis.shift).add<MT1, NT1, true>(Fragments{n0 + krow1 + g, m0 + qcol1 + 2 * t},
+                                                             [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; });
 #pragma unroll
         for (int mt = 0; mt < MT1; ++mt)
 #pragma unroll

@@ -46,6 +46,7 @@ __device__ void bwd_dq(const BwdParams& p) {
     const i64 stat0 = tile.stat0;
     float lse2[MT][2], delta[MT][2];
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
+    const Alibi alibi = FRT_ALIBI ? Alibi(p, b, h, tile.vis.shift) : Alibi();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -80,6 +81,7 @@ __device__ void bwd_dq(const BwdParams& p) {
         constexpr bool MOD_PASS = T::MASK & MASK_MOD;
         const Fragments at{m0 + wrow + g, n0 + 2 * t};
         auto test = [&](int q, int k) { return tile.visible(q, k, h); };
+        if constexpr (FRT_ALIBI) alibi.add<MT, NT_S>(at, [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; });
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -46,6 +46,7 @@ __device__ void fwd(const FwdParams& p) {
     zero(o);
     float row_max[MT][2], row_sum[MT][2];
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
+    const Alibi alibi = FRT_ALIBI ? Alibi(p, tile.b, tile.h, tile.vis.shift) : Alibi();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -86,6 +87,9 @@ __device__ void fwd(const FwdParams& p) {
 #pragma unroll
                     for (int c = 0; c < 4; ++c) s[mt][nt][c] = cap.tanh_of(s[mt][nt][c]);
         }
+        if constexpr (FRT_ALIBI)
+            alibi.add<MT, NT_S>(Fragments{tile.m0 + wrow + g, n0 + 2 * t},
+                                [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; });
         if (tile.needs_mask(it, j))
             mask_fragments<MT, NT_S>(Fragments{tile.m0 + wrow + g, n0 + 2 * t}, -FRT_INF,
                                      [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; },

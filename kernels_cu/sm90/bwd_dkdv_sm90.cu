@@ -161,6 +161,15 @@ FRT_DEVICE u32 hidden_bits(const Tile& tile, int h, int m, int key_base, int t) 
     return hidden;
 }
 
+// FRT_ALIBI: S^T (rows: keys from key_base, columns: the queries of query tile m, of query head h) gains each
+// pair's bias (score_mod.cuh: Alibi), before probabilities.
+template <int BM, class Tile>
+FRT_DEVICE void add_alibi(float (&s)[BM / 2], const BwdParams& p, const Tile& tile, int h, int m, int key_base, int t) {
+    if constexpr (FRT_ALIBI)
+        Alibi(p, tile.b, h, tile.vis.shift).add<1, BM / 8, true>(Fragments{key_base, m * BM + 2 * t},
+                                                                 [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
+}
+
 // P^T = exp2(S^T * scale_log2 - lse2[query]) on the accumulator fragment (accumulator column =
 // query), 0 where `hidden` says so; with FRT_SOFTCAP, S^T capped first.
 template <int BM>
@@ -396,6 +405,10 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             float4* xch = reinterpret_cast<float4*>(smem + (sXch - smem_base)) + wtid;
             u32 a[BM / 16][4];
             if (wg == 0) {
+                if constexpr (FRT_ALIBI) {
+                    const auto pr = tile.pair(p, it);
+                    add_alibi<BM>(x, p, tile, pr.h, pr.m, key_base, t);
+                }
                 probabilities<BM>(x, s_lse2, p.scale_log2, hidden, t, cap);
 #pragma unroll
                 for (int q = 0; q < BM / 8; ++q)
@@ -444,6 +457,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 
             wgmma_wait<2>();  // S^T is complete (the previous dV / dK and dP^T may not be)
             fence_operand(s);
+            add_alibi<BM>(s, p, tile, pr.h, pr.m, key_base, t);
             probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
             wgmma_wait<0>();
             fence_operand(dp);
@@ -485,6 +499,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)
             fence_operand(s);
+            add_alibi<BM>(s, p, tile, pr.h, pr.m, key_base, t);
             probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);

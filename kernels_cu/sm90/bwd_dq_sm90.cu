@@ -163,6 +163,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     float lse2[2], delta[2];
     row_stats<D, T::BF16>(p, tile, 64 * wg + row_wg, t, lse2, delta);
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
+    const Alibi alibi = FRT_ALIBI ? Alibi(p, tile.b, h, tile.vis.shift) : Alibi();
 
     float dq[D / 2];
 #pragma unroll
@@ -224,6 +225,8 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             wgmma_wait<1>();  // S is complete (dP may not be)
         }
         fence_operand(s);
+        if constexpr (FRT_ALIBI)
+            alibi.add<1, BN / 8>(Fragments{row_base, n0 + 2 * t}, [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
         // P = exp2(S * scale_log2 - lse2[row]), 0 where the mask hides the pair. With FRT_SOFTCAP, S capped
         // first and P times the cap's derivative (P is only read for dS here).
 #pragma unroll

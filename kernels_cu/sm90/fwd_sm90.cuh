@@ -23,7 +23,8 @@ struct FwdRows {
     // P V wgmma.
     float s[BN / 2], alpha[2] = {1.f, 1.f};
     u32 pa[BN / 16][4];
-    Softcap cap;  // FRT_SOFTCAP: set by the kernel (score_mod.cuh)
+    Softcap cap;   // FRT_SOFTCAP: set by the kernel (score_mod.cuh)
+    Alibi alibi;  // FRT_ALIBI: set by the kernel
 
     FRT_DEVICE FwdRows() {
 #pragma unroll
@@ -108,7 +109,7 @@ struct FwdRows {
     // softmax (s becomes P, unnormalised; alpha the rescale of O). row_base: the thread's first row.
     template <class Tile>
     FRT_DEVICE void softmax(const Tile& tile, int it, int j, int row_base, int t, float scale_log2) {
-        cap_scores();
+        mod_scores(row_base, j * BN, t);
         if (tile.needs_mask(it, j)) {
             const int n0 = j * BN;
             if constexpr (Tile::INTERVALS) {  // keys [lo, hi) of the tile per row
@@ -139,7 +140,7 @@ struct FwdRows {
     template <int JLO, int JHI, class Tile>
     FRT_DEVICE void softmax_diagonal(const Tile& tile, int j, int row_base, int t, float scale_log2) {
         static_assert(Tile::ROW_LIMIT && 0 <= JLO && JLO <= JHI && JHI <= BN / 8, "softmax_diagonal: causal key groups");
-        cap_scores<JHI>();
+        mod_scores<JHI>(row_base, j * BN, t);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int hi = tile.key_limit(row_base + 8 * hh) - j * BN - 2 * t;  // in columns 8 jj + e
@@ -152,14 +153,17 @@ struct FwdRows {
         online<JHI>(scale_log2);
     }
 
-    // FRT_SOFTCAP: the scores of the key groups jj < JHI become tanh(s / cap), before any mask (online folds the cap
-    // into the scale: score_mod.cuh, Softcap::scale_of). Every caller of online runs it first.
+    // The score modifications (score_mod.cuh) on the key groups jj < JHI of key tile n0.. (row_base: the thread's
+    // first row), before any mask. FRT_SOFTCAP: the scores become tanh(s / cap) (online folds the cap into the scale:
+    // Softcap::scale_of); FRT_ALIBI: each gains its pair's bias. Every caller of online runs it first.
     template <int JHI = BN / 8>
-    FRT_DEVICE void cap_scores() {
+    FRT_DEVICE void mod_scores(int row_base, int n0, int t) {
         if constexpr (FRT_SOFTCAP) {
 #pragma unroll
             for (int i = 0; i < 4 * JHI; ++i) s[i] = cap.tanh_of(s[i]);
         }
+        if constexpr (FRT_ALIBI)
+            alibi.add<1, JHI>(Fragments{row_base, n0 + 2 * t}, [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
     }
 
     // The online softmax of the scores in s, the key groups jj < JHI (s becomes P, unnormalised; alpha the rescale

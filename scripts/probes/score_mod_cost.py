@@ -1,6 +1,7 @@
 """What the score modifications cost: flashrt.forward and forward+backward (flashrt.backward, deterministic auto)
-plain, with `sinks`, and with `softcap=30`, bf16, B*S = 16k tokens, H*D = 2048, causal and not; medians of
-CUDA-event times over interleaved rounds after a warm-up. Prints a table: ms plain and each modification's ratio.
+plain, with `sinks`, with `softcap=30` and with ALiBi (`alibi_slopes`, (H,) geometric as in the ALiBi paper), bf16,
+B*S = 16k tokens, H*D = 2048, causal and not; medians of CUDA-event times over interleaved rounds after a warm-up.
+Prints a table: ms plain and each modification's ratio.
 
     python3 scripts/probes/score_mod_cost.py [--rounds 7] [--seqlens 1024,4096,16384] [--head-dims 64,128]
                                              [--tanh-exact] [--fa4]
@@ -53,7 +54,8 @@ def main():
         for S in map(int, a.seqlens.split(",")):
             B, H = 16384 // S, 2048 // D
             q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            mods = dict(MODS, sinks={"sinks": torch.randn(H, device="cuda")})
+            slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+            mods = dict(MODS, sinks={"sinks": torch.randn(H, device="cuda")}, alibi={"alibi_slopes": slopes})
             for causal in (False, True):
                 def fwd(kw):
                     return lambda: flashrt.forward(q, k, v, causal=causal, **kw)
@@ -78,7 +80,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, bf16, B*S = 16k, H*D = 2048, medians of {a.rounds} interleaved rounds; "
           f"softcap 30{' (exact tanh)' if a.tanh_exact else ''}; ratios against the same library's plain time"
           + ("; 'vs FA4': flashrt's time over FlashAttention-4's, same modification" if fa4 else "") + "\n")
-    cols = ("sinks", "softcap")
+    cols = ("sinks", "softcap", "alibi")
     head = ["D", "S", "causal"]
     for pas in ("fwd", "fwd+bwd"):
         head += [f"{pas} ms", *cols] + ([f"FA4 {pas} ms", *(f"FA4 {c}" for c in cols),
@@ -106,6 +108,8 @@ def fa4_cases(fa4, q, k, v, do, causal, mods):
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     cases = {}
     for m, kw in mods.items():
+        if "alibi_slopes" in kw:  # (FA4 has no ALiBi)
+            continue
         fkw = {{"sinks": "learnable_sink"}.get(n, n): x for n, x in kw.items()}  # (FA4 names sinks learnable_sink)
 
         def fwd(fkw=fkw):
