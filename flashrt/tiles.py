@@ -219,10 +219,12 @@ _PREFERENCES = {
 # Tilings of softcap and ALiBi variants (spec.KernelSpec.softcap, alibi), family -> buckets as in _PREFERENCES,
 # replacing the family's: the modification's registers make these preferred tilings spill (NVRTC 12.9,
 # tests/test_compile.py): bwd_dq 64x32 at head_dim 256 causal (softcap and ALiBi 24 bytes, sm_80), bwd_fused 64x128
-# at 96 (softcap 4 bytes) and at 128 with masks (8 bytes).
+# at 96 (softcap 4 bytes) and at 128 with masks (8 bytes), and 64x64 / 32x64 with 8 warps at head_dim 248 causal
+# (ALiBi 4-8 bytes on sm_90a; 64x32 with 8 warps: none, with or without masks).
 _SCORE_MOD_PREFERENCES = {
     "bwd_dq": [(128, [(64, 64, 4)]), (224, [(128, 32, 8), (64, 32, 4)]), (256, [(128, 32, 8), (64, 16, 4)])],
-    "bwd_fused": [(128, [(64, 64, 8)]), (256, [(64, 64, 8), (64, 32, 8), (32, 64, 8)])],
+    "bwd_fused": [(128, [(64, 64, 8)]), (240, [(64, 64, 8), (64, 32, 8), (32, 64, 8)]), (248, [(64, 32, 8)]),
+                  (256, [(64, 64, 8), (64, 32, 8), (32, 64, 8)])],
 }
 # Tilings with element masks beyond lengths (window, block / segment ids): family -> buckets as in _PREFERENCES,
 # replacing that family's for such masks. Chosen by spills: the mask predicate's registers make some preferred
