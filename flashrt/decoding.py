@@ -29,7 +29,7 @@ def _check_int32(a: interop.Array, name: str, shape: tuple, q: interop.Array) ->
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, page_table=None, causal=True, window=(-1, -1),
-           softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False):
+           softmax_scale: float | None = None, num_splits: int = 0, sinks=None, return_lse: bool = False):
     """Attention of q's new tokens against a KV cache. Returns out (like q), or (out, lse) with return_lse.
 
     q: (B, Sq, H, D), Sq from 1 to 16 (speculative decoding), bf16 or fp16; head_dim a multiple of 8 up to 256.
@@ -42,7 +42,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, page_table=Non
     causal: among the new tokens, bottom-right aligned: query i sees keys up to L - Sq + i (L: the tokens
       attended to). window=(left, right): query i sees keys L - Sq + i - left .. L - Sq + i + right (-1: unbounded).
     num_splits: blocks over each sequence's keys (0: chosen from batch, heads, the cache's capacity and the SMs).
-    lse: fp32 (B, H, Sq), natural log; -inf for a query that sees no key (its out is 0).
+    sinks: optional (H,) float32 attention-sink logits (as flashrt.forward's: each joins its head's rows' softmax
+      denominator; lse includes it, and a query that sees no key gets out = 0 and lse = its sink).
+    lse: fp32 (B, H, Sq), natural log; -inf for a query that sees no key (its out is 0; with sinks, lse = the sink).
 
     Bad values are found on the GPU (no host copy): a cache_seqlens entry outside [0, capacity - Sq with k / v]
     or a page id outside [0, num_pages) is never used for an access; the rows it concerns get NaN, and a
@@ -52,13 +54,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, page_table=Non
     if _compiling(q):  # torch.compile: the custom op flashrt::decode (torch_ops.py), which calls back here
         from .torch_ops import decode_traced
         out, lse = decode_traced(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, window, softmax_scale,
-                                 num_splits)
+                                 num_splits, sinks)
         return (out, lse) if return_lse else out
-    result = _planned("decode", _present(q, k_cache, v_cache, cache_seqlens, k, v, page_table),
+    result = _planned("decode", _present(q, k_cache, v_cache, cache_seqlens, k, v, page_table, sinks),
                       (k is not None, page_table is not None, causal, tuple(window) if isinstance(window, (tuple, list))
-                       else window, softmax_scale, num_splits), {}, 0,
+                       else window, softmax_scale, num_splits, sinks is not None), {}, 0,
                       lambda tensors: _decode_plan(tensors, k is not None, page_table is not None, causal, window,
-                                                   softmax_scale, num_splits))
+                                                   softmax_scale, num_splits, sinks is not None))
     return (result[0], result[1]) if return_lse else result[0]
 
 
@@ -74,9 +76,10 @@ def _present(*tensors) -> tuple:
     return tuple(t for t in tensors if t is not None)
 
 
-def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale, num_splits) -> _Plan:
+def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale, num_splits,
+                 sinks: bool = False) -> _Plan:
     names = ["q", "k_cache", "v_cache", "cache_seqlens"] + (["k_new", "v_new"] if new else []) + \
-        (["page_table"] if paged else [])
+        (["page_table"] if paged else []) + (["sinks"] if sinks else [])
     if len(tensors) != len(names):
         raise ValueError("k and v must be given together")
     A = dict(zip(names, (interop.describe(t, n) for t, n in zip(tensors, names))))
@@ -115,6 +118,9 @@ def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale,
                              f"a paged cache (num_pages, page_size, Hkv, D) needs page_table")
         capacity, page_size = S_cache, 0
     _check_int32(A["cache_seqlens"], "cache_seqlens", (B,), Q)
+    if sinks:
+        from .api import _check_sinks  # (api imports this module)
+        _check_sinks(A["sinks"], Q, H)
     if new:
         for n in ("k_new", "v_new"):
             a, name = A[n], n[0]
@@ -154,11 +160,12 @@ def forward_applies(m, Q: interop.Array, K: interop.Array, V: interop.Array) -> 
             and not m.bits & ~MASK_BITS["window"] and not m.fields.get("top_left") and _strides(K) == _strides(V))
 
 
-def forward_plan(Q, K, V, m, scale: float) -> _Plan:
-    """flashrt.forward's plan through decode.cu (forward_applies): k and v as a full contiguous cache."""
+def forward_plan(Q, K, V, m, scale: float, sinks: bool = False) -> _Plan:
+    """flashrt.forward's plan through decode.cu (forward_applies): k and v as a full contiguous cache (and the
+    call's sinks, checked by api._forward_plan)."""
     window = (m.fields.get("win_left", -1), m.fields.get("win_right", -1))
-    return _plan({"q": Q, "k_cache": K, "v_cache": V}, ["q", "k", "v"], K.shape[1], 0, 0, bool(m.causal), window,
-                 scale, 0)
+    return _plan({"q": Q, "k_cache": K, "v_cache": V}, ["q", "k", "v"] + (["sinks"] if sinks else []), K.shape[1],
+                 0, 0, bool(m.causal), window, scale, 0)
 
 
 def _plan(A: dict, names: list, capacity: int, page_size: int, num_pages: int, causal: bool, window, scale: float,

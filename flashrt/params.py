@@ -105,11 +105,11 @@ DECODE = np.dtype(
     + [("pt_sb", _I64)]
     + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "capacity", "seqlen", "page_size", "page_shift", "num_pages",
                            "splits", "causal", "win_left", "win_right")]
-    + [("scale_log2", _F32)],
+    + [("scale_log2", _F32), ("sinks", _PTR)],
     align=True,
 )
 COMBINE = np.dtype([(n, _PTR) for n in ("o_part", "lse_part", "o", "lse")]
-                   + [(n, _I32) for n in ("n", "B", "Sq", "H", "D", "row_warps")], align=True)
+                   + [(n, _I32) for n in ("n", "B", "Sq", "H", "D", "row_warps")] + [("sinks", _PTR)], align=True)
 
 C_NAMES = {FWD: "frt::FwdParams", BWD: "frt::BwdParams", CHECK: "frt::CheckParams", DECODE: "frt::DecodeParams",
            COMBINE: "frt::CombineParams"}

@@ -290,13 +290,14 @@ def test_softcap_and_alibi_add_their_variants(tmp_path):
     added = set(mods.stdout.split()) - base
     assert not list(tmp_path.rglob("*.cubin")), "--list compiled something"
     assert all(("_cap_" in n) != ("_alibi_" in n) for n in added), added  # one or the other, never both
-    # every family that computes scores, causal and not (the wgmma fused backward has no softcap at head_dim 128);
-    # ALiBi at the plain tilings
-    for tag, skipped in (("_cap_", {"bwd_fused_sm90"}), ("_alibi_", set())):
+    # every family that computes scores, causal and not (the wgmma fused backward has neither at head_dim 128:
+    # tiles._SCORE_MOD_MAX_HEAD_DIM), both at the same tilings (tiles._SCORE_MOD_PREFERENCES)
+    families = set(SOFTCAP_FAMILIES) - {"bwd_fused_sm90"}
+    for tag in ("_cap_", "_alibi_"):
         names = {n for n in added if tag in n}
-        assert {n.split("_hd128")[0].removeprefix("flashrt_") for n in names} == set(SOFTCAP_FAMILIES) - skipped
-        assert len(names) == 2 * len(set(SOFTCAP_FAMILIES) - skipped)
-    assert {n.replace("_alibi_", "_") for n in added if "_alibi_" in n} <= base
+        assert {n.split("_hd128")[0].removeprefix("flashrt_") for n in names} == families
+        assert len(names) == 2 * len(families)
+    assert {n.replace("_alibi_", "_cap_") for n in added if "_alibi_" in n} == {n for n in added if "_cap_" in n}
     assert tiles.tiling("bwd_dq_sm90", 128, "bf16", True, "sm_90a", cli.SMEM_OPTIN[90], alibi=True).name in added
     assert_usage_error(run("prewarm", "--manifest", str(tmp_path / "m.json"), "--alibi", cache_dir=tmp_path),
                        "drop --alibi")

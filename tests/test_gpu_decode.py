@@ -70,8 +70,9 @@ def logical_cache(kc, table, b, n):
     return kc.reshape(-1, *kc.shape[2:])[idx]
 
 
-def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1), scale=None):
-    """float64 out (B, Sq, H, D) and lse (B, H, Sq) of decode's definition."""
+def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1), scale=None, sinks=None):
+    """float64 out (B, Sq, H, D) and lse (B, H, Sq) of decode's definition (sinks (H,): one more logit per head's
+    rows, with no value)."""
     B, Sq, H, D = q.shape
     Hkv = kc.shape[2]
     scale = 1 / math.sqrt(D) if scale is None else scale
@@ -85,6 +86,8 @@ def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1
             k, v = torch.cat([k, kn[b].double()]), torch.cat([v, vn[b].double()])
         L = k.shape[0]
         if L == 0:
+            if sinks is not None:
+                lse[b] = sinks.double()[:, None]
             continue
         pos = (L - Sq + torch.arange(Sq, device="cuda"))[:, None]
         key = torch.arange(L, device="cuda")[None, :]
@@ -99,11 +102,13 @@ def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1
         vv = v.repeat_interleave(H // Hkv, dim=1)
         s = torch.einsum("ihd,jhd->hij", q[b].double(), kk) * scale
         s = s.masked_fill(~vis[None], -math.inf)
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None, None].expand(H, Sq, 1)], -1)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m)
         denom = p.sum(-1, keepdim=True)
-        o = torch.einsum("hij,jhd->ihd", p / torch.where(denom > 0, denom, torch.ones_like(denom)), vv)
+        o = torch.einsum("hij,jhd->ihd", p[..., :L] / torch.where(denom > 0, denom, torch.ones_like(denom)), vv)
         out[b] = o
         lse[b] = torch.where(denom[..., 0] > 0, (m[..., 0] + torch.log(denom[..., 0])), -math.inf)
     return out, lse
@@ -164,6 +169,23 @@ def test_decode_masks(torch, poisoned, causal, window):
     out, lse = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table, causal=causal,
                               window=window, num_splits=3, return_lse=True)
     check(torch, out, lse, ref_out, ref_lse, "bf16")
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_with_sinks_matches_float64_reference(torch, poisoned, splits, paged):
+    # one block per sequence (decode.cu joins the sink) and several (combine.cu does); a sequence that sees no key
+    # (out 0, lse = its sink); a sink that outweighs the keys
+    q, kc, vc, _, _, lens, table = make_case(torch, 3, 2, 8, 2, 128, 640, page_size=64 if paged else 0, new=False,
+                                             seed=21 + splits + paged)
+    lens[0] = 0
+    sinks = torch.randn(8, device="cuda") * 2
+    sinks[1] = 8.0
+    ref_out, ref_lse = reference(torch, q, kc, vc, None, None, lens, table, sinks=sinks)
+    out, lse = flashrt.decode(q, kc, vc, cache_seqlens=lens, page_table=table, num_splits=splits, sinks=sinks,
+                              return_lse=True)
+    check(torch, out, lse, ref_out, ref_lse, "bf16")
+    assert torch.all(out[0] == 0) and torch.equal(lse[0], sinks[:, None].expand(8, 2))
 
 
 def test_decode_empty_sequence_sees_nothing(torch, poisoned):

@@ -45,7 +45,7 @@ def _f64(x):
 
 # (B, Sq, Sk, H, Hkv, D, causal, dtype, mask): the forward kernels at their head dims (fwd_sm90_ws 64 / 128,
 # fwd_sm90 192 / 256, mma.sync 96 / 72), Sq > Sk causal (rows that see no key), one query row (flashrt.forward's
-# decode route, not taken with sinks), GQA / MQA, a window and packed varlen.
+# decode route with sinks alone; the ordinary forward with softcap or ALiBi), GQA / MQA, a window and packed varlen.
 CASES = [
     (2, 200, 300, 4, 4, 64, True, "bf16", None),
     (1, 300, 100, 8, 2, 128, True, "bf16", None),

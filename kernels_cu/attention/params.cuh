@@ -176,6 +176,8 @@ struct DecodeParams {
     int splits;     // blocks over each sequence's key range (grid x)
     int causal, win_left, win_right;  // bottom-right: query i sits at key position L - Sq + i
     float scale_log2;
+    const float* sinks;  // (H,) fp32 sink logits (softmax.cuh: add_sink) or null; joined here when splits == 1, else
+                         // by the combine
 };
 
 // combine.cu: partial results of n key ranges, (n, B, Sq, H, D) outputs and (n, B, H, Sq) natural-log lse, all
@@ -187,6 +189,7 @@ struct CombineParams {
     float* lse;
     int n, B, Sq, H, D;
     int row_warps;  // warps that share a row's parts: 1, 2, 4 or 8 (flashrt/decoding.py: _combine_fields)
+    const float* sinks;  // (H,) fp32 sink logits joined into every row as a part with lse = sink and no value, or null
 };
 
 // ---------------------------------------------------------------------------

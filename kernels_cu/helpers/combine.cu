@@ -1,6 +1,7 @@
 // Merge attention results computed over disjoint key ranges: out = sum_s w_s out_s, w_s = exp(lse_s - lse),
 // lse = log(sum_s exp(lse_s)); the parts are added in index order, so the result is bitwise reproducible.
-// A part whose lse is -inf saw no key (weight 0); a NaN lse (decode.cu: a bad cache value) makes the row NaN.
+// A part whose lse is -inf saw no key (weight 0); a NaN lse (decode.cu: a bad cache value) makes the row NaN. With
+// sinks (decode's), each row's head sink joins as one more part with lse = sink and no value.
 //
 // Warps per (b, token, head) row, grid-stride; lane l holds columns 8l .. 8l + 7 (and the lse of parts l, l + 32, ...). Families (spec.FAMILIES):
 // FRT_PART_F32 = 1: fp32 parts (decode.cu's partials), else parts of the 16-bit dtype; FRT_OUT_F32 = 1: fp32 out.
@@ -57,6 +58,9 @@ __device__ void combine(const CombineParams& p) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
         nan = __any_sync(0xffffffffu, nan);
+        // The head's sink: one more part, lse = sink, no value (softmax.cuh: add_sink).
+        const float sink = p.sinks && live ? p.sinks[h] : -FRT_INF;
+        m = fmaxf(m, sink);
         float sum = 0.f;
 #pragma unroll
         for (int k = 0; k < PARTS_PER_LANE; ++k) {
@@ -65,6 +69,7 @@ __device__ void combine(const CombineParams& p) {
         }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (sink != -FRT_INF) sum += expf(sink - m);
         // This warp's parts in index order; a part of weight 0 is not read.
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll

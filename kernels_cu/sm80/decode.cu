@@ -279,12 +279,14 @@ __device__ void decode(const DecodeParams& p) {
             const float4 x = *reinterpret_cast<const float4*>(s_o + (w * BM + r) * T::OP + c);
             acc[0] += x.x * sc, acc[1] += x.y * sc, acc[2] += x.z * sc, acc[3] += x.w * sc;
         }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int rg = row0 + r, i = rg / group, h = hk * group + rg % group;
+        // The head's sink joins the row here when this block holds all its keys (else combine.cu adds it once).
+        const float keep = p.splits == 1 && p.sinks ? add_sink(m, l, p.sinks[h]) : 1.f;
+        const float inv = l > 0.f ? keep / l : 0.f;
         float lse = l > 0.f ? (m + __log2f(l)) * kLn2 : -FRT_INF;
         if (bad) lse = __int_as_float(0x7fffffff);
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[e] = bad ? lse : acc[e] * inv;
-        const int rg = row0 + r, i = rg / group, h = hk * group + rg % group;
         if (p.splits == 1) {
             uint2 packed;
             packed.x = Elem<T::BF16>::pack(acc[0], acc[1]);
