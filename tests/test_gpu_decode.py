@@ -323,3 +323,6 @@ def test_decode_under_torch_compile(torch):
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     torch.library.opcheck(torch.ops.flashrt.decode.default, (q, kc, vc, lens, kn, vn, table, True, [-1, -1], None, 0))
+    sinks = torch.randn(8, device="cuda")
+    torch.library.opcheck(torch.ops.flashrt.decode.default,
+                          (q, kc, vc, lens, kn, vn, table, True, [-1, -1], None, 0, sinks))
