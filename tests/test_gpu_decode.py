@@ -185,7 +185,8 @@ def test_decode_with_sinks_matches_float64_reference(torch, poisoned, splits, pa
     out, lse = flashrt.decode(q, kc, vc, cache_seqlens=lens, page_table=table, num_splits=splits, sinks=sinks,
                               return_lse=True)
     check(torch, out, lse, ref_out, ref_lse, "bf16")
-    assert torch.all(out[0] == 0) and torch.equal(lse[0], sinks[:, None].expand(8, 2))
+    # (decode.cu's lse goes through log2 units: within an ulp or two of the sink)
+    assert torch.all(out[0] == 0) and (lse[0] - sinks[:, None]).abs().max() < 1e-5
 
 
 def test_decode_empty_sequence_sees_nothing(torch, poisoned):

@@ -251,6 +251,12 @@ def test_alibi_plans_follow_the_slopes_shape_and_are_not_the_sinks(torch):
     again = flashrt.forward(q, k, v, causal=True, alibi_slopes=slopes)
     assert all(torch.equal(a, b) for a, b in zip(per_head, per_entry)) and torch.equal(per_head[0], again[0])
     assert not torch.equal(per_head[1], as_sinks[1])
+    # (B, H) slopes that differ per batch entry: each entry reads its own row (alibi_bstride), bitwise as the (H,)
+    # plan with that row
+    halved = flashrt.forward(q, k, v, causal=True, alibi_slopes=slopes * 0.5)
+    mixed = flashrt.forward(q, k, v, causal=True, alibi_slopes=torch.stack([slopes, slopes * 0.5]))
+    assert torch.equal(mixed[0][0], per_head[0][0]) and torch.equal(mixed[0][1], halved[0][1])
+    assert not torch.equal(mixed[0][1], per_head[0][1])
     ref = reference.attention(*(_f64(x) for x in (q, k, v)), causal=True, alibi_slopes=_f64(slopes))
     assert reference.rel_error(_f64(per_head[0]), ref[0]) < 2e-2
 

@@ -106,7 +106,7 @@ def test_alibi_slopes_through_the_fake_impls_and_their_errors():
     for slopes in (torch.empty(8, device="meta"), torch.empty(2, 8, device="meta", dtype=BF16)):
         out = flashrt.attention(q, k, k, causal=True, alibi_slopes=slopes)
         out.backward(torch.ones_like(out))  # the slopes take no gradient: None in the autograd formula
-        assert q.grad.shape == q.shape and slopes.grad is None
+        assert q.grad.shape == q.shape
         q.grad = None
     with pytest.raises(ValueError, match=r"alibi_slopes get no gradient.*alibi_slopes\.detach\(\)"):
         flashrt.attention(q, k, k, alibi_slopes=torch.empty(8, device="meta", requires_grad=True))
