@@ -149,15 +149,11 @@ def _check_alibi(A: Array, Q: Array, H: int, B: int) -> int:
     if A.shape not in ((H,), (B, H)):
         raise ValueError(f"alibi_slopes must have shape ({H},) or ({B}, {H}) (a slope per query head, or per batch "
                          f"entry{' (sequence)' if len(Q.shape) == 3 else ''} and query head), got {A.shape}")
-    if A.lib != Q.lib or A.device != Q.device:
-        raise ValueError(f"alibi_slopes must be a {Q.lib} array on cuda:{Q.device} like q, got {A.lib} on "
-                         f"{'cuda:%d' % A.device if A.device >= 0 else 'the host'}")
+    interop.check_beside(A, Q, "alibi_slopes")
     if A.dtype != "float32":
         raise ValueError(f"alibi_slopes must be float32, got {A.dtype}: pass alibi_slopes.float() / "
                          f"alibi_slopes.astype(cupy.float32)")
-    contiguous = (H, 1)[-len(A.shape):]
-    if any(n > 1 and st != c for n, st, c in zip(A.shape, A.strides, contiguous)):
-        raise ValueError(f"alibi_slopes must be contiguous, got strides {A.strides}; pass alibi_slopes.contiguous()")
+    interop.check_contiguous(A, "alibi_slopes")
     return H if len(A.shape) == 2 else 0
 
 

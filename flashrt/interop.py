@@ -11,6 +11,7 @@ after .detach().)
 from __future__ import annotations
 
 import dataclasses
+import math
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
 
@@ -99,6 +100,20 @@ def data_ptr(x) -> int:
 def data_ptrs(xs) -> list[int]:
     """data_ptr of each of xs, all from one library, with one library dispatch."""
     return [x.data_ptr() for x in xs] if xs and is_torch(xs[0]) else [x.data.ptr for x in xs]
+
+
+def check_beside(a: Array, q: Array, name: str) -> None:
+    """`a` (an argument of a call on q) is an array of q's library on q's device."""
+    if a.lib != q.lib or a.device != q.device:
+        raise ValueError(f"{name} must be a {q.lib} array on cuda:{q.device} like q, got {a.lib} on "
+                         f"{'cuda:%d' % a.device if a.device >= 0 else 'the host'}")
+
+
+def check_contiguous(a: Array, name: str) -> None:
+    """`a` is C-contiguous (an axis of size 1 may have any stride)."""
+    contiguous = [math.prod(a.shape[i + 1:]) for i in range(len(a.shape))]
+    if any(n > 1 and st != c for n, st, c in zip(a.shape, a.strides, contiguous)):
+        raise ValueError(f"{name} must be contiguous, got strides {a.strides}; pass {name}.contiguous()")
 
 
 def to_numpy(a: Array):

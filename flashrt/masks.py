@@ -126,17 +126,13 @@ class Masking:
             """The pointer of an int32 device array (of `shape`, or any shape when None)."""
             a = interop.describe(x, name)
             shape = a.shape if shape is None else shape
-            if a.lib != Q.lib or a.device != Q.device:
-                raise ValueError(f"{name} must be a {Q.lib} array on cuda:{Q.device} like q, got {a.lib} on "
-                                 f"{'cuda:%d' % a.device if a.device >= 0 else 'the host'}")
+            interop.check_beside(a, Q, name)
             if a.dtype != "int32":
                 raise TypeError(f"{name} must be int32, got {a.dtype}: pass {name}.to(torch.int32) / "
                                 f"{name}.astype(cupy.int32)")
             if a.shape != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-            contiguous = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
-            if any(n > 1 and st != c for n, st, c in zip(shape, a.strides, contiguous)):
-                raise ValueError(f"{name} must be contiguous, got strides {a.strides}; pass {name}.contiguous()")
+            interop.check_contiguous(a, name)
             arrays.append(x)
             return a.ptr
 

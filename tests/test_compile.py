@@ -55,25 +55,17 @@ def _variants():
     mask = MASK_BITS["mod"] | MASK_BITS["lengths"] | MASK_BITS["window"]
     for d in (64, 128):
         out.add(tiles.tiling("fwd_sm90_ws", d, "bf16", False, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",)))
-    # softcap (kernels_cu/attention/score_mod.cuh) in every family that computes scores, alone and with every
-    # built-in mask feature
-    for arch in ARCHS:
-        for family in SOFTCAP_FAMILIES:
-            for d in (d for d in (64, 96, 128, 192, 256) if tiles.applies(family, d, arch, softcap=True)):
-                for causal in (False, True):
-                    for mask in (0, sum(MASK_BITS.values()) & ~MASK_BITS["mod"]):
-                        if tiles.applies(family, d, arch, mask, softcap=True):
-                            out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
-                                                 softcap=True))
-    # ALiBi (kernels_cu/attention/score_mod.cuh: Alibi) in the same families, alone and with every built-in mask feature
-    for arch in ARCHS:
-        for family in SOFTCAP_FAMILIES:
-            for d in (d for d in (64, 96, 128, 192, 256) if tiles.applies(family, d, arch, alibi=True)):
-                for causal in (False, True):
-                    for mask in (0, sum(MASK_BITS.values()) & ~MASK_BITS["mod"]):
-                        if tiles.applies(family, d, arch, mask, alibi=True):
-                            out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
-                                                 alibi=True))
+    # softcap and ALiBi (kernels_cu/attention/score_mod.cuh) in every family that computes scores, alone and with
+    # every built-in mask feature
+    for mod in ({"softcap": True}, {"alibi": True}):
+        for arch in ARCHS:
+            for family in SOFTCAP_FAMILIES:
+                for d in (d for d in (64, 96, 128, 192, 256) if tiles.applies(family, d, arch, **mod)):
+                    for causal in (False, True):
+                        for mask in (0, sum(MASK_BITS.values()) & ~MASK_BITS["mod"]):
+                            if tiles.applies(family, d, arch, mask, **mod):
+                                out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])],
+                                                     mask, **mod))
     return sorted(out, key=lambda s: s.name)
 
 
