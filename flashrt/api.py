@@ -445,7 +445,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, softcap=softcap / scale, alibi_bstride=bstride,
              **m.kernel_fields(H), **_contiguous_fields("dq", Q.shape), **_contiguous_fields("dk", K.shape),
              **_contiguous_fields("dv", K.shape))
-    _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=_as_batch(dO))
+    dO4 = _as_batch(dO)
+    _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=dO4)
 
     dev = launch.device(Q.device)
     dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
@@ -463,6 +464,12 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     if splits > 1:
         scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * D))
     allocs.append(None)  # the scratch, allocs[3] (backward's _sink_grad reads its delta)
+    maps = []
+    if main.family == "bwd_fused_sm90" and main.warps == 12 and not _env.no_tma():  # its TMA maps of q, dout, k, v
+        p["use_tma"] = 1
+        maps = [(0, f"{n}_map", src, tma.TileMap(n, a.shape, a.strides, rows)) for n, src, a, rows in
+                (("q", "q", Q4, main.block_m), ("do", "dout", dO4, main.block_m), ("k", "k", K4, main.block_n),
+                 ("v", "v", V4, main.block_n))]
     if impl == "fused":
         scratch.append(("dq_accum", m.total_q * H * D))  # zeroed by bwd_preprocess
         p["dq_swizzle"] = int(fused_family == "bwd_fused_sm90")
@@ -498,7 +505,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     if mode and m.checked:
         _add_check(structs, launches, m, dev, True, tuple((n, shape, Q.itemsize) for n, shape in
                                                          (("dq", Q.shape), ("dk", K.shape), ("dv", K.shape))))
-    return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep)
+    return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep,
+                 maps=maps)
 
 
 # ---------------------------------------------------------------------------

@@ -69,14 +69,15 @@ FWD = np.dtype(
     + _ALIBI,
     align=True,
 )
-# The C struct's size is a multiple of its alignment, 64 with the maps (numpy's align=True goes to 8).
+# The C struct's size is a multiple of its alignment, 64 with the maps (numpy's align=True goes to 8); BWD's too.
 FWD = np.dtype({"names": FWD.names, "formats": [FWD.fields[n][0] for n in FWD.names],
                 "offsets": [FWD.fields[n][1] for n in FWD.names], "itemsize": -(-FWD.itemsize // 64) * 64})
 
 BWD = np.dtype(
-    [(n, _PTR) for n in ("q", "k", "v", "o", "dout", "lse", "lse2", "delta", "dq", "dk", "dv", "dkv_partial",
-                        "dq_accum", "dq_sem")]
-    + [("splits", _I32), ("sched_pairs", _I32), ("sched_key_pairs", _I32), ("dq_swizzle", _I32)]
+    [(n, _MAP) for n in ("q_map", "do_map", "k_map", "v_map")]
+    + [(n, _PTR) for n in ("q", "k", "v", "o", "dout", "lse", "lse2", "delta", "dq", "dk", "dv", "dkv_partial",
+                           "dq_accum", "dq_sem")]
+    + [("splits", _I32), ("sched_pairs", _I32), ("sched_key_pairs", _I32), ("dq_swizzle", _I32), ("use_tma", _I32)]
     + _MASK_PTRS
     + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
     + _STATS + _DIMS
@@ -86,6 +87,8 @@ BWD = np.dtype(
     + _ALIBI,
     align=True,
 )
+BWD = np.dtype({"names": BWD.names, "formats": [BWD.fields[n][0] for n in BWD.names],
+                "offsets": [BWD.fields[n][1] for n in BWD.names], "itemsize": -(-BWD.itemsize // 64) * 64})
 
 # kernels_cu/helpers/mask_check.cu's: the mask arrays (named as in FWD / BWD), the outputs it sets to NaN on a failure
 # (linked to the call's outputs: api._add_check) and their sizes, the report's address and the extents.

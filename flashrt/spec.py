@@ -210,8 +210,10 @@ class KernelSpec:
         if self.family in SM90_HEAD_DIMS:
             if self.arch != "sm_90a" or self.head_dim not in SM90_HEAD_DIMS[self.family]:
                 return f"{self.family} is for sm_90a at head_dim {', '.join(map(str, SM90_HEAD_DIMS[self.family]))}"
-            if self.family in ("bwd_dkdv_sm90", "bwd_fused_sm90"):  # 64 keys per warpgroup, or one warpgroup per
-                # gradient above 128
+            if self.family == "bwd_fused_sm90":  # 64 keys per warpgroup; 12 warps: warp-specialised
+                ok = (bm, bn) == (64, 128) and nw in (8, 12)
+                return None if ok else "block_m 64, block_n 128, 8 or 12 warps"
+            if self.family == "bwd_dkdv_sm90":  # 64 keys per warpgroup, or one warpgroup per gradient above 128
                 bn_sm90 = 128 if self.head_dim <= 128 else 64
                 return None if (bm, bn, nw) == (64, bn_sm90, 8) else f"block_m 64, block_n {bn_sm90}, 8 warps"
             if self.family == "bwd_dq_sm90" and self.head_dim > 128 and bn != 64:
@@ -272,6 +274,11 @@ class KernelSpec:
             stages = 3 if self.head_dim == 64 else 2  # head_dim 64: pipelined (bwd_dkdv_sm90.cu)
             xch = 128 * (bm // 2) * 4 if self.head_dim > 128 else 0  # fp32 P^T between the warpgroups
             return (2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + xch + 1024
+        if self.family == "bwd_fused_sm90" and self.warps == 12:  # warp-specialised: K, V + stages of (Q, dO, lse2,
+            # delta) + two dS^T tiles + the fp32 dQ tile + mbarriers + the writer's job (bwd_fused_sm90_ws.cu)
+            stages = 4 if self.head_dim == 64 else 2
+            return ((2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + 2 * bn * bm * 2
+                    + bm * self.head_dim * 4 + 8 * (1 + 2 * stages) + 32 + 1024)
         if self.family == "bwd_fused_sm90":  # K, V + 3 stages of (Q, dO, lse2, delta) + dS^T + the fp32 dQ tile
             return (2 * bn + 6 * bm) * self.head_dim * 2 + 6 * bm * 4 + bn * bm * 2 + bm * self.head_dim * 4 + 1024
         if self.family == "decode":  # Q + stages of (K, V) (decode.cu: DecodeTraits::STAGES)
@@ -285,6 +292,8 @@ class KernelSpec:
     # -- compilation ----------------------------------------------------------------
     @property
     def source_file(self) -> str:
+        if self.family == "bwd_fused_sm90" and self.warps == 12:  # the warp-specialised form
+            return "sm90/bwd_fused_sm90_ws.cu"
         return FAMILIES[self.family][0]
 
     def options(self) -> list[str]:

@@ -67,6 +67,9 @@ struct FwdParams {
 };
 
 struct BwdParams {
+    // bwd_fused_sm90's warp-specialised form: q, dout, k and v as TMA maps (wgmma.cuh: load_tile_tma), first as in
+    // FwdParams; zero (unused) for the other kernels.
+    TmaMap q_map, do_map, k_map, v_map;
     const u16* q;
     const u16* k;
     const u16* v;
@@ -84,7 +87,8 @@ struct BwdParams {
     int splits;          // blocks that share one key tile's (query head, query tile) pairs
     int sched_pairs;     // causal bwd_dq: (batch entry, head) pairs per chunk of blocks (query_block); 0: none
     int sched_key_pairs; // causal key-parallel kernels: (batch entry, grid row) pairs per chunk (key_block); 0: none
-    int dq_swizzle;      // bwd_fused_sm90: dq_accum rows hold their 16-byte chunks permuted (bwd_dkdv_sm90.cu: add_dq)
+    int dq_swizzle;      // bwd_fused_sm90: dq_accum rows hold their 16-byte chunks permuted (bwd_sm90.cuh: stage_dq)
+    int use_tma;         // the maps are set (0: FLASHRT_NO_TMA or another kernel; every tile by cp.async)
     // Masks (kernels_cu/attention/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
     // offsets, (B, S) or packed (total,) non-decreasing ids.
     const int* seqlens_q;

@@ -97,6 +97,20 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
     }
 }
 
+// load_tile_sw128 by one warp of a warp-specialised loader, in few registers: a loop, not unrolled, over the tile's
+// 16-byte chunks (lane l copies chunks l, l + 32, ...), each address found afresh.
+template <int ROWS, int COLS>
+FRT_DEVICE void load_tile_sw128_warp(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int lane) {
+    constexpr int CPR = COLS / 8;
+    static_assert(COLS % kBlockCols == 0 && ROWS % 8 == 0, "sw128 tiles hold whole 64-column blocks and 8-row atoms");
+#pragma unroll 1
+    for (int i = lane; i < ROWS * CPR; i += 32) {
+        const int r = i / CPR, c = i % CPR;
+        const bool ok = r < rows_valid;
+        cp_async16(s_tile + sw128_offset<ROWS>(r, c), ok ? g + r * g_stride + c * 8 : g, ok);
+    }
+}
+
 // The same sw128 tile by TMA (cp.async.bulk.tensor): one 64-column x ROWS-row box per column block
 // from `map`, a CUtensorMap of a (B, S, H, D) tensor (dims D, H, S, B; box 64 x 1 x ROWS x 1; 128-byte
 // swizzle, which is the sw128 layout: chunk c of row r at c ^ (r % 8), from a 1024-byte-aligned

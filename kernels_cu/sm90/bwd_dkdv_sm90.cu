@@ -43,9 +43,7 @@
 // Ordered (dq_sem set; deterministic=True): the key tiles that see a query tile add into it in key-tile order, as
 // bwd_dkdv.cu's fused variant orders them: a counter per (batch, head, query tile); key tile n's adding thread waits
 // until it reads n, adds, and sets it to n + 1 once the add is performed (at its next add: add_dq).
-#include "attention/params.cuh"
-#include "attention/score_mod.cuh"
-#include "common/wgmma.cuh"
+#include "sm90/bwd_sm90.cuh"
 
 #ifndef FRT_FUSED_DQ
 #define FRT_FUSED_DQ 0
@@ -98,171 +96,10 @@ struct DkdvSm90Traits {
                                 DQ_BYTES + sm90::kAtomBytes;
 };
 
-// Pair `it`'s query tile (Q, dO) and its lse2 / delta into one pipeline stage: the tiles at sQ (dO
-// QT_BYTES after it), the statistics at sStat; rows past the sequence (or its length) are zeros.
-template <class T, class Tile>
-FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u32 sQ, u32 sStat, int tid) {
-    using namespace sm90;
-    constexpr int BM = T::BM, D = T::D, NT = T::NTHREADS;
-    const auto pr = tile.pair(p, it);
-    const int m0 = pr.m * BM, rows = min(BM, tile.vis.Lq - m0), b = tile.b;
-    const i64 row0 = tile.vis.q_row0 + m0;
-    load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + row0 * p.q_ss + pr.h * p.q_sh, p.q_ss, rows, tid);
-    load_tile_sw128<BM, D, NT>(sQ + T::QT_BYTES, p.dout + b * p.do_sb + row0 * p.do_ss + pr.h * p.do_sh, p.do_ss,
-                               rows, tid);
-    // lse2 and delta of the tile's rows (zeros past the sequence: with Q and dO rows of zeros they
-    // add nothing).
-    if (tid < 2 * BM) {
-        const int which = tid / BM, r = tid % BM;
-        const i64 at = (i64)b * p.st_sb + (i64)pr.h * p.st_sh + row0 + (r < rows ? r : 0);
-        cp_async4(sStat + tid * 4, (which ? p.delta : p.lse2) + at, r < rows);
-    }
-}
-
-// The bits of a thread's 32 S^T elements (rows: keys from key_base, columns: queries from q0; mask.cuh: the
-// fragments) whose pair visible(query, key) hides.
-template <int BM, class Visible>
-FRT_DEVICE u32 hidden_where(int q0, int key_base, Visible visible) {
-    return hidden_bits_of<BM / 8, true>(Fragments{key_base, q0}, visible);
-}
-
-// Partial pairs: which of a thread's 32 S^T elements (keys key_base + 8 hh, queries of the tile
-// m-th tile) the mask hides, one bit each, evaluated before the wgmmas hold their accumulators
-// (inside the exponential loop, the predicate made the head_dim 128 variants with block / segment
-// ids spill 16-56 bytes, NVRTC 12.9). Unrolled, so that a mask_mod's reads are in flight together:
-// one at a time, a documents mask read through a tensor took 1.22x its built-in twin (docs/perf-notes.md: mask_mod element mask).
-// INTERVALS (with KeyTile::INTERVALS): from each key's query interval, two compares per pair. With mask_mod
-// and no id arrays, where the thread's keys and the query tile lie inside the sequence, without the length
-// tests and clamps (Visibility::visible_inside).
-template <int BM, bool INTERVALS, class Tile>
-FRT_DEVICE u32 hidden_bits(const Tile& tile, int h, int m, int key_base, int t) {
-    static_assert(BM / 2 == 32, "one bit per S^T element of a thread");
-    u32 hidden = 0;
-    const int q0 = m * BM + 2 * t;
-    if constexpr (Tile::INTERVALS && INTERVALS) {  // each key's queries [lo, hi) of the tile, two compares per pair
-        int2 rel[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int2 qs = tile.query_interval(key_base + 8 * hh, m * BM, BM);
-            rel[hh] = make_int2(qs.x - q0, qs.y - q0);
-        }
-        hidden = hidden_where<BM>(0, 0, [&](int x, int key) { return !((x < rel[key >> 3].x) | (x >= rel[key >> 3].y)); });
-    } else {
-        auto general = [&](int i, int j) { return tile.visible(i, j, h); };
-        if constexpr (Tile::MOD && !Tile::IDS) {  // inside the sequence: no length tests or clamps
-            if ((key_base + 8 < tile.vis.Lk) & (m * BM + BM <= tile.vis.Lq))
-                hidden = hidden_where<BM>(q0, key_base, [&](int i, int j) { return tile.vis.visible_inside(i, j, h); });
-            else
-                hidden = hidden_where<BM>(q0, key_base, general);
-        } else {
-            hidden = hidden_where<BM>(q0, key_base, general);
-        }
-    }
-    return hidden;
-}
-
-// FRT_ALIBI: S^T (rows: keys from key_base, columns: the queries of query tile m, of query head h) gains each
-// pair's bias (score_mod.cuh: Alibi), before probabilities.
-template <int BM, class Tile>
-FRT_DEVICE void add_alibi(float (&s)[BM / 2], const BwdParams& p, const Tile& tile, int h, int m, int key_base, int t) {
-    if constexpr (FRT_ALIBI)
-        Alibi(p, tile.b, h, tile.vis.shift).add<1, BM / 8, true>(Fragments{key_base, m * BM + 2 * t},
-                                                                 [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
-}
-
-// P^T = exp2(S^T * scale_log2 - lse2[query]) on the accumulator fragment (accumulator column =
-// query), 0 where `hidden` says so; with FRT_SOFTCAP, S^T capped first.
-template <int BM>
-FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float scale_log2, u32 hidden, int t,
-                              const Softcap& cap) {
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-        const float2 l = *reinterpret_cast<const float2*>(s_lse2 + 8 * j + 2 * t);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            if constexpr (FRT_SOFTCAP) {
-                s[4 * j + 2 * hh] = cap.apply(s[4 * j + 2 * hh]);
-                s[4 * j + 2 * hh + 1] = cap.apply(s[4 * j + 2 * hh + 1]);
-            }
-            s[4 * j + 2 * hh] = fast_exp2(fmaf(s[4 * j + 2 * hh], scale_log2, -l.x));
-            s[4 * j + 2 * hh + 1] = fast_exp2(fmaf(s[4 * j + 2 * hh + 1], scale_log2, -l.y));
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i)
-        if (hidden >> i & 1) s[i] = 0.f;
-}
-
-// Unscaled fp32 partials of a split (bwd_dkdv_reduce.cu sums them in split order): the rows < rows
-// of a warpgroup's 64 x D accumulator into dst (row stride D).
-template <int D>
-FRT_DEVICE void acc_to_partial(float* dst, const float (&acc)[D / 2], int rows, int w, int g, int t) {
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int r = 16 * w + g + 8 * hh;
-            if (r < rows)
-                *reinterpret_cast<float2*>(dst + (i64)r * D + 8 * j + 2 * t) =
-                    make_float2(acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1]);
-        }
-}
-
-// dS^T = P^T o (dP^T - delta[query]) in dp, with P^T (s) in fp32; with FRT_SOFTCAP, times the cap's derivative,
-// recovered from P^T and lse2 (s_lse2; no copy of the scores is kept).
-template <int BM>
-FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const float* s_delta, int t,
-                           const float* s_lse2, const Softcap& cap) {
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-        const float2 dl = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * t);
-        float2 gl = make_float2(1.f, 1.f);  // (the derivative's row factors, softcap only)
-        if constexpr (FRT_SOFTCAP) gl = *reinterpret_cast<const float2*>(s_lse2 + 8 * j + 2 * t);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            float p0 = s[4 * j + 2 * hh], p1 = s[4 * j + 2 * hh + 1];
-            if constexpr (FRT_SOFTCAP) p0 *= cap.grad_from_p(p0, gl.x), p1 *= cap.grad_from_p(p1, gl.y);
-            dp[4 * j + 2 * hh] = p0 * (dp[4 * j + 2 * hh] - dl.x);
-            dp[4 * j + 2 * hh + 1] = p1 * (dp[4 * j + 2 * hh + 1] - dl.y);
-        }
-    }
-}
-
-// dV_w += P^T dO and dK_w += dS^T Q (64 x D, k = the BM queries of the stage at sQ, dO after it): A from
-// registers, B MN-major (the [query][head_dim] tiles read as K x N). Issued, not committed.
-template <class T>
-FRT_DEVICE void mma_dv_dk(float (&acc)[2][T::D / 2], const u32 (&pa)[T::BM / 16][4], const u32 (&dsa)[T::BM / 16][4],
-                          u32 sQ) {
-    sm90::wgmma_rs_mn<T::D, T::BM, T::BF16>(acc[1], pa, sQ + T::QT_BYTES);
-    sm90::wgmma_rs_mn<T::D, T::BM, T::BF16>(acc[0], dsa, sQ);
-}
-
-// After the wait for mma_dv_dk: its accumulators are final and its A fragments free (their registers
-// stay reserved until here: the compiler does not know the wgmmas read them after the issue).
-template <int R, int F>
-FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&dsa)[F][4]) {
-    sm90::fence_operand(acc[0]);
-    sm90::fence_operand(acc[1]);
-#pragma unroll
-    for (int kk = 0; kk < F; ++kk) sm90::fence_operand(pa[kk]), sm90::fence_operand(dsa[kk]);
-}
-
-// Ordered fused: once the adding thread's last add is performed, the counter it holds (held[0]: its index in dq_sem,
-// -1 for none; held[1]: the value; in shared memory, so that no register is kept across the pair loop for it) takes
-// its next value.
-FRT_DEVICE void release_held(const BwdParams& p, int* held) {
-    if (held[0] < 0) return;
-    sm90::bulk_wait<0>();
-    __threadfence();
-    st_release(p.dq_sem + held[0], held[1]);
-    held[0] = -1;
-}
 
 // Fused: the pair (h, m)'s dQ (64 queries x D, in two warpgroups' accumulators dq: DQ_N columns each) into
-// dq_accum, by one bulk reduce-add of its rows inside the sequence. The tile is staged at s_tile as those rows are laid
-// out in dq_accum (row-major, D floats a row), but with each row's 16-byte chunks permuted: chunk c of buffer row R
-// at c ^ (R % 8) (BwdParams::dq_swizzle; bwd_dq_convert.cu reads them back so), which spreads a warp's float2
-// stores (eight rows, four threads each) over all banks. One thread issues the add once both warpgroups have staged;
+// dq_accum, by one bulk reduce-add of its rows inside the sequence, staged at s_tile (bwd_sm90.cuh: stage_dq). One
+// thread issues the add once both warpgroups have staged;
 // ordered (dq_sem), in key-tile order (top of the file). The next pair rewrites the staging tile after that
 // thread's bulk_wait_read<0> (before the dS^T barrier).
 // Ordered with LATE_RELEASE, the adding thread releases a query tile's counter most of a pair late (`held`: this
@@ -275,18 +112,7 @@ FRT_DEVICE void add_dq(const BwdParams& p, const Tile& tile, int h, int m, const
     constexpr int N = T::DQ_N, BM = T::BM, D = T::D;
     const int m0 = m * BM;
     const i64 row0 = (i64)tile.b * p.st_sb + (i64)h * p.st_sh + tile.vis.q_row0 + m0;  // dq_accum row of tile row 0
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int r = 16 * w + g + 8 * hh, sw = (int)((row0 + r) & 7);
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j) {
-            const int chunk = (wg * N + 8 * j + 2 * t) >> 2;
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                         :: "r"(s_tile + r * D * 4 + ((chunk ^ sw) << 4) + (t & 1) * 8), "f"(dq[4 * j + 2 * hh]),
-                         "f"(dq[4 * j + 2 * hh + 1]) : "memory");
-        }
-    }
-    sm90::fence_proxy_async();  // the staged rows -> visible to the bulk copy (async proxy)
+    stage_dq<D, N>(s_tile, dq, row0, wg, w, g, t);
     if (tid >= 32) {
         sm90::bar_arrive<5, 256>();
         return;
@@ -294,8 +120,8 @@ FRT_DEVICE void add_dq(const BwdParams& p, const Tile& tile, int h, int m, const
     sm90::bar_wait<5, 256>();  // both warpgroups have staged the tile
     if (tid != 0) return;
     const int rows = min(BM, tile.vis.Lq - m0);
-    int* sem = T::ORDERED && p.dq_sem ? p.dq_sem + ((i64)tile.b * p.H + h) * ceil_div(p.Sq, BM) + m : nullptr;
-    const int turn = sem ? tile.n_block - tile.vis.first_key_tile_of(m, BM, T::BN) : 0;
+    int* sem = T::ORDERED && p.dq_sem ? dq_counter<BM, T::BN>(p, tile, h, m) : nullptr;
+    const int turn = sem ? dq_turn<BM, T::BN>(tile, m) : 0;
     if (sem)
         while (ld_acquire(sem) != turn) {
         }
@@ -339,12 +165,13 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     const i64 krow0 = tile.vis.k_row0 + n0;
     load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, tid);
     load_tile_sw128<BN, D, NT>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.live, tid);
-    if (it_begin < it_end) load_query_stage<T>(p, tile, it_begin, sQdO, sStat, tid);
+    if (it_begin < it_end) load_query_stage<T, T::NTHREADS>(p, tile, it_begin, sQdO, sStat, tid);
     cp_async_commit();  // one group: K, V and the first query tile
 #pragma unroll
     for (int a = 1; a < T::LOOKAHEAD; ++a) {  // and one for each of the next LOOKAHEAD - 1
         if (it_begin + a < it_end)
-            load_query_stage<T>(p, tile, it_begin + a, sQdO + a * T::STAGE_BYTES, sStat + a * T::STAT_STAGE_BYTES, tid);
+            load_query_stage<T, T::NTHREADS>(p, tile, it_begin + a, sQdO + a * T::STAGE_BYTES,
+                                             sStat + a * T::STAT_STAGE_BYTES, tid);
         cp_async_commit();
     }
 
@@ -382,8 +209,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
         const int next =
             T::LOOKAHEAD == 1 ? (stage + 1 == T::STAGES ? 0 : stage + 1) : (stage + T::LOOKAHEAD) % T::STAGES;
         if (it + T::LOOKAHEAD < it_end)
-            load_query_stage<T>(p, tile, it + T::LOOKAHEAD, sQdO + next * T::STAGE_BYTES,
-                                sStat + next * T::STAT_STAGE_BYTES, tid);
+            load_query_stage<T, T::NTHREADS>(p, tile, it + T::LOOKAHEAD, sQdO + next * T::STAGE_BYTES,
+                                             sStat + next * T::STAT_STAGE_BYTES, tid);
         cp_async_commit();
         const u32 sQ = sQdO + stage * T::STAGE_BYTES, sdO = sQ + T::QT_BYTES;
         const float* s_lse2 = stat_base + stage * (T::STAT_STAGE_BYTES / 4);

@@ -1,0 +1,264 @@
+// Fused attention backward on Hopper (sm_90a), warp-specialised: dK and dV of one key tile, and the tile's dQ
+// contributions added into the fp32 buffer dq_accum, in one kernel of five wgmmas per (query head, query tile) pair,
+// the math of bwd_dkdv_sm90.cu's fused loop (FRT_FUSED_DQ; docs/perf-notes.md: Backward: fused wgmma) with the loads,
+// the adds and their waits taken off the warpgroups that compute:
+//
+// 384 threads. Warpgroups 0 and 1 compute (64 of the block's 128 keys each, dK and dV in registers); warp 8 loads,
+// warp 9 adds dQ, warps 10 and 11 leave at once. setmaxnreg moves registers from the producer warpgroup to the
+// consumers (PRODUCER_REGS, CONSUMER_REGS).
+//   - The loader fills K and V once (mbarrier KV_FULL), then each pair's Q, dO, lse2 and delta into a ring of
+//     STAGES stages (FULL / EMPTY mbarriers, common/wgmma.cuh: Ring): tiles whose rows all exist by TMA (one lane
+//     issues, the barrier completes on the bytes), others and the statistics by cp.async, whose 32 lanes' copies
+//     arrive as they land (cp.async.mbarrier.arrive.noinc). The consumers hand a stage back once their dV and dK
+//     wgmmas, the last to read it, are complete.
+//   - Per pair each consumer warpgroup computes S^T and dP^T (SS wgmma), P^T and dS^T on the fragments, dV += P^T dO
+//     and dK += dS^T Q (RS), writes its dS^T rows into one of two dS^T tiles, meets the other at named barrier 4
+//     (the pair's whole dS^T is there; with two tiles no barrier guards a tile's reuse: a tile's readers of two pairs
+//     ago have passed this barrier since) and computes its DQ_N columns of dQ = dS K (SS), which it stages in fp32
+//     (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (named barrier 6), then tells the writer
+//     (named barrier 5).
+//   - The writer adds the staged tile with one bulk reduce-add and hands the tile back once the add has read it.
+//     Ordered (dq_sem set, deterministic=True), it first waits for its key tile's turn on the query tile's counter
+//     (key tiles in order; the grid key-tile-major: key_block_tile_major) and releases the next once its add is
+//     performed: the consumers never wait for a turn.
+#include "sm90/bwd_sm90.cuh"
+
+namespace frt {
+
+template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
+struct FusedWsTraits {
+    static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
+    static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
+    static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32, CONSUMERS = 256;
+    static_assert(D == 64 || D == 128, "bwd_fused_sm90_ws: head_dim 64 or 128");
+    static_assert(BM == 64 && BN == 128 && NW == 12,
+                  "bwd_fused_sm90_ws: 64-row query tiles, 128 keys (64 per consumer warpgroup), 12 warps");
+    // 2 * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS = 168 * 384, the launch's count. The consumers spill below 240
+    // registers at head_dim 128 (16 bytes at 232), 232 at 64; the producers' 24 at 128 spill 52 bytes in the loader
+    // (tiles.SPILL_ALLOWANCE).
+    static constexpr int CONSUMER_REGS = D == 64 ? 232 : 240, PRODUCER_REGS = (168 * 384 - 2 * 128 * CONSUMER_REGS) / 128;
+    static constexpr bool INTERVALS = MASK != 0 || D <= 64;  // as bwd_dkdv_sm90.cu's
+    static constexpr bool ORDERED = !(MASK & (MASK_SEGMENTS | MASK_MOD));  // (flashrt/masks.py: ordered_dq_ok)
+    static constexpr bool KV_REGS = D == 64;  // K and V rows as the A operands of S^T and dP^T (bwd_dkdv_sm90.cu)
+    static constexpr int STAGES = D == 64 ? 4 : 2;
+    static constexpr int DQ_N = D / 2;  // dQ columns per consumer warpgroup
+    static constexpr int KV_BYTES = BN * D * 2, QT_BYTES = BM * D * 2, STAGE_BYTES = 2 * QT_BYTES;
+    static constexpr int STAT_STAGE_BYTES = 2 * BM * 4, DS_BYTES = BN * BM * 2, DQ_BYTES = BM * D * 4;
+    enum : int { KV_FULL = 0, FULL = 1, EMPTY = 1 + STAGES, N_BARS = 1 + 2 * STAGES };
+    static constexpr int JOB_BYTES = 32;  // the writer's job: dq_accum offset (i64), bytes, counter, turn
+    static constexpr int SMEM = 2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + 2 * DS_BYTES + DQ_BYTES +
+                                8 * N_BARS + JOB_BYTES + sm90::kAtomBytes;
+};
+
+template <class T>
+__device__ void bwd_fused_sm90_ws(const BwdParams& p) {
+    using namespace sm90;
+    constexpr int BM = T::BM, BN = T::BN, D = T::D, S = T::STAGES;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const u32 smem_base = smem_u32(smem);
+    const u32 sK = align_atom(smem_base), sV = sK + T::KV_BYTES;
+    const u32 sQdO = sV + T::KV_BYTES;             // stage s: Q at sQdO + s * STAGE_BYTES, dO QT_BYTES after
+    const u32 sdS = sQdO + S * T::STAGE_BYTES;      // two dS^T tiles [key][query]
+    const u32 sDQ = sdS + 2 * T::DS_BYTES;          // the dQ staging tile
+    const u32 sStat = sDQ + T::DQ_BYTES;            // stage s: lse2[BM], delta[BM] at sStat + s * STAT_STAGE_BYTES
+    const u32 bars = sStat + S * T::STAT_STAGE_BYTES;
+    const u32 sJob = bars + 8 * T::N_BARS;  // the staged dQ tile's add (the consumers' thread 0 writes it)
+    auto bar = [&](int which, int s) { return bars + 8 * (which + s); };
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const bool ordered = T::ORDERED && p.dq_sem;
+    if (tid == 0) {
+        mbar_init(bar(T::KV_FULL, 0), 32);
+        for (int s = 0; s < S; ++s) mbar_init(bar(T::FULL, s), 33), mbar_init(bar(T::EMPTY, s), T::CONSUMERS);
+    }
+    __syncthreads();
+    // Each role finds the block's key tile after its setmaxnreg, so that no value crosses into the producers' few
+    // registers (the whole block still makes the constructor's barriers, where id arrays are searched).
+    auto key_tile = [&] {
+        return KeyTile<BM, BN, T::CAUSAL, T::MASK>(
+            p, ordered ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs), tid, T::NTHREADS);
+    };
+
+    const int wg = block_uniform(tid >> 7);
+    if (wg == 2) {
+        setmaxnreg_dec<T::PRODUCER_REGS>();
+        const auto tile = key_tile();
+        if (tile.rows <= 0) return;
+        const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
+        const int warp = (tid >> 5) & 3;
+        if (warp == 0) {  // ---- the loader ----
+            // K and V by TMA where all of the tile's keys exist, else by cp.async (each lane's copies arrive)
+            const u32 kv_full = bar(T::KV_FULL, 0);
+            const i64 krow0 = tile.vis.k_row0 + tile.n0;
+            if (p.use_tma && tile.live == BN) {
+                if (lane == 0) {
+                    const int kb = (T::MASK & MASK_LENGTHS) && p.cu_k ? 0 : tile.b;  // packed varlen: one entry
+                    mbar_arrive_expect_tx(kv_full, 2 * T::KV_BYTES);
+                    load_tile_tma<BN, D>(sK, &p.k_map, kv_full, tile.hk, (int)krow0, kb);
+                    load_tile_tma<BN, D>(sV, &p.v_map, kv_full, tile.hk, (int)krow0, kb);
+                } else {
+                    mbar_arrive(kv_full);
+                }
+            } else {
+                load_tile_sw128_warp<BN, D>(sK, p.k + tile.b * p.k_sb + krow0 * p.k_ss + tile.hk * p.k_sh, p.k_ss,
+                                            tile.live, lane);
+                load_tile_sw128_warp<BN, D>(sV, p.v + tile.b * p.v_sb + krow0 * p.v_ss + tile.hk * p.v_sh, p.v_ss,
+                                            tile.live, lane);
+                mbar_arrive_cp_async(kv_full);
+            }
+            Ring<S> r;
+            for (int it = it_begin; it < it_end; ++it, ++r) {
+                const int s = (int)r.slot();
+                const u32 full = bar(T::FULL, s);
+                mbar_wait(bar(T::EMPTY, s), r.free_parity());
+                // (33 arrivals: lane 0's with the TMA bytes, and every lane's cp.async copies as they land)
+                load_query_stage<T, 32>(p, tile, it, sQdO + s * T::STAGE_BYTES, sStat + s * T::STAT_STAGE_BYTES,
+                                        lane, full);
+                mbar_arrive_cp_async(full);
+            }
+            cp_async_wait<0>();
+        } else if (warp == 1) {  // ---- the dQ writer ----
+            const int* job = reinterpret_cast<const int*>(smem + (sJob - smem_base));
+            for (int it = it_begin; it < it_end; ++it) {
+                bar_wait<5, T::CONSUMERS + 32>();  // both warpgroups have staged the pair's dQ (and its job)
+                const int sem_at = job[3], turn = job[4];
+                if (lane == 0) {
+                    if (sem_at >= 0)
+                        while (ld_acquire(p.dq_sem + sem_at) != turn) {
+                        }
+                    if (job[2] > 0) bulk_reduce_add_f32(p.dq_accum + *reinterpret_cast<const i64*>(job), sDQ, job[2]);
+                    bulk_commit();
+                    bulk_wait_read<0>();
+                }
+                __syncwarp();
+                if (it + 1 < it_end) bar_arrive<6, T::CONSUMERS + 32>();  // the staging tile (and job) is free
+                if (lane == 0 && sem_at >= 0) {
+                    bulk_wait<0>();  // the add is performed
+                    __threadfence();
+                    st_release(p.dq_sem + sem_at, turn + 1);
+                }
+            }
+            if (lane == 0) bulk_wait<0>();
+        }
+        return;
+    }
+
+    // ---- consumer warpgroups ----
+    setmaxnreg_inc<T::CONSUMER_REGS>();
+    const auto tile = key_tile();
+    if (tile.rows <= 0) return;
+    const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
+    const int wtid = tid & 127, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    const int b = tile.b, hk = tile.hk, n0 = tile.n0;
+    const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
+    const float* stat_base = reinterpret_cast<const float*>(smem + (sStat - smem_base));
+    // This warpgroup's 64 keys: rows 64 wg.. of every column block of the K and V tiles; accumulator layouts as in
+    // bwd_dkdv_sm90.cu (S^T / dP^T element [4 j + 2 hh + e]: key 16 w + g + 8 hh, query 8 j + 2 t + e).
+    const u32 sKw = sK + wg * 64 * kSwizzleBytes, sVw = sV + wg * 64 * kSwizzleBytes;
+    const int key_base = n0 + 64 * wg + 16 * w + g;
+    float acc[2][D / 2];  // dK, dV
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) acc[a][i] = 0.f;
+    u32 pa[BM / 16][4], dsa[BM / 16][4];
+    u32 ka[T::KV_REGS ? D / 16 : 1][4], va[T::KV_REGS ? D / 16 : 1][4];
+    mbar_wait(bar(T::KV_FULL, 0), 0);
+    fence_proxy_async();  // the loader's cp.async writes -> visible to wgmma (async proxy)
+    if constexpr (T::KV_REGS) {
+        sw128_to_a_frags<BN, D>(sKw, ka, w, g, t);
+        sw128_to_a_frags<BN, D>(sVw, va, w, g, t);
+    }
+    Ring<S> r;
+    for (int it = it_begin; it < it_end; ++it, ++r) {
+        const int s_ = (int)r.slot();
+        const u32 sQ = sQdO + s_ * T::STAGE_BYTES, sdO = sQ + T::QT_BYTES;
+        const float* s_lse2 = stat_base + s_ * (T::STAT_STAGE_BYTES / 4);
+        const float* s_delta = s_lse2 + BM;
+        const auto pr = tile.pair(p, it);
+        const u32 hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0u;
+        mbar_wait(bar(T::FULL, s_), r.parity());
+        fence_proxy_async();
+        float sc[BM / 2], dp[BM / 2];
+        wgmma_fence();  // orders the dK / dV accumulator and fragment writes before the wgmmas
+        if constexpr (T::KV_REGS) {
+            wgmma_abt<BM, D / 16, T::BF16>(sc, ka, sQ);
+            wgmma_commit();
+            wgmma_abt<BM, D / 16, T::BF16>(dp, va, sdO);
+        } else {
+            wgmma_abt<BM, BN, D / 16, T::BF16>(sc, sKw, sQ);
+            wgmma_commit();
+            wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // S^T is complete
+        fence_operand(sc);
+        add_alibi<BM>(sc, p, tile, pr.h, pr.m, key_base, t);
+        probabilities<BM>(sc, s_lse2, p.scale_log2, hidden, t, cap);
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(sc, kk, pa[kk]);
+        wgmma_fence();
+        wgmma_rs_mn<D, BM, T::BF16>(acc[1], pa, sdO);  // dV += P^T dO, under dS^T's arithmetic
+        wgmma_commit();
+        wgmma_wait<1>();  // dP^T is complete
+        fence_operand(dp);
+        ds_from_dp<BM>(dp, sc, s_delta, t, s_lse2, cap);
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);
+        const u32 sdSp = sdS + (it & 1) * T::DS_BYTES;  // this pair's dS^T tile
+        a_frags_to_sw128<BN, BM>(sdSp + wg * 64 * kSwizzleBytes, dsa, w, g, t);
+        fence_proxy_async();
+        wgmma_fence();
+        wgmma_rs_mn<D, BM, T::BF16>(acc[0], dsa, sQ);  // dK += dS^T Q
+        wgmma_commit();
+        bar_wait<4, T::CONSUMERS>();  // both warpgroups' dS^T rows are in the tile
+        // This warpgroup's DQ_N columns of dS K: A = dS^T read MN-major (dS), B = the K tile's columns (MN-major)
+        float dq[T::DQ_N / 2];
+        const u32 sKcols = sK + (D == 128 ? wg * BN * kSwizzleBytes : wg * T::DQ_N * 2);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_ss<T::DQ_N, 1, T::BF16, 1>(dq, desc_mn_major<BN>(sdSp, kk), desc_mn_major<BN>(sKcols, kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dK are complete: the stage goes back
+        fence_acc_and_frags(acc, pa, dsa);
+        mbar_arrive(bar(T::EMPTY, s_));
+        wgmma_wait<0>();
+        fence_operand(dq);
+        if (it > it_begin) bar_wait<6, T::CONSUMERS + 32>();  // the writer has read the previous pair's tile
+        const i64 row0 = (i64)b * p.st_sb + (i64)pr.h * p.st_sh + tile.vis.q_row0 + pr.m * BM;
+        stage_dq<D, T::DQ_N>(sDQ, dq, row0, wg, w, g, t);
+        if (tid == 0) {  // the writer's job: where the tile goes, its bytes, the counter and its turn (ordered)
+            int* job = reinterpret_cast<int*>(smem + (sJob - smem_base));
+            *reinterpret_cast<i64*>(job) = row0 * D;
+            job[2] = max(0, min(BM, tile.vis.Lq - pr.m * BM)) * D * 4;
+            job[3] = ordered ? (int)(dq_counter<BM, BN>(p, tile, pr.h, pr.m) - p.dq_sem) : -1;
+            job[4] = ordered ? dq_turn<BM, BN>(tile, pr.m) : 0;
+        }
+        bar_arrive<5, T::CONSUMERS + 32>();
+    }
+    const int rows_wg = tile.rows - 64 * wg;
+    if (p.splits > 1) {  // unscaled fp32 partials of this split (bwd_dkdv_sm90.cu)
+        const i64 per_split = (i64)p.B * p.Hkv * p.Sk * D;
+        float* part = p.dkv_partial + tile.split * per_split + (((i64)b * p.Hkv + hk) * p.Sk + n0 + 64 * wg) * D;
+        acc_to_partial<D>(part, acc[0], rows_wg, w, g, t);
+        acc_to_partial<D>(part + p.splits * per_split, acc[1], rows_wg, w, g, t);
+        return;
+    }
+    bar_wait<4, T::CONSUMERS>();  // every dQ wgmma (they read all of K) is complete before K is overwritten
+    // scale * dK staged into this warpgroup's rows of the K tile, dV into its rows of the V tile, then stored
+    const i64 row0 = tile.vis.k_row0 + n0 + 64 * wg;
+    acc_to_sw128<BN, D, T::BF16>(sKw, acc[0], p.scale, w, g, t);
+    acc_to_sw128<BN, D, T::BF16>(sVw, acc[1], 1.f, w, g, t);
+    if (wg == 0)
+        warpgroup_bar<1>();
+    else
+        warpgroup_bar<2>();
+    sw128_rows_to_global<BN, D>(p.dk + b * p.dk_sb + row0 * p.dk_ss + hk * p.dk_sh, p.dk_ss, sKw, rows_wg, wtid);
+    sw128_rows_to_global<BN, D>(p.dv + b * p.dv_sb + row0 * p.dv_ss + hk * p.dv_sh, p.dv_ss, sVw, rows_wg, wtid);
+}
+
+}  // namespace frt
+
+#ifdef FRT_KERNEL_NAME
+FRT_ENTRY(FusedWsTraits, bwd_fused_sm90_ws, BwdParams)
+#endif

@@ -1,0 +1,131 @@
+"""The warp-specialised wgmma fused backward (bwd_fused_sm90 at 12 warps) against its 8-warp form and the split pair.
+
+    python scripts/probes/bwd_fused_ws.py [--check-only] [--rounds 3] [--heads 64,128] [--seqlens 1024,4096,16384]
+
+Checks first (float64 reference, fresh inputs): both fused forms, ordered and not, at small shapes with causal, GQA
+and MQA; the ordered form bitwise over repeats. Then times flashrt.backward alone (out and lse from one
+forward) with CUDA events, medians over interleaved rounds, at 16k tokens and hidden 2048 (B = 16384 // S,
+H = 2048 // head_dim). TFLOP/s: 2.5 x the forward's 4 B H S^2 D, halved when causal. Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import flashrt
+from flashrt import api, tiles
+
+WARPS = {8: [(128, [(64, 128, 8)])], 12: [(128, [(64, 128, 12)])]}
+
+
+def use_warps(nw: int) -> None:
+    tiles._PREFERENCES["bwd_fused_sm90"] = WARPS[nw]
+    for f in vars(tiles).values():
+        if hasattr(f, "cache_clear"):
+            f.cache_clear()
+    api._PLANS.clear()
+
+
+def reference(q, k, v, do, causal):
+    q, k, v, do = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v, do))
+    q.retain_grad()
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
+    Sq, Sk = s.shape[-2:]
+    mask = torch.zeros(Sq, Sk, dtype=torch.bool, device=s.device)
+    if causal:
+        mask = torch.ones(Sq, Sk, dtype=torch.bool, device=s.device).tril(Sk - Sq).logical_not()
+    s = s.masked_fill(mask, float("-inf"))
+    (torch.softmax(s, -1) @ vv).backward(do)
+    return [x.grad.transpose(1, 2) for x in (q, k, v)]
+
+
+def check() -> list[str]:
+    rows = []
+    torch.manual_seed(0)
+    cases = [(2, 300, 300, 4, 4, 64, False), (2, 300, 300, 4, 4, 128, True), (1, 512, 512, 8, 2, 128, True),
+             (3, 200, 333, 4, 1, 64, False), (2, 1024, 1024, 4, 4, 128, False), (1, 700, 700, 6, 3, 64, False)]
+    for B, Sq, Sk, H, Hkv, D, causal in cases:
+        q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
+        ref = reference(q, k, v, do, causal)
+        out, lse = flashrt.forward(q, k, v, causal=causal)
+        for nw in (8, 12):
+            use_warps(nw)
+            for det in (False, True):
+                got = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=det)
+                errs = [float((a.double() - r).norm() / r.norm()) for a, r in zip(got, ref)]
+                same = ""
+                if det:
+                    again = [flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True)
+                             for _ in range(3)]
+                    same = all(torch.equal(a, b) for g2 in again for a, b in zip(got, g2))
+                    same = "bitwise" if same else "DIFFERS"
+                ok = all(e < 2e-2 for e in errs) and same != "DIFFERS"
+                rows.append(f"| B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'causal' if causal else 'full'} | w{nw} "
+                            f"{'det' if det else 'nondet'} | {' '.join(f'{e:.1e}' for e in errs)} | {same} | "
+                            f"{'ok' if ok else 'FAIL'} |")
+                print(rows[-1], flush=True)
+    return rows
+
+
+def time_grid(heads, seqlens, rounds) -> list[str]:
+    rows = []
+    for D in heads:
+        for S in seqlens:
+            for causal in (False, True):
+                B, H = 16384 // S, 2048 // D
+                q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                out, lse = flashrt.forward(q, k, v, causal=causal)
+                variants = {}
+                for nw in (8, 12):
+                    for det in (True, False):
+                        variants[f"w{nw}{'-det' if det else ''}"] = (nw, dict(impl="fused", deterministic=det))
+                variants["split"] = (12, dict(impl="split"))
+                times = {n: [] for n in variants}
+                for _ in range(rounds):
+                    for name, (nw, kw) in variants.items():
+                        use_warps(nw)
+                        for _ in range(3):
+                            flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
+                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        n = 10
+                        e0.record()
+                        for _ in range(n):
+                            flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
+                        e1.record()
+                        torch.cuda.synchronize()
+                        times[name].append(e0.elapsed_time(e1) / n)
+                flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+                tf = {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
+                rows.append(f"| {D} | {S} | {'causal' if causal else 'full'} | " +
+                            " | ".join(f"{tf[n]:.0f}" for n in variants) + " |")
+                print(rows[-1], flush=True)
+    head = "| D | S | mask | " + " | ".join(variants) + " |"
+    return [head, "|" + "---|" * (3 + len(variants))] + rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--heads", default="64,128")
+    ap.add_argument("--seqlens", default="1024,4096,16384")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name())
+    rows = check()
+    table = [] if a.check_only else time_grid([int(x) for x in a.heads.split(",")],
+                                              [int(x) for x in a.seqlens.split(",")], a.rounds)
+    print("\n| shape | kernel | dq dk dv rel err | repeats | |\n|---|---|---|---|---|")
+    print("\n".join(rows))
+    print("\nTFLOP/s (flashrt.backward alone):")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
