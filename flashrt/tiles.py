@@ -188,9 +188,11 @@ _PREFERENCES = {
     # block, H200 S 512-8k; causal and lengths variants spill: SPILL_ALLOWANCE)
     "bwd_dq_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (256, [(128, 64, 8)])],
     "bwd_dkdv_sm90": [(128, [(64, 128, 8)]), (256, [(64, 64, 8)])],
-    # fused wgmma backward (dK/dV + dQ by bulk reduce-add; head_dim 64, 128): the dK/dV kernel's tiles, warp-specialised
-    # (12 warps: kernels_cu/sm90/bwd_fused_sm90_ws.cu; 8: bwd_dkdv_sm90.cu's fused loop)
-    "bwd_fused_sm90": [(128, [(64, 128, 12)])],
+    # fused wgmma backward (dK/dV + dQ by bulk reduce-add; head_dim 64, 128): the dK/dV kernel's tiles (8 warps:
+    # bwd_dkdv_sm90.cu's fused loop). Its warp-specialised form (12 warps, kernels_cu/sm90/bwd_fused_sm90_ws.cu) runs
+    # 1.17-1.37x faster but is not chosen until racecheck's hazards on its mbarrier-ordered shared-memory stores are
+    # explained (docs/perf-notes.md: Backward: fused wgmma, warp-specialised)
+    "bwd_fused_sm90": [(128, [(64, 128, 8)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
         (224, [(128, 32, 8), (64, 32, 4)]),
@@ -252,9 +254,10 @@ _MOD_PREFERENCES = {
 # memory a variant may use (tests/test_compile.py, tests/test_gpu.py check the rest). The head_dim 64 dQ at two
 # blocks per SM (128 registers) spills 20-24 bytes in its causal and lengths variants and still runs 1-9% faster
 # than at one block (H200, docs/perf-notes.md: head_dim 64 backward).
-# The warp-specialised fused backward at head_dim 128 spills 52-112 bytes (by mask) in its loader warp, whose
-# warpgroup keeps 24 registers so that the consumers have the 240 they need (bwd_fused_sm90_ws.cu: FusedWsTraits).
-SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 128}
+# The warp-specialised fused backward (12 warps, not chosen yet: _PREFERENCES) spills 12-52 bytes at head_dim 128 (by
+# mask) in its producer warpgroup, which keeps 24 registers so that the consumers have the 240 they need
+# (bwd_fused_sm90_ws.cu: FusedWsTraits); its 8-warp form spills nothing.
+SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 64}
 
 
 # Smaller tilings of each family, tried in order after its preferred ones (candidates) when none of those fits the

@@ -8,8 +8,8 @@
 // consumers (PRODUCER_REGS, CONSUMER_REGS).
 //   - The loader fills K and V once (mbarrier KV_FULL), then each pair's Q, dO, lse2 and delta into a ring of
 //     STAGES stages (FULL / EMPTY mbarriers, common/wgmma.cuh: Ring): tiles whose rows all exist by TMA (one lane
-//     issues, the barrier completes on the bytes), others and the statistics by cp.async, whose 32 lanes' copies
-//     arrive as they land (cp.async.mbarrier.arrive.noinc). The consumers hand a stage back once their dV and dK
+//     issues, the barrier completes on the bytes), others by cp.async that the warp waits for, the statistics by
+//     loads and stores (bwd_sm90.cuh: load_query_stage). The consumers hand a stage back once their dV and dK
 //     wgmmas, the last to read it, are complete.
 //   - Per pair each consumer warpgroup computes S^T and dP^T (SS wgmma), P^T and dS^T on the fragments, dV += P^T dO
 //     and dK += dS^T Q (RS), writes its dS^T rows into one of two dS^T tiles, meets the other at named barrier 4
@@ -72,22 +72,17 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         for (int s = 0; s < S; ++s) mbar_init(bar(T::FULL, s), 33), mbar_init(bar(T::EMPTY, s), T::CONSUMERS);
     }
     __syncthreads();
-    // Each role finds the block's key tile after its setmaxnreg, so that no value crosses into the producers' few
-    // registers (the whole block still makes the constructor's barriers, where id arrays are searched).
-    auto key_tile = [&] {
-        return KeyTile<BM, BN, T::CAUSAL, T::MASK>(
-            p, ordered ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs), tid, T::NTHREADS);
-    };
+    const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(
+        p, ordered ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs), tid, T::NTHREADS);
+    if (tile.rows <= 0) return;
+    const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
 
     const int wg = block_uniform(tid >> 7);
     if (wg == 2) {
         setmaxnreg_dec<T::PRODUCER_REGS>();
-        const auto tile = key_tile();
-        if (tile.rows <= 0) return;
-        const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
         const int warp = (tid >> 5) & 3;
         if (warp == 0) {  // ---- the loader ----
-            // K and V by TMA where all of the tile's keys exist, else by cp.async (each lane's copies arrive)
+            // K and V by TMA where all of the tile's keys exist, else by cp.async
             const u32 kv_full = bar(T::KV_FULL, 0);
             const i64 krow0 = tile.vis.k_row0 + tile.n0;
             if (p.use_tma && tile.live == BN) {
@@ -104,19 +99,17 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                                             tile.live, lane);
                 load_tile_sw128_warp<BN, D>(sV, p.v + tile.b * p.v_sb + krow0 * p.v_ss + tile.hk * p.v_sh, p.v_ss,
                                             tile.live, lane);
-                mbar_arrive_cp_async(kv_full);
+                cp_async_wait<0>();  // (then a plain arrival: the consumers read K / V with loads at head_dim 64)
+                mbar_arrive(kv_full);
             }
             Ring<S> r;
             for (int it = it_begin; it < it_end; ++it, ++r) {
                 const int s = (int)r.slot();
                 const u32 full = bar(T::FULL, s);
                 mbar_wait(bar(T::EMPTY, s), r.free_parity());
-                // (33 arrivals: lane 0's with the TMA bytes, and every lane's cp.async copies as they land)
                 load_query_stage<T, 32>(p, tile, it, sQdO + s * T::STAGE_BYTES, sStat + s * T::STAT_STAGE_BYTES,
-                                        lane, full);
-                mbar_arrive_cp_async(full);
+                                        lane, full);  // (its 33 arrivals)
             }
-            cp_async_wait<0>();
         } else if (warp == 1) {  // ---- the dQ writer ----
             const int* job = reinterpret_cast<const int*>(smem + (sJob - smem_base));
             for (int it = it_begin; it < it_end; ++it) {
@@ -145,9 +138,6 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
 
     // ---- consumer warpgroups ----
     setmaxnreg_inc<T::CONSUMER_REGS>();
-    const auto tile = key_tile();
-    if (tile.rows <= 0) return;
-    const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
     const int wtid = tid & 127, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     const int b = tile.b, hk = tile.hk, n0 = tile.n0;
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();

@@ -10,9 +10,11 @@ namespace frt {
 
 // Pair `it`'s query tile (Q, dO) and its lse2 / delta into one pipeline stage: the tiles at sQ (dO
 // QT_BYTES after it), the statistics at sStat; rows past the sequence (or its length) are zeros. NT threads copy
-// (tid < NT), by cp.async: the caller commits or arrives. NT = 32 (bwd_fused_sm90_ws.cu's loader): the tiles by TMA
-// where all their rows exist (p.use_tma), completing the mbarrier `full`, whose bytes thread 0 announces with one
-// arrival (made with no bytes when the tiles go by cp.async).
+// (tid < NT), by cp.async: the caller commits or arrives.
+// NT = 32 (bwd_fused_sm90_ws.cu's loader warp) completes the mbarrier `full` (33 arrivals) itself: the tiles by TMA where
+// all their rows exist (p.use_tma; lane 0 announces their bytes with one arrival, made with none otherwise), else by
+// cp.async, which the warp waits for; the statistics by loads and shared stores; then every lane arrives (release: its
+// stores and landed copies are seen by the consumers after their wait).
 template <class T, int NT, class Tile>
 FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u32 sQ, u32 sStat, int tid,
                                  u32 full = 0) {
@@ -23,9 +25,12 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
     const i64 row0 = tile.vis.q_row0 + m0;
     const u16* q = p.q + b * p.q_sb + row0 * p.q_ss + pr.h * p.q_sh;
     const u16* dout = p.dout + b * p.do_sb + row0 * p.do_ss + pr.h * p.do_sh;
-    if constexpr (NT == 32) {  // the warp-specialised loader: by TMA where every row exists (one thread issues)
+    // lse2 and delta of the tile's rows (zeros past the sequence: with Q and dO rows of zeros they
+    // add nothing): 2 BM floats, element i = tid + k NT (lse2, then delta).
+    const i64 at = (i64)b * p.st_sb + (i64)pr.h * p.st_sh + row0;
+    if constexpr (NT == 32) {
         const bool by_tma = p.use_tma && rows == BM;
-        if (tid == 0) mbar_arrive_expect_tx(full, by_tma ? 2 * T::QT_BYTES : 0);  // (its one arrival, either way)
+        if (tid == 0) mbar_arrive_expect_tx(full, by_tma ? 2 * T::QT_BYTES : 0);
         if (by_tma) {
             if (tid == 0) {
                 const int mb = (T::MASK & MASK_LENGTHS) && p.cu_q ? 0 : b;  // packed varlen: one batch entry
@@ -36,19 +41,22 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
             load_tile_sw128_warp<BM, D>(sQ, q, p.q_ss, rows, tid);
             load_tile_sw128_warp<BM, D>(sQ + T::QT_BYTES, dout, p.do_ss, rows, tid);
         }
+        float* stat = reinterpret_cast<float*>(__cvta_shared_to_generic(sStat));
+#pragma unroll
+        for (int k = 0; k < 2 * BM / 32; ++k) {
+            const int i = tid + 32 * k, r = i % BM;
+            stat[i] = r < rows ? (i >= BM ? p.delta : p.lse2)[at + r] : 0.f;
+        }
+        if (!by_tma) cp_async_wait<0>();
+        mbar_arrive(full);
     } else {
         load_tile_sw128<BM, D, NT>(sQ, q, p.q_ss, rows, tid);
         load_tile_sw128<BM, D, NT>(sQ + T::QT_BYTES, dout, p.do_ss, rows, tid);
-    }
-    // lse2 and delta of the tile's rows (zeros past the sequence: with Q and dO rows of zeros they
-    // add nothing): 2 BM floats, element i = tid + k NT (lse2, then delta).
-    const i64 at = (i64)b * p.st_sb + (i64)pr.h * p.st_sh + row0;
-    static_assert(NT >= 2 * BM || BM % NT == 0, "load_query_stage: the statistics split evenly among the threads");
 #pragma unroll
-    for (int k = 0; k < (2 * BM + NT - 1) / NT; ++k) {
-        const int i = tid + k * NT, r = i % BM;
-        if (NT <= BM || i < 2 * BM)
-            cp_async4(sStat + i * 4, (i >= BM ? p.delta : p.lse2) + at + (r < rows ? r : 0), r < rows);
+        for (int k = 0; k < (2 * BM + NT - 1) / NT; ++k) {
+            const int i = tid + k * NT, r = i % BM;
+            if (i < 2 * BM) cp_async4(sStat + i * 4, (i >= BM ? p.delta : p.lse2) + at + (r < rows ? r : 0), r < rows);
+        }
     }
 }
 
