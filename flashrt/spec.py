@@ -278,7 +278,7 @@ class KernelSpec:
             # delta) + two dS^T tiles + the fp32 dQ tile + mbarriers + the writer's job (bwd_fused_sm90_ws.cu)
             stages = 4 if self.head_dim == 64 else 2
             return ((2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + 2 * bn * bm * 2
-                    + bm * self.head_dim * 4 + 8 * (1 + 2 * stages) + 32 + 1024)
+                    + bm * self.head_dim * 4 + 8 * (3 + 2 * stages) + 32 + 1024)
         if self.family == "bwd_fused_sm90":  # K, V + 3 stages of (Q, dO, lse2, delta) + dS^T + the fp32 dQ tile
             return (2 * bn + 6 * bm) * self.head_dim * 2 + 6 * bm * 4 + bn * bm * 2 + bm * self.head_dim * 4 + 1024
         if self.family == "decode":  # Q + stages of (K, V) (decode.cu: DecodeTraits::STAGES)

@@ -112,11 +112,14 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
                for bm, bn, nw, mb in candidates(family, head_dim)) <= smem_limit
 
 
-# Where the wgmma fused backward (bwd_fused_sm90, unordered) beats the wgmma split pair: head_dim 128 without GQA, and
-# with causal masks from this query length on (docs/perf-notes.md: Backward: fused wgmma, H200: 1.19x at S=16k, 1.16x at
-# 4k, 1.11x at 1k non-causal; causal 1.07x at 16k, 1.02x at 4k, 0.96x at 1k). Its ordered form runs at 0.64-0.96x the
-# split pair everywhere, and at head_dim 64 the split pair's pipelined dK/dV keeps it ahead or level: split there.
-FUSED_WGMMA_CAUSAL_MIN_SQ = 4096
+# Where the warp-specialised wgmma fused backward (bwd_fused_sm90) beats the wgmma split pair: (head_dim,
+# deterministic, causal) -> the least query length it is chosen from (absent: never). H200, flashrt.backward alone at 16k
+# tokens and hidden 2048, S = 1k / 4k / 16k (scripts/probes/bwd_fused_ws.py; docs/perf-notes.md: Backward: fused wgmma):
+# unordered 1.11-1.36x the split pair at head_dim 128, at 64 1.02-1.21x but causal at 1k (0.97x); ordered 0.86-0.93x
+# at 1k and 1.13-1.32x from 4k at 128, at 64 0.82-0.89x up to 4k and 1.08-1.09x at 16k.
+FUSED_WGMMA_MIN_SQ = {(128, False, False): 0, (128, False, True): 0, (64, False, False): 0, (64, False, True): 4096,
+                      (128, True, False): 4096, (128, True, True): 4096, (64, True, False): 16384,
+                      (64, True, True): 16384}
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
@@ -125,9 +128,10 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
     """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
 
     `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
-    (fused_family). Then split, but for deterministic=False at head_dim 128 without GQA / MQA (`group`: query heads
-    per KV head; GQA 32/8 at 8k causal ran at 0.96x the split pair) and with no id or mask_mod masks (`mask`,
-    MASK_BITS: not measured), causal only from FUSED_WGMMA_CAUSAL_MIN_SQ query rows (`seqlen_q`) on: fused.
+    (fused_family). Then split, but fused from the query length FUSED_WGMMA_MIN_SQ gives per (head_dim,
+    deterministic, causal) on (`seqlen_q`), without GQA / MQA (`group`: query heads per KV head; not measured for the
+    warp-specialised kernel, the 8-warp one ran GQA 32/8 at 8k causal at 0.96x the split pair) and with no id or
+    mask_mod masks (`mask`, MASK_BITS: not measured).
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -140,8 +144,9 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
     """
     if wgmma_split:
         plain = not mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"])
-        if (fused_wgmma and not deterministic and head_dim == 128 and plain and group == 1
-                and (not causal or seqlen_q >= FUSED_WGMMA_CAUSAL_MIN_SQ)):
+        least = FUSED_WGMMA_MIN_SQ.get((head_dim, bool(deterministic), bool(causal)))
+        if (fused_wgmma and plain and group == 1 and least is not None and seqlen_q >= least
+                and (ordered_ok or not deterministic)):
             return "fused"
         return "split"
     if deterministic:
@@ -188,11 +193,10 @@ _PREFERENCES = {
     # block, H200 S 512-8k; causal and lengths variants spill: SPILL_ALLOWANCE)
     "bwd_dq_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (256, [(128, 64, 8)])],
     "bwd_dkdv_sm90": [(128, [(64, 128, 8)]), (256, [(64, 64, 8)])],
-    # fused wgmma backward (dK/dV + dQ by bulk reduce-add; head_dim 64, 128): the dK/dV kernel's tiles (8 warps:
-    # bwd_dkdv_sm90.cu's fused loop). Its warp-specialised form (12 warps, kernels_cu/sm90/bwd_fused_sm90_ws.cu) runs
-    # 1.17-1.37x faster but is not chosen until racecheck's hazards on its mbarrier-ordered shared-memory stores are
-    # explained (docs/perf-notes.md: Backward: fused wgmma, warp-specialised)
-    "bwd_fused_sm90": [(128, [(64, 128, 8)])],
+    # fused wgmma backward (dK/dV + dQ by bulk reduce-add; head_dim 64, 128): the dK/dV kernel's tiles, warp-specialised
+    # (12 warps, kernels_cu/sm90/bwd_fused_sm90_ws.cu; 8: bwd_dkdv_sm90.cu's fused loop, 0.64-0.94x its speed,
+    # docs/perf-notes.md: Backward: fused wgmma)
+    "bwd_fused_sm90": [(128, [(64, 128, 12)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
         (224, [(128, 32, 8), (64, 32, 4)]),
@@ -254,9 +258,8 @@ _MOD_PREFERENCES = {
 # memory a variant may use (tests/test_compile.py, tests/test_gpu.py check the rest). The head_dim 64 dQ at two
 # blocks per SM (128 registers) spills 20-24 bytes in its causal and lengths variants and still runs 1-9% faster
 # than at one block (H200, docs/perf-notes.md: head_dim 64 backward).
-# The warp-specialised fused backward (12 warps, not chosen yet: _PREFERENCES) spills 12-52 bytes at head_dim 128 (by
-# mask) in its producer warpgroup, which keeps 24 registers so that the consumers have the 240 they need
-# (bwd_fused_sm90_ws.cu: FusedWsTraits); its 8-warp form spills nothing.
+# The warp-specialised fused backward at head_dim 128 spills 24-48 bytes (by mask) in its producer warpgroup, which
+# keeps 24 registers so that the consumers have the 240 they need (bwd_fused_sm90_ws.cu: FusedWsTraits).
 SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 64}
 
 

@@ -317,16 +317,16 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
     assert tiles.split_families(128, "sm_80", SMEM_OPTIN[80]) == mma       # not Hopper
     assert tiles.split_families(128, "sm_90a", 100 * 1024) == mma          # does not fit
     # auto takes the split pair when it is the wgmma one, deterministic or not, any mask; with the wgmma fused kernel
-    # too, fused only for deterministic=False at head_dim 128 (causal from FUSED_WGMMA_CAUSAL_MIN_SQ), no ids, no GQA
+    # too, fused from FUSED_WGMMA_MIN_SQ's query length on, ordered only where the mask allows, no ids, no GQA
     for det in (False, True):
         for ordered_ok in (False, True):
             assert tiles.backward_impl(128, det, ordered_ok, wgmma_split=True) == "split"
-    long = tiles.FUSED_WGMMA_CAUSAL_MIN_SQ
-    assert tiles.backward_impl(128, False, True, True, True, False, 1024) == "fused"
-    assert tiles.backward_impl(128, False, True, True, True, True, long) == "fused"
-    assert tiles.backward_impl(128, False, True, True, True, True, long - 1) == "split"
-    assert tiles.backward_impl(128, True, True, True, True, False, 1 << 14) == "split"
-    assert tiles.backward_impl(64, False, True, True, True, False, 1 << 14) == "split"
+    for (d, det, causal), sq in tiles.FUSED_WGMMA_MIN_SQ.items():
+        assert tiles.backward_impl(d, det, True, True, True, causal, sq) == "fused"
+        if sq:
+            assert tiles.backward_impl(d, det, True, True, True, causal, sq - 1) == "split"
+    assert tiles.backward_impl(128, True, False, True, True, False, 1 << 14) == "split"  # dQ adds not orderable
+    assert tiles.backward_impl(128, False, False, True, True, False, 1 << 14) == "fused"
     assert tiles.backward_impl(128, False, True, True, True, False, 1 << 14, MASK_BITS["segments"]) == "split"
     assert tiles.backward_impl(128, False, True, True, True, False, 1 << 14, MASK_BITS["window"]) == "fused"
     assert tiles.backward_impl(128, False, True, True, True, False, 1 << 14, 0, group=4) == "split"  # GQA

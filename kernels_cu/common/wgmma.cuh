@@ -97,17 +97,21 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
     }
 }
 
-// load_tile_sw128 by one warp of a warp-specialised loader, in few registers: a loop, not unrolled, over the tile's
-// 16-byte chunks (lane l copies chunks l, l + 32, ...), each address found afresh.
+// load_tile_sw128's tile by one warp of a warp-specialised loader, in few registers: a loop, not unrolled, over the
+// tile's 16-byte chunks (lane l copies chunks l, l + 32, ...), each address found afresh; by loads and shared stores, so
+// that the warp's mbarrier arrivals after them order them before the readers' waits (compute-sanitizer's racecheck
+// follows mbarriers, and flagged cp.async copies waited for by cp.async.wait_group before the arrival).
 template <int ROWS, int COLS>
-FRT_DEVICE void load_tile_sw128_warp(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int lane) {
+FRT_DEVICE void copy_tile_sw128_warp(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int lane) {
     constexpr int CPR = COLS / 8;
     static_assert(COLS % kBlockCols == 0 && ROWS % 8 == 0, "sw128 tiles hold whole 64-column blocks and 8-row atoms");
 #pragma unroll 1
     for (int i = lane; i < ROWS * CPR; i += 32) {
         const int r = i / CPR, c = i % CPR;
-        const bool ok = r < rows_valid;
-        cp_async16(s_tile + sw128_offset<ROWS>(r, c), ok ? g + r * g_stride + c * 8 : g, ok);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < rows_valid) v = *reinterpret_cast<const uint4*>(g + r * g_stride + c * 8);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(s_tile + sw128_offset<ROWS>(r, c)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
     }
 }
 

@@ -4,19 +4,18 @@
 // the adds and their waits taken off the warpgroups that compute:
 //
 // 384 threads. Warpgroups 0 and 1 compute (64 of the block's 128 keys each, dK and dV in registers); warp 8 loads,
-// warp 9 adds dQ, warps 10 and 11 leave at once. setmaxnreg moves registers from the producer warpgroup to the
-// consumers (PRODUCER_REGS, CONSUMER_REGS).
-//   - The loader fills K and V once (mbarrier KV_FULL), then each pair's Q, dO, lse2 and delta into a ring of
-//     STAGES stages (FULL / EMPTY mbarriers, common/wgmma.cuh: Ring): tiles whose rows all exist by TMA (one lane
-//     issues, the barrier completes on the bytes), others by cp.async that the warp waits for, the statistics by
-//     loads and stores (bwd_sm90.cuh: load_query_stage). The consumers hand a stage back once their dV and dK
-//     wgmmas, the last to read it, are complete.
+// lane 0 of warp 9 adds dQ, the rest of the producer warpgroup leaves at once. setmaxnreg moves registers from the
+// producer warpgroup to the consumers (PRODUCER_REGS, CONSUMER_REGS). Every handoff between roles is an mbarrier.
+//   - The loader fills K and V once (KV_FULL), then each pair's Q, dO, lse2 and delta into a ring of STAGES stages
+//     (FULL / EMPTY, common/wgmma.cuh: Ring): tiles whose rows all exist by TMA (one lane issues, the barrier
+//     completes on the bytes), others and the statistics by loads and shared stores (bwd_sm90.cuh: load_query_stage).
+//     The consumers hand a stage back once their dV and dK wgmmas, the last to read it, are complete.
 //   - Per pair each consumer warpgroup computes S^T and dP^T (SS wgmma), P^T and dS^T on the fragments, dV += P^T dO
 //     and dK += dS^T Q (RS), writes its dS^T rows into one of two dS^T tiles, meets the other at named barrier 4
 //     (the pair's whole dS^T is there; with two tiles no barrier guards a tile's reuse: a tile's readers of two pairs
 //     ago have passed this barrier since) and computes its DQ_N columns of dQ = dS K (SS), which it stages in fp32
-//     (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (named barrier 6), then tells the writer
-//     (named barrier 5).
+//     (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (DQ_EMPTY), then tells the writer
+//     (DQ_FULL).
 //   - The writer adds the staged tile with one bulk reduce-add and hands the tile back once the add has read it.
 //     Ordered (dq_sem set, deterministic=True), it first waits for its key tile's turn on the query tile's counter
 //     (key tiles in order; the grid key-tile-major: key_block_tile_major) and releases the next once its add is
@@ -44,7 +43,7 @@ struct FusedWsTraits {
     static constexpr int DQ_N = D / 2;  // dQ columns per consumer warpgroup
     static constexpr int KV_BYTES = BN * D * 2, QT_BYTES = BM * D * 2, STAGE_BYTES = 2 * QT_BYTES;
     static constexpr int STAT_STAGE_BYTES = 2 * BM * 4, DS_BYTES = BN * BM * 2, DQ_BYTES = BM * D * 4;
-    enum : int { KV_FULL = 0, FULL = 1, EMPTY = 1 + STAGES, N_BARS = 1 + 2 * STAGES };
+    enum : int { KV_FULL = 0, DQ_FULL = 1, DQ_EMPTY = 2, FULL = 3, EMPTY = 3 + STAGES, N_BARS = 3 + 2 * STAGES };
     static constexpr int JOB_BYTES = 32;  // the writer's job: dq_accum offset (i64), bytes, counter, turn
     static constexpr int SMEM = 2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + 2 * DS_BYTES + DQ_BYTES +
                                 8 * N_BARS + JOB_BYTES + sm90::kAtomBytes;
@@ -69,6 +68,8 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     const bool ordered = T::ORDERED && p.dq_sem;
     if (tid == 0) {
         mbar_init(bar(T::KV_FULL, 0), 32);
+        mbar_init(bar(T::DQ_FULL, 0), T::CONSUMERS);
+        mbar_init(bar(T::DQ_EMPTY, 0), 1);
         for (int s = 0; s < S; ++s) mbar_init(bar(T::FULL, s), 33), mbar_init(bar(T::EMPTY, s), T::CONSUMERS);
     }
     __syncthreads();
@@ -82,7 +83,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         setmaxnreg_dec<T::PRODUCER_REGS>();
         const int warp = (tid >> 5) & 3;
         if (warp == 0) {  // ---- the loader ----
-            // K and V by TMA where all of the tile's keys exist, else by cp.async
+            // K and V by TMA where all of the tile's keys exist, else by loads and stores
             const u32 kv_full = bar(T::KV_FULL, 0);
             const i64 krow0 = tile.vis.k_row0 + tile.n0;
             if (p.use_tma && tile.live == BN) {
@@ -95,11 +96,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                     mbar_arrive(kv_full);
                 }
             } else {
-                load_tile_sw128_warp<BN, D>(sK, p.k + tile.b * p.k_sb + krow0 * p.k_ss + tile.hk * p.k_sh, p.k_ss,
+                copy_tile_sw128_warp<BN, D>(sK, p.k + tile.b * p.k_sb + krow0 * p.k_ss + tile.hk * p.k_sh, p.k_ss,
                                             tile.live, lane);
-                load_tile_sw128_warp<BN, D>(sV, p.v + tile.b * p.v_sb + krow0 * p.v_ss + tile.hk * p.v_sh, p.v_ss,
+                copy_tile_sw128_warp<BN, D>(sV, p.v + tile.b * p.v_sb + krow0 * p.v_ss + tile.hk * p.v_sh, p.v_ss,
                                             tile.live, lane);
-                cp_async_wait<0>();  // (then a plain arrival: the consumers read K / V with loads at head_dim 64)
                 mbar_arrive(kv_full);
             }
             Ring<S> r;
@@ -110,28 +110,26 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                 load_query_stage<T, 32>(p, tile, it, sQdO + s * T::STAGE_BYTES, sStat + s * T::STAT_STAGE_BYTES,
                                         lane, full);  // (its 33 arrivals)
             }
-        } else if (warp == 1) {  // ---- the dQ writer ----
+        } else if (warp == 1 && lane == 0) {  // ---- the dQ writer ----
             const int* job = reinterpret_cast<const int*>(smem + (sJob - smem_base));
-            for (int it = it_begin; it < it_end; ++it) {
-                bar_wait<5, T::CONSUMERS + 32>();  // both warpgroups have staged the pair's dQ (and its job)
-                const int sem_at = job[3], turn = job[4];
-                if (lane == 0) {
-                    if (sem_at >= 0)
-                        while (ld_acquire(p.dq_sem + sem_at) != turn) {
-                        }
-                    if (job[2] > 0) bulk_reduce_add_f32(p.dq_accum + *reinterpret_cast<const i64*>(job), sDQ, job[2]);
-                    bulk_commit();
-                    bulk_wait_read<0>();
-                }
-                __syncwarp();
-                if (it + 1 < it_end) bar_arrive<6, T::CONSUMERS + 32>();  // the staging tile (and job) is free
-                if (lane == 0 && sem_at >= 0) {
+            for (int it = it_begin, j = 0; it < it_end; ++it, ++j) {
+                mbar_wait(bar(T::DQ_FULL, 0), j & 1);  // both warpgroups have staged the pair's dQ (and its job)
+                const int sem_at = job[3], turn = job[4], bytes = job[2];
+                const i64 at = *reinterpret_cast<const i64*>(job);
+                if (sem_at >= 0)
+                    while (ld_acquire(p.dq_sem + sem_at) != turn) {
+                    }
+                if (bytes > 0) bulk_reduce_add_f32(p.dq_accum + at, sDQ, bytes);
+                bulk_commit();
+                bulk_wait_read<0>();
+                if (it + 1 < it_end) mbar_arrive(bar(T::DQ_EMPTY, 0));  // the staging tile (and job) is free
+                if (sem_at >= 0) {
                     bulk_wait<0>();  // the add is performed
                     __threadfence();
                     st_release(p.dq_sem + sem_at, turn + 1);
                 }
             }
-            if (lane == 0) bulk_wait<0>();
+            bulk_wait<0>();
         }
         return;
     }
@@ -214,7 +212,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         mbar_arrive(bar(T::EMPTY, s_));
         wgmma_wait<0>();
         fence_operand(dq);
-        if (it > it_begin) bar_wait<6, T::CONSUMERS + 32>();  // the writer has read the previous pair's tile
+        if (it > it_begin) mbar_wait(bar(T::DQ_EMPTY, 0), (it - it_begin - 1) & 1);  // the writer read the last tile
         const i64 row0 = (i64)b * p.st_sb + (i64)pr.h * p.st_sh + tile.vis.q_row0 + pr.m * BM;
         stage_dq<D, T::DQ_N>(sDQ, dq, row0, wg, w, g, t);
         if (tid == 0) {  // the writer's job: where the tile goes, its bytes, the counter and its turn (ordered)
@@ -224,7 +222,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             job[3] = ordered ? (int)(dq_counter<BM, BN>(p, tile, pr.h, pr.m) - p.dq_sem) : -1;
             job[4] = ordered ? dq_turn<BM, BN>(tile, pr.m) : 0;
         }
-        bar_arrive<5, T::CONSUMERS + 32>();
+        mbar_arrive(bar(T::DQ_FULL, 0));
     }
     const int rows_wg = tile.rows - 64 * wg;
     if (p.splits > 1) {  // unscaled fp32 partials of this split (bwd_dkdv_sm90.cu)

@@ -13,8 +13,8 @@ namespace frt {
 // (tid < NT), by cp.async: the caller commits or arrives.
 // NT = 32 (bwd_fused_sm90_ws.cu's loader warp) completes the mbarrier `full` (33 arrivals) itself: the tiles by TMA where
 // all their rows exist (p.use_tma; lane 0 announces their bytes with one arrival, made with none otherwise), else by
-// cp.async, which the warp waits for; the statistics by loads and shared stores; then every lane arrives (release: its
-// stores and landed copies are seen by the consumers after their wait).
+// loads and shared stores (copy_tile_sw128_warp), as the statistics; then every lane arrives (release: its stores are
+// seen by the consumers after their wait).
 template <class T, int NT, class Tile>
 FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u32 sQ, u32 sStat, int tid,
                                  u32 full = 0) {
@@ -38,8 +38,8 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
                 load_tile_tma<BM, D>(sQ + T::QT_BYTES, &p.do_map, full, pr.h, (int)row0, mb);
             }
         } else {
-            load_tile_sw128_warp<BM, D>(sQ, q, p.q_ss, rows, tid);
-            load_tile_sw128_warp<BM, D>(sQ + T::QT_BYTES, dout, p.do_ss, rows, tid);
+            copy_tile_sw128_warp<BM, D>(sQ, q, p.q_ss, rows, tid);
+            copy_tile_sw128_warp<BM, D>(sQ + T::QT_BYTES, dout, p.do_ss, rows, tid);
         }
         float* stat = reinterpret_cast<float*>(__cvta_shared_to_generic(sStat));
 #pragma unroll
@@ -47,7 +47,6 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
             const int i = tid + 32 * k, r = i % BM;
             stat[i] = r < rows ? (i >= BM ? p.delta : p.lse2)[at + r] : 0.f;
         }
-        if (!by_tma) cp_async_wait<0>();
         mbar_arrive(full);
     } else {
         load_tile_sw128<BM, D, NT>(sQ, q, p.q_ss, rows, tid);
