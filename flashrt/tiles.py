@@ -113,8 +113,9 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
 
 
 # Where the warp-specialised wgmma fused backward (bwd_fused_sm90) beats the wgmma split pair: (head_dim,
-# deterministic, causal) -> the least query length it is chosen from (absent: never). H200, flashrt.backward alone at 16k
-# tokens and hidden 2048, S = 1k / 4k / 16k (scripts/probes/bwd_fused_ws.py; docs/perf-notes.md: Backward: fused wgmma):
+# deterministic, causal) -> the least query length it is chosen from (absent: never). H200, flashrt.backward alone at
+# 16k tokens and hidden 2048, S = 1k / 4k / 16k (scripts/probes/bwd_fused_ws.py; docs/perf-notes.md: Backward: fused
+# wgmma):
 # unordered 1.11-1.36x the split pair at head_dim 128, at 64 1.02-1.21x but causal at 1k (0.97x); ordered 0.86-0.93x
 # at 1k and 1.13-1.32x from 4k at 128, at 64 0.82-0.89x up to 4k and 1.08-1.09x at 16k.
 FUSED_WGMMA_MIN_SQ = {(128, False, False): 0, (128, False, True): 0, (64, False, False): 0, (64, False, True): 4096,
@@ -123,15 +124,13 @@ FUSED_WGMMA_MIN_SQ = {(128, False, False): 0, (128, False, True): 0, (64, False,
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
-                  fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0,
-                  group: int = 1) -> str:
+                  fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0) -> str:
     """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
 
     `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
     (fused_family). Then split, but fused from the query length FUSED_WGMMA_MIN_SQ gives per (head_dim,
-    deterministic, causal) on (`seqlen_q`), without GQA / MQA (`group`: query heads per KV head; not measured for the
-    warp-specialised kernel, the 8-warp one ran GQA 32/8 at 8k causal at 0.96x the split pair) and with no id or
-    mask_mod masks (`mask`, MASK_BITS: not measured).
+    deterministic, causal) on (`seqlen_q`; GQA alike: 1.08-1.35x the split pair at 32/8 and 16/2, H200) and with no
+    id or mask_mod masks (`mask`, MASK_BITS: not measured).
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -145,7 +144,7 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
     if wgmma_split:
         plain = not mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"])
         least = FUSED_WGMMA_MIN_SQ.get((head_dim, bool(deterministic), bool(causal)))
-        if (fused_wgmma and plain and group == 1 and least is not None and seqlen_q >= least
+        if (fused_wgmma and plain and least is not None and seqlen_q >= least
                 and (ordered_ok or not deterministic)):
             return "fused"
         return "split"

@@ -317,7 +317,7 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
     assert tiles.split_families(128, "sm_80", SMEM_OPTIN[80]) == mma       # not Hopper
     assert tiles.split_families(128, "sm_90a", 100 * 1024) == mma          # does not fit
     # auto takes the split pair when it is the wgmma one, deterministic or not, any mask; with the wgmma fused kernel
-    # too, fused from FUSED_WGMMA_MIN_SQ's query length on, ordered only where the mask allows, no ids, no GQA
+    # too, fused from FUSED_WGMMA_MIN_SQ's query length on, ordered only where the mask allows, no ids
     for det in (False, True):
         for ordered_ok in (False, True):
             assert tiles.backward_impl(128, det, ordered_ok, wgmma_split=True) == "split"
@@ -329,7 +329,6 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
     assert tiles.backward_impl(128, False, False, True, True, False, 1 << 14) == "fused"
     assert tiles.backward_impl(128, False, True, True, True, False, 1 << 14, MASK_BITS["segments"]) == "split"
     assert tiles.backward_impl(128, False, True, True, True, False, 1 << 14, MASK_BITS["window"]) == "fused"
-    assert tiles.backward_impl(128, False, True, True, True, False, 1 << 14, 0, group=4) == "split"  # GQA
     assert tiles.backward_impl(128, True, True) == "fused"  # the mma.sync rule (H100 measurements)
     monkeypatch.setenv("FLASHRT_NO_SM90", "1")
     assert tiles.split_families(128, "sm_90a", SMEM_OPTIN[90]) == mma

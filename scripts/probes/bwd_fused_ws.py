@@ -1,11 +1,13 @@
 """The warp-specialised wgmma fused backward (bwd_fused_sm90 at 12 warps) against its 8-warp form and the split pair.
 
     python scripts/probes/bwd_fused_ws.py [--check-only] [--rounds 3] [--heads 64,128] [--seqlens 1024,4096,16384]
+                                         [--gqa]
 
 Checks first (float64 reference, fresh inputs): both fused forms, ordered and not, at small shapes with causal, GQA
 and MQA; the ordered form bitwise over repeats. Then times flashrt.backward alone (out and lse from one
 forward) with CUDA events, medians over interleaved rounds, at 16k tokens and hidden 2048 (B = 16384 // S,
-H = 2048 // head_dim). TFLOP/s: 2.5 x the forward's 4 B H S^2 D, halved when causal. Prints a table last.
+H = 2048 // head_dim), or with --gqa at GQA prefill shapes (head_dim 128). TFLOP/s: 2.5 x the forward's
+4 B H S^2 D, halved when causal. Prints a table last.
 """
 from __future__ import annotations
 
@@ -74,40 +76,43 @@ def check() -> list[str]:
     return rows
 
 
-def time_grid(heads, seqlens, rounds) -> list[str]:
-    rows = []
-    for D in heads:
-        for S in seqlens:
-            for causal in (False, True):
-                B, H = 16384 // S, 2048 // D
-                q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                out, lse = flashrt.forward(q, k, v, causal=causal)
-                variants = {}
-                for nw in (8, 12):
-                    for det in (True, False):
-                        variants[f"w{nw}{'-det' if det else ''}"] = (nw, dict(impl="fused", deterministic=det))
-                variants["split"] = (12, dict(impl="split"))
-                times = {n: [] for n in variants}
-                for _ in range(rounds):
-                    for name, (nw, kw) in variants.items():
-                        use_warps(nw)
-                        for _ in range(3):
-                            flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        n = 10
-                        e0.record()
-                        for _ in range(n):
-                            flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
-                        e1.record()
-                        torch.cuda.synchronize()
-                        times[name].append(e0.elapsed_time(e1) / n)
-                flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
-                tf = {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
-                rows.append(f"| {D} | {S} | {'causal' if causal else 'full'} | " +
-                            " | ".join(f"{tf[n]:.0f}" for n in variants) + " |")
-                print(rows[-1], flush=True)
-    head = "| D | S | mask | " + " | ".join(variants) + " |"
-    return [head, "|" + "---|" * (3 + len(variants))] + rows
+def time_shape(B, S, H, Hkv, D, causal, rounds) -> dict:
+    """TFLOP/s of each variant at one shape (medians over interleaved rounds)."""
+    q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = flashrt.forward(q, k, v, causal=causal)
+    variants = {}
+    for nw in (8, 12):
+        for det in (True, False):
+            variants[f"w{nw}{'-det' if det else ''}"] = (nw, dict(impl="fused", deterministic=det))
+    variants["split"] = (12, dict(impl="split"))
+    times = {n: [] for n in variants}
+    for _ in range(rounds):
+        for name, (nw, kw) in variants.items():
+            use_warps(nw)
+            for _ in range(3):
+                flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            n = 10
+            e0.record()
+            for _ in range(n):
+                flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
+            e1.record()
+            torch.cuda.synchronize()
+            times[name].append(e0.elapsed_time(e1) / n)
+    flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+    return {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
+
+
+def time_grid(shapes, rounds) -> list[str]:
+    rows, names = [], None
+    for B, S, H, Hkv, D, causal in shapes:
+        tf = time_shape(B, S, H, Hkv, D, causal, rounds)
+        names = list(tf)
+        rows.append(f"| B{B} S{S} H{H}/{Hkv} D{D} | {'causal' if causal else 'full'} | " +
+                    " | ".join(f"{tf[n]:.0f}" for n in names) + " |")
+        print(rows[-1], flush=True)
+    return ["| shape | mask | " + " | ".join(names) + " |", "|" + "---|" * (2 + len(names))] + rows
 
 
 def main():
@@ -116,11 +121,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--heads", default="64,128")
     ap.add_argument("--seqlens", default="1024,4096,16384")
+    ap.add_argument("--gqa", action="store_true", help="GQA shapes instead of the grid")
     a = ap.parse_args()
     print(torch.cuda.get_device_name())
     rows = check()
-    table = [] if a.check_only else time_grid([int(x) for x in a.heads.split(",")],
-                                              [int(x) for x in a.seqlens.split(",")], a.rounds)
+    if a.gqa:  # GQA prefill 32/8 and 16/2 at head_dim 128
+        shapes = [(1, 8192, 32, 8, 128, True), (1, 8192, 32, 8, 128, False), (2, 4096, 16, 2, 128, True)]
+    else:
+        shapes = [(16384 // S, S, 2048 // D, 2048 // D, D, causal) for D in map(int, a.heads.split(","))
+                  for S in map(int, a.seqlens.split(",")) for causal in (False, True)]
+    table = [] if a.check_only else time_grid(shapes, a.rounds)
     print("\n| shape | kernel | dq dk dv rel err | repeats | |\n|---|---|---|---|---|")
     print("\n".join(rows))
     print("\nTFLOP/s (flashrt.backward alone):")
