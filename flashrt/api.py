@@ -465,7 +465,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * D))
     allocs.append(None)  # the scratch, allocs[3] (backward's _sink_grad reads its delta)
     maps = []
-    if main.family == "bwd_fused_sm90" and main.warps == 12 and not _env.no_tma():  # its TMA maps of q, dout, k, v
+    if main.family == "bwd_fused_sm90" and not _env.no_tma():  # its TMA maps of q, dout, k, v
         p["use_tma"] = 1
         maps = [(0, f"{n}_map", src, tma.TileMap(n, a.shape, a.strides, rows)) for n, src, a, rows in
                 (("q", "q", Q4, main.block_m), ("do", "dout", dO4, main.block_m), ("k", "k", K4, main.block_n),

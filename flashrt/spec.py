@@ -29,7 +29,7 @@ FAMILIES = {
     "bwd_dkdv_sm90": ("sm90/bwd_dkdv_sm90.cu", params.BWD, {}),
     "bwd_dkdv_reduce": ("helpers/bwd_dkdv_reduce.cu", params.BWD, {}),
     "bwd_fused": ("sm80/bwd_dkdv.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # dK/dV + atomic dQ
-    "bwd_fused_sm90": ("sm90/bwd_dkdv_sm90.cu", params.BWD, {"FRT_FUSED_DQ": 1}),  # ... with wgmma, TMA reduce-add dQ
+    "bwd_fused_sm90": ("sm90/bwd_fused_sm90_ws.cu", params.BWD, {}),  # ... wgmma, warp-specialised, TMA reduce-add dQ
     "bwd_dq_convert": ("helpers/bwd_dq_convert.cu", params.BWD, {}),
     # mask_mod: the tile map (the expression evaluated per pair), then the tile lists (ModLists) made
     # from it, per query tile (fwd, bwd_dq) and per key tile (bwd_dkdv, bwd_fused)
@@ -210,9 +210,8 @@ class KernelSpec:
         if self.family in SM90_HEAD_DIMS:
             if self.arch != "sm_90a" or self.head_dim not in SM90_HEAD_DIMS[self.family]:
                 return f"{self.family} is for sm_90a at head_dim {', '.join(map(str, SM90_HEAD_DIMS[self.family]))}"
-            if self.family == "bwd_fused_sm90":  # 64 keys per warpgroup; 12 warps: warp-specialised
-                ok = (bm, bn) == (64, 128) and nw in (8, 12)
-                return None if ok else "block_m 64, block_n 128, 8 or 12 warps"
+            if self.family == "bwd_fused_sm90":  # 64 keys per consumer warpgroup, and a producer warpgroup
+                return None if (bm, bn, nw) == (64, 128, 12) else "block_m 64, block_n 128, 12 warps"
             if self.family == "bwd_dkdv_sm90":  # 64 keys per warpgroup, or one warpgroup per gradient above 128
                 bn_sm90 = 128 if self.head_dim <= 128 else 64
                 return None if (bm, bn, nw) == (64, bn_sm90, 8) else f"block_m 64, block_n {bn_sm90}, 8 warps"
@@ -274,13 +273,11 @@ class KernelSpec:
             stages = 3 if self.head_dim == 64 else 2  # head_dim 64: pipelined (bwd_dkdv_sm90.cu)
             xch = 128 * (bm // 2) * 4 if self.head_dim > 128 else 0  # fp32 P^T between the warpgroups
             return (2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + xch + 1024
-        if self.family == "bwd_fused_sm90" and self.warps == 12:  # warp-specialised: K, V + stages of (Q, dO, lse2,
-            # delta) + two dS^T tiles + the fp32 dQ tile + mbarriers + the writer's job (bwd_fused_sm90_ws.cu)
+        if self.family == "bwd_fused_sm90":  # K, V + stages of (Q, dO, lse2, delta) + two dS^T tiles + the fp32 dQ
+            # tile + mbarriers + the writer's job (bwd_fused_sm90_ws.cu: FusedWsTraits)
             stages = 4 if self.head_dim == 64 else 2
             return ((2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + 2 * bn * bm * 2
                     + bm * self.head_dim * 4 + 8 * (3 + 2 * stages) + 32 + 1024)
-        if self.family == "bwd_fused_sm90":  # K, V + 3 stages of (Q, dO, lse2, delta) + dS^T + the fp32 dQ tile
-            return (2 * bn + 6 * bm) * self.head_dim * 2 + 6 * bm * 4 + bn * bm * 2 + bm * self.head_dim * 4 + 1024
         if self.family == "decode":  # Q + stages of (K, V) (decode.cu: DecodeTraits::STAGES)
             return (bm + (3 if self.head_dim <= 128 else 2) * 2 * bn) * ld
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
@@ -292,8 +289,6 @@ class KernelSpec:
     # -- compilation ----------------------------------------------------------------
     @property
     def source_file(self) -> str:
-        if self.family == "bwd_fused_sm90" and self.warps == 12:  # the warp-specialised form
-            return "sm90/bwd_fused_sm90_ws.cu"
         return FAMILIES[self.family][0]
 
     def options(self) -> list[str]:

@@ -193,8 +193,7 @@ _PREFERENCES = {
     "bwd_dq_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (256, [(128, 64, 8)])],
     "bwd_dkdv_sm90": [(128, [(64, 128, 8)]), (256, [(64, 64, 8)])],
     # fused wgmma backward (dK/dV + dQ by bulk reduce-add; head_dim 64, 128): the dK/dV kernel's tiles, warp-specialised
-    # (12 warps, kernels_cu/sm90/bwd_fused_sm90_ws.cu; 8: bwd_dkdv_sm90.cu's fused loop, 0.64-0.94x its speed,
-    # docs/perf-notes.md: Backward: fused wgmma)
+    # (two consumer warpgroups + a producer warpgroup, kernels_cu/sm90/bwd_fused_sm90_ws.cu)
     "bwd_fused_sm90": [(128, [(64, 128, 12)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),

@@ -16,7 +16,7 @@ __device__ void bwd_dq_convert(const BwdParams& p) {
         const int i = (int)(row % p.Sq);
         const i64 bh = row / p.Sq;
         const int h = (int)(bh % p.H), b = (int)(bh / p.H);
-        // bwd_fused_sm90: the row's 16-byte chunks are permuted, chunk c at c ^ (row % 8) (bwd_dkdv_sm90.cu: add_dq)
+        // bwd_fused_sm90: the row's 16-byte chunks are permuted, chunk c at c ^ (row % 8) (sm90/bwd_sm90.cuh: stage_dq)
         const int sw = p.dq_swizzle ? (int)(row & 7) : 0, chunk = col >> 2;
         const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * T::D);
         const float4 lo = src[chunk ^ sw], hi = src[(chunk + 1) ^ sw];

@@ -30,24 +30,8 @@
 // accumulates dK += dS^T Q. Both halves are two of the four matmuls, and warpgroup 0's dV wgmma
 // runs while warpgroup 1 forms dS^T.
 //
-// Fused (FRT_FUSED_DQ=1, family bwd_fused_sm90; head_dim 64 and 128, the unpipelined loop): the block also adds
-// each pair's dQ contribution dS K (64 queries x D, k = its 128 keys) into the fp32 buffer dq_accum, five matmuls
-// where the split pair (this kernel and bwd_dq_sm90) runs seven. Each warpgroup stores its dS^T fragments (16-bit,
-// the A operands of dK) by stmatrix into its 64 rows of a [key][query] sw128 tile; after a barrier of the block,
-// warpgroup w computes columns [w D/2, (w + 1) D/2) of the pair's dQ with an SS wgmma (A = that tile read
-// MN-major, i.e. transposed: dS; B = the K tile's columns, MN-major) while its dV / dK wgmmas run and stages them
-// (fp32) in a staging tile; one thread then adds the tile's rows into dq_accum with one TMA bulk
-// reduce-add (cp.reduce.async.bulk .add.f32: atomic per element, no register traffic; one op per pair: an op per
-// row ran the backward at 0.72x the speed, docs/perf-notes.md: Backward: fused wgmma). bwd_preprocess zeroes the
-// buffer, bwd_dq_convert un-permutes, scales and casts it (add_dq: the permutation).
-// Ordered (dq_sem set; deterministic=True): the key tiles that see a query tile add into it in key-tile order, as
-// bwd_dkdv.cu's fused variant orders them: a counter per (batch, head, query tile); key tile n's adding thread waits
-// until it reads n, adds, and sets it to n + 1 once the add is performed (at its next add: add_dq).
+// The fused backward (dQ added as well) is bwd_fused_sm90_ws.cu, warp-specialised.
 #include "sm90/bwd_sm90.cuh"
-
-#ifndef FRT_FUSED_DQ
-#define FRT_FUSED_DQ 0
-#endif
 
 namespace frt {
 
@@ -60,21 +44,10 @@ struct DkdvSm90Traits {
     // alone at head_dim 64; causal alone at 128 ran 3-5% slower so (H200, docs/perf-notes.md: Tile skipping and element tests).
     static constexpr bool INTERVALS = MASK != 0 || D <= 64;
     static constexpr bool ROLES = D > 128;  // one warpgroup per gradient (see the top of the file)
-    static constexpr bool FUSED = FRT_FUSED_DQ;  // dQ added into dq_accum as well (top)
-    // ... and in key-tile order when asked (dq_sem): not with segment ids or mask_mod, whose key tiles of a query tile
-    // are no prefix (flashrt/masks.py: ordered_dq_ok), so such variants leave that code out
-    static constexpr bool ORDERED = FUSED && !(MASK & (MASK_SEGMENTS | MASK_MOD));
-    // ... its counters released a pair late, the grid key-tile-major (add_dq); with block ids the adds wait for
-    // themselves and the grid keeps its order (the late release spilled 8 bytes at head_dim 128, NVRTC 12.9)
-    static constexpr bool LATE_RELEASE = ORDERED && !(MASK & MASK_BLOCK_IDS);
-    static constexpr bool PIPELINED = D == 64 && !FUSED;  // dV / dK of a pair under the next's exponentials (top)
-    // K and V rows as the register A operands of S^T and dP^T (sw128_to_a_frags, 32 registers at head_dim 64; fused:
-    // 1.04-1.06x, docs/perf-notes.md: Backward: fused wgmma)
-    static constexpr bool KV_REGS = D == 64;
-    // Query stages (Q, dO, lse2, delta), loaded LOOKAHEAD pairs ahead: FUSED, two (one pair ahead, its loads arrived
-    // late with a dQ add in flight; the unfused loops gained nothing from two, nor the fused one from three at head_dim
-    // 64: docs/perf-notes.md: Backward: fused wgmma); PIPELINED reads the previous pair's stage as well.
-    static constexpr int LOOKAHEAD = FUSED ? 2 : 1;
+    static constexpr bool PIPELINED = D == 64;  // dV / dK of a pair under the next's exponentials (top)
+    // Query stages (Q, dO, lse2, delta), loaded one pair ahead (two gained nothing: docs/perf-notes.md: Backward: fused
+    // wgmma); PIPELINED reads the previous pair's stage as well.
+    static constexpr int LOOKAHEAD = 1;
     static constexpr int STAGES = LOOKAHEAD + 1 + (PIPELINED ? 1 : 0);
     static_assert(D == 64 || D == 128 || D == 192 || D == 256, "bwd_dkdv_sm90: head_dim 64, 128, 192 or 256");
     static_assert(BM == 64, "bwd_dkdv_sm90: query tiles of 64 rows (S^T is one m64n64 accumulator)");
@@ -85,58 +58,11 @@ struct DkdvSm90Traits {
     static constexpr int STAGE_BYTES = 2 * QT_BYTES;      // Q, then dO (both stay 1024-byte aligned)
     static constexpr int STAT_STAGE_BYTES = 2 * BM * 4;   // lse2[BM], then delta[BM]
     static constexpr int XCH_BYTES = ROLES ? 128 * (BM / 2) * 4 : 0;  // P^T from warpgroup 0 to 1, fp32
-    static_assert(!FUSED || !ROLES, "bwd_fused_sm90: head_dim 64 or 128");
-    // FUSED: the dS^T tile (BN keys x BM queries, 16-bit), then the staging tile of the pair's dQ (BM x D fp32,
-    // add_dq); each warpgroup computes DQ_N of its columns.
-    static constexpr int DQ_N = D / 2, DQ_TILE_BYTES = BM * D * 4;
-    static constexpr int DS_BYTES = FUSED ? BN * BM * 2 : 0, DQ_BYTES = FUSED ? DQ_TILE_BYTES : 0;
-    static_assert((2 * KV_BYTES + STAGES * STAGE_BYTES + DS_BYTES) % sm90::kAtomBytes == 0,
-                  "bwd_dkdv_sm90: the swizzled tiles (K, V, the stages, dS^T) start on 1024-byte boundaries");
-    static constexpr int SMEM = 2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + XCH_BYTES + DS_BYTES +
-                                DQ_BYTES + sm90::kAtomBytes;
+    static_assert((2 * KV_BYTES + STAGES * STAGE_BYTES) % sm90::kAtomBytes == 0,
+                  "bwd_dkdv_sm90: the swizzled tiles (K, V, the stages) start on 1024-byte boundaries");
+    static constexpr int SMEM = 2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + XCH_BYTES + sm90::kAtomBytes;
 };
 
-
-// Fused: the pair (h, m)'s dQ (64 queries x D, in two warpgroups' accumulators dq: DQ_N columns each) into
-// dq_accum, by one bulk reduce-add of its rows inside the sequence, staged at s_tile (bwd_sm90.cuh: stage_dq). One
-// thread issues the add once both warpgroups have staged;
-// ordered (dq_sem), in key-tile order (top of the file). The next pair rewrites the staging tile after that
-// thread's bulk_wait_read<0> (before the dS^T barrier).
-// Ordered with LATE_RELEASE, the adding thread releases a query tile's counter most of a pair late (`held`: this
-// add's counter and value, released once the add is performed, before the next pair's dS^T barrier: release_held),
-// so that no pair waits for its own add's completion; the grid runs key-tile-major (key_block_tile_major), so few
-// blocks wait on each other. The thread never waits for a turn while it holds a counter.
-template <class T, class Tile>
-FRT_DEVICE void add_dq(const BwdParams& p, const Tile& tile, int h, int m, const float (&dq)[T::DQ_N / 2], u32 s_tile,
-                       int tid, int wg, int w, int g, int t, int* held) {
-    constexpr int N = T::DQ_N, BM = T::BM, D = T::D;
-    const int m0 = m * BM;
-    const i64 row0 = (i64)tile.b * p.st_sb + (i64)h * p.st_sh + tile.vis.q_row0 + m0;  // dq_accum row of tile row 0
-    stage_dq<D, N>(s_tile, dq, row0, wg, w, g, t);
-    if (tid >= 32) {
-        sm90::bar_arrive<5, 256>();
-        return;
-    }
-    sm90::bar_wait<5, 256>();  // both warpgroups have staged the tile
-    if (tid != 0) return;
-    const int rows = min(BM, tile.vis.Lq - m0);
-    int* sem = T::ORDERED && p.dq_sem ? dq_counter<BM, T::BN>(p, tile, h, m) : nullptr;
-    const int turn = sem ? dq_turn<BM, T::BN>(tile, m) : 0;
-    if (sem)
-        while (ld_acquire(sem) != turn) {
-        }
-    if (rows > 0) sm90::bulk_reduce_add_f32(p.dq_accum + row0 * D, s_tile, rows * D * 4);
-    sm90::bulk_commit();
-    if (sem) {
-        if constexpr (T::LATE_RELEASE) {
-            held[0] = (int)(sem - p.dq_sem), held[1] = turn + 1;
-        } else {
-            sm90::bulk_wait<0>();  // the add is performed
-            __threadfence();
-            st_release(sem, turn + 1);
-        }
-    }
-}
 
 template <class T>
 __device__ void bwd_dkdv_sm90(const BwdParams& p) {
@@ -146,16 +72,13 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     const u32 smem_base = smem_u32(smem);
     const u32 sK = align_atom(smem_base), sV = sK + T::KV_BYTES;
     const u32 sQdO = sV + T::KV_BYTES;  // stage s: Q at sQdO + s * STAGE_BYTES, dO QT_BYTES after
-    const u32 sdS = sQdO + T::STAGES * T::STAGE_BYTES;  // FUSED: dS^T [key][query] (1024-byte aligned, as the tiles)
-    const u32 sDQ = sdS + T::DS_BYTES;                   // FUSED: the dQ staging tile
-    const u32 sStat = sDQ + T::DQ_BYTES;  // stage s: lse2[BM], delta[BM] at sStat + s * STAT_STAGE_BYTES
+    const u32 sStat = sQdO + T::STAGES * T::STAGE_BYTES;  // stage s: lse2[BM], delta[BM] at sStat + s * STAT_STAGE_BYTES
     const u32 sXch = sStat + T::STAGES * T::STAT_STAGE_BYTES;  // ROLES: P^T, float4 q of thread i at (q * 128 + i) * 16
     const float* stat_base = reinterpret_cast<const float*>(smem + (sStat - smem_base));
 
     const int tid = threadIdx.x, lane = tid & 31, wtid = tid & 127;
     const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-    const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(
-        p, T::LATE_RELEASE && p.dq_sem ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs), tid, NT);
+    const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(p, key_block<T::CAUSAL>(p.sched_key_pairs), tid, NT);
     if (tile.rows <= 0) return;
     const int b = tile.b, hk = tile.hk, n0 = tile.n0;
     // (with id masks these come from shared memory; PIPELINED keeps wgmmas in flight across pairs)
@@ -193,10 +116,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     // P^T and dS^T as A fragments (PIPELINED: the previous pair's, and its stage, for its dV / dK wgmmas).
     u32 pa[BM / 16][4], dsa[BM / 16][4];
     u32 sQ_prev = 0;
-    __shared__ int held[2];  // FUSED, ordered: add_dq's counter to release (release_held)
-    if (T::LATE_RELEASE && tid == 0) held[0] = -1;
-    // KV_REGS: this warpgroup's K and V rows as A fragments, once K / V have landed.
-    u32 ka[T::KV_REGS ? D / 16 : 1][4], va[T::KV_REGS ? D / 16 : 1][4];
+    // PIPELINED: this warpgroup's K and V rows as A fragments, once K / V have landed.
+    u32 ka[T::PIPELINED ? D / 16 : 1][4], va[T::PIPELINED ? D / 16 : 1][4];
     for (int it = it_begin, stage = 0; it < it_end; ++it, stage = stage + 1 == T::STAGES ? 0 : stage + 1) {
         cp_async_wait<T::LOOKAHEAD - 1>();  // this pair's stage (not the next one's)
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
@@ -301,27 +222,13 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             const u32 hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0u;
             // A pair that hides every one of this warpgroup's keys (causal: the diagonal's first query
             // tile, for the upper 64 keys) adds nothing to them: the other warpgroup has the tensor
-            // cores to itself. (No block barrier follows in this iteration; fused, the dQ of the pair needs both.)
-            if constexpr (!T::FUSED)
-                if (pr.partial && (wg == 0 ? warpgroup_all<1>(hidden == ~0u) : warpgroup_all<2>(hidden == ~0u)))
-                    continue;
+            // cores to itself. (No block barrier follows in this iteration.)
+            if (pr.partial && (wg == 0 ? warpgroup_all<1>(hidden == ~0u) : warpgroup_all<2>(hidden == ~0u))) continue;
             float s[BM / 2], dp[BM / 2];
-            if constexpr (T::KV_REGS) {
-                if (it == it_begin) {  // K and V landed with the first pair's group
-                    sw128_to_a_frags<BN, D>(sKw, ka, w, g, t);
-                    sw128_to_a_frags<BN, D>(sVw, va, w, g, t);
-                }
-            }
             wgmma_fence();  // orders the dK / dV accumulator writes (zeroing, last pair) before the wgmmas
-            if constexpr (T::KV_REGS) {
-                wgmma_abt<BM, D / 16, T::BF16>(s, ka, sQ);
-                wgmma_commit();
-                wgmma_abt<BM, D / 16, T::BF16>(dp, va, sdO);
-            } else {
-                wgmma_abt<BM, BN, D / 16, T::BF16>(s, sKw, sQ);
-                wgmma_commit();
-                wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
-            }
+            wgmma_abt<BM, BN, D / 16, T::BF16>(s, sKw, sQ);
+            wgmma_commit();
+            wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
             wgmma_commit();
 
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)
@@ -330,7 +237,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
-            // dV += P^T dO now, under dS^T's arithmetic (FUSED: 1.03-1.05x, docs/perf-notes.md: Backward: fused wgmma)
+            // dV += P^T dO now, under dS^T's arithmetic (fused: 1.03-1.05x, docs/perf-notes.md: Backward: fused wgmma)
             wgmma_fence();
             wgmma_rs_mn<D, BM, T::BF16>(acc[1], pa, sdO);
             wgmma_commit();
@@ -340,37 +247,11 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);
 
-            if constexpr (T::FUSED) {  // dS^T into this warpgroup's rows of the dS^T tile (dQ's A operand)
-                a_frags_to_sw128<BN, BM>(sdS + wg * KEYS_WG * kSwizzleBytes, dsa, w, g, t);
-                fence_proxy_async();
-            }
             wgmma_fence();  // orders the dsa writes before the wgmma that reads them
             wgmma_rs_mn<D, BM, T::BF16>(acc[0], dsa, sQ);  // dK += dS^T Q
             wgmma_commit();
-            if constexpr (T::FUSED) {
-                if (tid == 0) {  // the previous pair's add has read the staging tile (add_dq); ordered: is performed
-                    bulk_wait_read<0>();
-                    if constexpr (T::LATE_RELEASE) release_held(p, held);
-                }
-                bar_wait<4, 256>();  // both warpgroups' dS^T are in shared memory, the staging tile is free
-                // This warpgroup's DQ_N columns of dS K: A = dS^T read MN-major (dS), B = the K tile's columns
-                // (MN-major, k = key); under the dV / dK wgmmas.
-                float dq[T::DQ_N / 2];
-                const u32 sKcols = sK + (D == 128 ? wg * BN * kSwizzleBytes : wg * T::DQ_N * 2);
-#pragma unroll
-                for (int kk = 0; kk < BN / 16; ++kk)
-                    wgmma_ss<T::DQ_N, 1, T::BF16, 1>(dq, desc_mn_major<BN>(sdS, kk), desc_mn_major<BN>(sKcols, kk),
-                                                      kk > 0);
-                wgmma_commit();
-                wgmma_wait<1>();
-                fence_acc_and_frags(acc, pa, dsa);
-                wgmma_wait<0>();
-                fence_operand(dq);
-                add_dq<T>(p, tile, pr.h, pr.m, dq, sDQ, tid, wg, w, g, t, held);
-            } else {
-                wgmma_wait<0>();
-                fence_acc_and_frags(acc, pa, dsa);
-            }
+            wgmma_wait<0>();
+            fence_acc_and_frags(acc, pa, dsa);
         }
     }
     if constexpr (T::PIPELINED) {
@@ -383,12 +264,6 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
         }
     }
     cp_async_wait<0>();  // the last (empty) group
-    if constexpr (T::FUSED) {
-        if (tid == 0) {
-            bulk_wait<0>();  // the dQ adds have read their staging tiles and are performed
-            if constexpr (T::LATE_RELEASE) release_held(p, held);
-        }
-    }
     const int rows_wg = tile.rows - KEYS_WG * wg;
 
     if (p.splits > 1) {

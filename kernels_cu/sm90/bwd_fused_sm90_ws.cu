@@ -1,7 +1,16 @@
 // Fused attention backward on Hopper (sm_90a), warp-specialised: dK and dV of one key tile, and the tile's dQ
-// contributions added into the fp32 buffer dq_accum, in one kernel of five wgmmas per (query head, query tile) pair,
-// the math of bwd_dkdv_sm90.cu's fused loop (FRT_FUSED_DQ; docs/perf-notes.md: Backward: fused wgmma) with the loads,
-// the adds and their waits taken off the warpgroups that compute:
+// contributions added into the fp32 buffer dq_accum, in one kernel of five wgmmas per (query head, query tile) pair
+// where the split pair (bwd_dkdv_sm90.cu, whose math and grid this kernel shares, and bwd_dq_sm90.cu) runs seven.
+// Each consumer warpgroup stores its dS^T fragments (16-bit, the A operands of dK) by stmatrix into its 64 rows of a
+// [key][query] sw128 tile; both then compute half the columns of the pair's dQ = dS K with an SS wgmma (A = that tile
+// read MN-major, i.e. transposed: dS; B = the K tile's columns, MN-major) and stage them in fp32; one thread adds the
+// staged tile into dq_accum with one TMA bulk reduce-add (cp.reduce.async.bulk .add.f32: atomic per element; one op per
+// pair: an op per row ran the backward at 0.72x the speed, docs/perf-notes.md: Backward: fused wgmma). bwd_preprocess
+// zeroes the buffer, bwd_dq_convert un-permutes, scales and casts it (bwd_sm90.cuh: stage_dq, the permutation).
+// Ordered (dq_sem set, deterministic=True): the key tiles that see a query tile add into it in key-tile order, as
+// bwd_dkdv.cu's fused variant orders them: a counter per (batch, head, query tile).
+//
+// The roles, which take the loads, the adds and their waits off the warpgroups that compute:
 //
 // 384 threads. Warpgroups 0 and 1 compute (64 of the block's 128 keys each, dK and dV in registers); warp 8 loads,
 // lane 0 of warp 9 adds dQ, the rest of the producer warpgroup leaves at once. setmaxnreg moves registers from the

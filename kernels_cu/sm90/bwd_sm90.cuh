@@ -1,6 +1,6 @@
 // Pieces the Hopper backward kernels share (bwd_dkdv_sm90.cu, bwd_fused_sm90_ws.cu): a pair's query stage, the
 // hidden bits of S^T, ALiBi, P^T and dS^T on the accumulator fragments, the dV / dK wgmmas, fp32 partials, and the
-// fused kernels' dQ staging and ordered counters.
+// fused kernel's dQ staging and ordered counters.
 #pragma once
 #include "attention/params.cuh"
 #include "attention/score_mod.cuh"
@@ -185,17 +185,6 @@ FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&d
     sm90::fence_operand(acc[1]);
 #pragma unroll
     for (int kk = 0; kk < F; ++kk) sm90::fence_operand(pa[kk]), sm90::fence_operand(dsa[kk]);
-}
-
-// Ordered fused: once the adding thread's last add is performed, the counter it holds (held[0]: its index in dq_sem,
-// -1 for none; held[1]: the value; in shared memory, so that no register is kept across the pair loop for it) takes
-// its next value.
-FRT_DEVICE void release_held(const BwdParams& p, int* held) {
-    if (held[0] < 0) return;
-    sm90::bulk_wait<0>();
-    __threadfence();
-    st_release(p.dq_sem + held[0], held[1]);
-    held[0] = -1;
 }
 
 // Fused: this warpgroup's DQ_N columns (from wg * DQ_N) of a pair's dQ (64 queries x D fp32, in the accumulator dq) into

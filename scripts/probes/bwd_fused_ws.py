@@ -1,9 +1,9 @@
-"""The warp-specialised wgmma fused backward (bwd_fused_sm90 at 12 warps) against its 8-warp form and the split pair.
+"""The warp-specialised wgmma fused backward (bwd_fused_sm90), ordered and not, against the split pair.
 
     python scripts/probes/bwd_fused_ws.py [--check-only] [--rounds 3] [--heads 64,128] [--seqlens 1024,4096,16384]
                                          [--gqa]
 
-Checks first (float64 reference, fresh inputs): both fused forms, ordered and not, at small shapes with causal, GQA
+Checks first (float64 reference, fresh inputs): the fused kernel, ordered and not, at small shapes with causal, GQA
 and MQA; the ordered form bitwise over repeats. Then times flashrt.backward alone (out and lse from one
 forward) with CUDA events, medians over interleaved rounds, at 16k tokens and hidden 2048 (B = 16384 // S,
 H = 2048 // head_dim), or with --gqa at GQA prefill shapes (head_dim 128). TFLOP/s: 2.5 x the forward's
@@ -17,17 +17,6 @@ import statistics
 import torch
 
 import flashrt
-from flashrt import api, tiles
-
-WARPS = {8: [(128, [(64, 128, 8)])], 12: [(128, [(64, 128, 12)])]}
-
-
-def use_warps(nw: int) -> None:
-    tiles._PREFERENCES["bwd_fused_sm90"] = WARPS[nw]
-    for f in vars(tiles).values():
-        if hasattr(f, "cache_clear"):
-            f.cache_clear()
-    api._PLANS.clear()
 
 
 def reference(q, k, v, do, causal):
@@ -57,22 +46,20 @@ def check() -> list[str]:
         do = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
         ref = reference(q, k, v, do, causal)
         out, lse = flashrt.forward(q, k, v, causal=causal)
-        for nw in (8, 12):
-            use_warps(nw)
-            for det in (False, True):
-                got = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=det)
-                errs = [float((a.double() - r).norm() / r.norm()) for a, r in zip(got, ref)]
-                same = ""
-                if det:
-                    again = [flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True)
-                             for _ in range(3)]
-                    same = all(torch.equal(a, b) for g2 in again for a, b in zip(got, g2))
-                    same = "bitwise" if same else "DIFFERS"
-                ok = all(e < 2e-2 for e in errs) and same != "DIFFERS"
-                rows.append(f"| B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'causal' if causal else 'full'} | w{nw} "
-                            f"{'det' if det else 'nondet'} | {' '.join(f'{e:.1e}' for e in errs)} | {same} | "
-                            f"{'ok' if ok else 'FAIL'} |")
-                print(rows[-1], flush=True)
+        for det in (False, True):
+            got = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=det)
+            errs = [float((a.double() - r).norm() / r.norm()) for a, r in zip(got, ref)]
+            same = ""
+            if det:
+                again = [flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True)
+                         for _ in range(3)]
+                same = all(torch.equal(a, b) for g2 in again for a, b in zip(got, g2))
+                same = "bitwise" if same else "DIFFERS"
+            ok = all(e < 2e-2 for e in errs) and same != "DIFFERS"
+            rows.append(f"| B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'causal' if causal else 'full'} | "
+                        f"{'det' if det else 'nondet'} | {' '.join(f'{e:.1e}' for e in errs)} | {same} | "
+                        f"{'ok' if ok else 'FAIL'} |")
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -81,15 +68,11 @@ def time_shape(B, S, H, Hkv, D, causal, rounds) -> dict:
     q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out, lse = flashrt.forward(q, k, v, causal=causal)
-    variants = {}
-    for nw in (8, 12):
-        for det in (True, False):
-            variants[f"w{nw}{'-det' if det else ''}"] = (nw, dict(impl="fused", deterministic=det))
-    variants["split"] = (12, dict(impl="split"))
+    variants = {"fused-det": dict(impl="fused"), "fused": dict(impl="fused", deterministic=False),
+                "split": dict(impl="split")}
     times = {n: [] for n in variants}
     for _ in range(rounds):
-        for name, (nw, kw) in variants.items():
-            use_warps(nw)
+        for name, kw in variants.items():
             for _ in range(3):
                 flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

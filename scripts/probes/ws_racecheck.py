@@ -1,21 +1,15 @@
-"""Run the warp-specialised fused backward (12 warps) at small shapes, kernels compiled with -lineinfo, for
+"""Run the warp-specialised fused backward at small shapes, kernels compiled with -lineinfo, for
 compute-sanitizer racecheck to name source lines:
 
     compute-sanitizer --tool racecheck python3 scripts/probes/ws_racecheck.py
 """
-import sys
-
 import torch
 
 import flashrt
 from flashrt import spec
 
-sys.path.insert(0, "scripts/probes")
-from bwd_fused_ws import use_warps  # noqa: E402
-
 _options = spec.KernelSpec.options
 spec.KernelSpec.options = lambda self: _options(self) + ["-lineinfo"]
-use_warps(12)
 for D in (64, 128):
     for S in (256, 300):
         q, k, v, do = (torch.randn(1, S, 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
