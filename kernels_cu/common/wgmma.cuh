@@ -98,9 +98,9 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
 }
 
 // load_tile_sw128's tile by one warp of a warp-specialised loader, in few registers: a loop, not unrolled, over the
-// tile's 16-byte chunks (lane l copies chunks l, l + 32, ...), each address found afresh; by loads and shared stores, so
-// that the warp's mbarrier arrivals after them order them before the readers' waits (compute-sanitizer's racecheck
-// follows mbarriers, and flagged cp.async copies waited for by cp.async.wait_group before the arrival).
+// tile's 16-byte chunks (lane l copies chunks l, l + 32, ...), each address found afresh; by loads and shared stores,
+// so that the warp's mbarrier arrivals after them order them before the readers' waits (compute-sanitizer's
+// racecheck follows mbarriers, and flagged cp.async copies waited for by cp.async.wait_group before the arrival).
 template <int ROWS, int COLS>
 FRT_DEVICE void copy_tile_sw128_warp(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int lane) {
     constexpr int CPR = COLS / 8;

@@ -42,9 +42,10 @@ struct FusedWsTraits {
     static_assert(BM == 64 && BN == 128 && NW == 12,
                   "bwd_fused_sm90_ws: 64-row query tiles, 128 keys (64 per consumer warpgroup), 12 warps");
     // 2 * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS = 168 * 384, the launch's count. The consumers spill below 240
-    // registers at head_dim 128 (16 bytes at 232), 232 at 64; the producers' 24 at 128 spill 52 bytes in the loader
+    // registers at head_dim 128 (16 bytes at 232), 232 at 64; the producers' 24 at 128 spill 24-48 bytes, by mask
     // (tiles.SPILL_ALLOWANCE).
-    static constexpr int CONSUMER_REGS = D == 64 ? 232 : 240, PRODUCER_REGS = (168 * 384 - 2 * 128 * CONSUMER_REGS) / 128;
+    static constexpr int CONSUMER_REGS = D == 64 ? 232 : 240;
+    static constexpr int PRODUCER_REGS = (168 * 384 - 2 * 128 * CONSUMER_REGS) / 128;
     static constexpr bool INTERVALS = MASK != 0 || D <= 64;  // as bwd_dkdv_sm90.cu's
     static constexpr bool ORDERED = !(MASK & (MASK_SEGMENTS | MASK_MOD));  // (flashrt/masks.py: ordered_dq_ok)
     static constexpr bool KV_REGS = D == 64;  // K and V rows as the A operands of S^T and dP^T (bwd_dkdv_sm90.cu)
@@ -228,7 +229,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             int* job = reinterpret_cast<int*>(smem + (sJob - smem_base));
             *reinterpret_cast<i64*>(job) = row0 * D;
             job[2] = max(0, min(BM, tile.vis.Lq - pr.m * BM)) * D * 4;
-            job[3] = ordered ? (int)(dq_counter<BM, BN>(p, tile, pr.h, pr.m) - p.dq_sem) : -1;
+            job[3] = ordered ? (int)(dq_counter<BM>(p, tile, pr.h, pr.m) - p.dq_sem) : -1;
             job[4] = ordered ? dq_turn<BM, BN>(tile, pr.m) : 0;
         }
         mbar_arrive(bar(T::DQ_FULL, 0));

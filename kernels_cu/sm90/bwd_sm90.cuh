@@ -11,10 +11,10 @@ namespace frt {
 // Pair `it`'s query tile (Q, dO) and its lse2 / delta into one pipeline stage: the tiles at sQ (dO
 // QT_BYTES after it), the statistics at sStat; rows past the sequence (or its length) are zeros. NT threads copy
 // (tid < NT), by cp.async: the caller commits or arrives.
-// NT = 32 (bwd_fused_sm90_ws.cu's loader warp) completes the mbarrier `full` (33 arrivals) itself: the tiles by TMA where
-// all their rows exist (p.use_tma; lane 0 announces their bytes with one arrival, made with none otherwise), else by
-// loads and shared stores (copy_tile_sw128_warp), as the statistics; then every lane arrives (release: its stores are
-// seen by the consumers after their wait).
+// NT = 32 (bwd_fused_sm90_ws.cu's loader warp) completes the mbarrier `full` (33 arrivals) itself: the tiles by TMA
+// where all their rows exist (p.use_tma; lane 0 announces their bytes with one arrival, made with none otherwise),
+// else by loads and shared stores (copy_tile_sw128_warp), as the statistics; then every lane arrives (release: its
+// stores are seen by the consumers after their wait).
 template <class T, int NT, class Tile>
 FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u32 sQ, u32 sStat, int tid,
                                  u32 full = 0) {
@@ -210,7 +210,7 @@ FRT_DEVICE void stage_dq(u32 s_tile, const float (&dq)[DQ_N / 2], i64 row0, int 
 
 // Ordered fused dQ (dq_sem set): the counter of query tile m of (batch entry, head h), and the value it holds when
 // this key tile's turn to add has come (key tiles add in order from the first that sees the query tile).
-template <int BM, int BN, class Tile>
+template <int BM, class Tile>
 FRT_DEVICE int* dq_counter(const BwdParams& p, const Tile& tile, int h, int m) {
     return p.dq_sem + ((i64)tile.b * p.H + h) * ceil_div(p.Sq, BM) + m;
 }
