@@ -2,6 +2,7 @@
 
 Run on a GPU machine with `pytest -m gpu`; they skip elsewhere.
 """
+import itertools
 import math
 import os
 import zlib
@@ -327,6 +328,41 @@ def test_wgmma_split_backward_matches_mma_split(torch, poison, monkeypatch, D, c
         assert not bool(cupy.isnan(f64(a)).any()), f"wgmma {name} has NaN: unwritten (poisoned) elements"
         ours, theirs = reference.rel_error(f64(a), ref), reference.rel_error(f64(b), ref)
         assert ours <= 1.5 * theirs + 1e-3, f"{name}: wgmma rel err {ours:.2e}, mma.sync {theirs:.2e}"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", ["gqa-ragged-causal", "varlen"])
+def test_fused_backward_without_tma_is_bitwise_the_same(torch, poison, monkeypatch, D, case):
+    """On Hopper the fused backward's loader takes whole tiles by TMA and ragged ones (and everything with
+    FLASHRT_NO_TMA=1) by loads and stores (kernels_cu/sm90/bwd_fused_sm90_ws.cu): the same inputs reach the same
+    wgmmas, so the ordered result is bitwise the same, and close to float64."""
+    import cupy
+    dev = launch.device(torch.cuda.current_device())
+    if dev.arch != "sm_90a":
+        pytest.skip(f"the wgmma fused backward is for sm_90a; this GPU is {dev.arch}")
+    if case == "varlen":  # packed sequences: the maps' one batch entry, tiles cut at every sequence's end
+        lens = [200, 1, 384, 77]
+        cu = cupy.asarray([0, *itertools.accumulate(lens)], dtype=cupy.int32)
+        q, k, v, do = (cupy.from_dlpack(x[0]) for x in make_inputs(torch, 1, sum(lens), sum(lens), 8, 2, D, "bf16",
+                                                                     seed=D))
+        mask, causal = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens)), True
+    else:
+        q, k, v, do = (cupy.from_dlpack(x) for x in make_inputs(torch, 2, 333, 401, 8, 2, D, "bf16", seed=D + 1))
+        mask, causal = {}, True
+    out, lse = flashrt.forward(q, k, v, causal=causal, **mask)
+    grads = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FLASHRT_NO_TMA", flag)
+        grads[flag] = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", **mask)
+    assert any(n.startswith(f"flashrt_bwd_fused_sm90_hd{D}_") for n, _ in launch._functions)
+    for name, a, b in zip(("dq", "dk", "dv"), grads["0"], grads["1"]):
+        assert not bool(cupy.isnan(f64(a)).any()), f"{name} has NaN: unwritten (poisoned) elements"
+        assert bool((a == b).all()), f"{name}: the TMA loads and the plain loads differ"
+    if not mask:
+        keep = reference.visible(2, 333, 401, causal=True, xp=cupy)
+        _, _, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+        for name, ref, a in zip(("dq", "dk", "dv"), (rdq, rdk, rdv), grads["0"]):
+            assert reference.rel_error(f64(a), ref) < 2e-2, name
 
 
 def test_autograd_function(torch):
