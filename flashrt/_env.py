@@ -61,7 +61,8 @@ def no_sm90() -> bool:
 
 
 def no_tma() -> bool:
-    """FLASHRT_NO_TMA=1: fwd_sm90_ws loads every tile with cp.async, without TMA tensor maps (A/B timing, a fallback)."""
+    """FLASHRT_NO_TMA=1: the warp-specialised kernels (fwd_sm90_ws, the Hopper fused backward) load every tile
+    without TMA tensor maps (A/B timing, a fallback)."""
     return _flag("FLASHRT_NO_TMA")
 
 

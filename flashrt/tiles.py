@@ -49,8 +49,9 @@ _SM90_MASK_LIMITS = {
 
 
 # Score-modification variants (softcap, ALiBi) not chosen: family -> head_dims above which its kernel with either
-# spills (the wgmma fused backward at head_dim 128: softcap 4-28 bytes, ALiBi with masks 24-32, at 255 registers,
-# NVRTC 12.9; the split pair runs instead).
+# is not used: the wgmma fused backward at head_dim 128, neither timed nor tested on a GPU with them (its former
+# 8-warp form spilled there; the warp-specialised one compiles with the plain variant's 24-28 bytes of producer
+# spills); the split pair runs instead.
 _SCORE_MOD_MAX_HEAD_DIM = {"bwd_fused_sm90": 64}
 
 

@@ -1,4 +1,5 @@
-"""TMA tensor maps (CUtensorMap) of q, k and v for fwd_sm90_ws's loads (kernels_cu/common/wgmma.cuh: load_tile_tma).
+"""TMA tensor maps (CUtensorMap) of the inputs for the warp-specialised kernels' loads (fwd_sm90_ws: q, k, v; the
+Hopper fused backward: q, dout, k, v; kernels_cu/common/wgmma.cuh: load_tile_tma).
 
 A map is encoded by the CUDA driver's cuTensorMapEncodeTiled, called through ctypes (neither CuPy
 nor torch exposes it), and holds the tensor's address: a reused plan writes its maps into the params
