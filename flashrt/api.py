@@ -113,8 +113,9 @@ def _as_batch(a: Array) -> Array:
 
 
 def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False, alibi: bool = False):
-    """tiles.kernel_for with this call's dtype, mask, softcap and ALiBi."""
-    return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi)
+    """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi and query length (tiles.long_rows)."""
+    return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi,
+                            tiles.long_rows(family, D, m.Sq))
 
 
 def _check_softcap(softcap) -> float:
@@ -315,8 +316,8 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
                              "one key")
         return _Plan([], (), allocs, [], None)
     from . import decoding  # (it imports this module)
-    if not (softcap or alibi) and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
-        return decoding.forward_plan(Q4, K4, V4, m, scale, sinks)
+    if not alibi and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
+        return decoding.forward_plan(Q4, K4, V4, m, scale, sinks, softcap)
     dev = launch.device(Q.device)
     spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev, bool(softcap), alibi)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=bstride,

@@ -57,11 +57,13 @@ PACKED_ROWS = ("decode",)
 KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90", "bwd_fused_sm90")
 # Query-parallel families: grid over query tiles (QueryTile in params.cuh).
 QUERY_PARALLEL = ("fwd", "fwd_sm90", "fwd_sm90_ws", "bwd_dq", "bwd_dq_sm90")
-# Families that apply a softcap (or ALiBi) to the scores when compiled with it (kernels_cu/attention/score_mod.cuh).
-SOFTCAP_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
+# Families that apply ALiBi (or a softcap) to the scores when compiled with it (kernels_cu/attention/score_mod.cuh);
+# decode.cu takes a softcap only.
+ALIBI_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
+SOFTCAP_FAMILIES = ALIBI_FAMILIES + ("decode",)
 # wgmma families (sm_90a only; kernels_cu/common/wgmma.cuh) and the head_dims each has a variant at (layout_problem
 # rejects the others; tiles.applies chooses among them).
-SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128), "bwd_dq_sm90": (64, 128, 192, 256),
+SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192, 256), "bwd_dq_sm90": (64, 128, 192, 256),
                   "bwd_dkdv_sm90": (64, 128, 192, 256), "bwd_fused_sm90": (64, 128)}
 # mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
 # (tiles.classifier_spec); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
@@ -124,7 +126,7 @@ class KernelSpec:
     mod_tensors: tuple = ()         # names the expression gives its int32 tensors, in order
     min_blocks: int = 1             # blocks per SM the registers must allow (__launch_bounds__; 1: no cap)
     softcap: bool = False           # scores capped by c tanh(s / c) (SOFTCAP_FAMILIES; c is a run-time argument)
-    alibi: bool = False             # ALiBi: scores less slope * |j - i - shift| (SOFTCAP_FAMILIES; slopes at run time)
+    alibi: bool = False             # ALiBi: scores less slope * |j - i - shift| (ALIBI_FAMILIES; slopes at run time)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -149,8 +151,8 @@ class KernelSpec:
             raise ValueError(f"{self.family} reads no attention inputs: it takes no mask")
         if self.softcap and self.family not in SOFTCAP_FAMILIES:
             raise ValueError(f"{self.family} computes no scores: it takes no softcap")
-        if self.alibi and self.family not in SOFTCAP_FAMILIES:
-            raise ValueError(f"{self.family} computes no scores: it takes no ALiBi")
+        if self.alibi and self.family not in ALIBI_FAMILIES:
+            raise ValueError(f"{self.family} takes no ALiBi (it computes no scores, or has no variant with it)")
         if self.alibi and self.softcap:
             raise ValueError("softcap and alibi together are not supported yet")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
@@ -220,7 +222,11 @@ class KernelSpec:
             if self.family == "fwd_sm90_ws":  # two consumer warpgroups and a producer one
                 if any(self.mask & c == c for c in FWD_WS_NO_MASKS):
                     return "no block / segment ids with mask_mod (fwd_sm90 has them)"
-                return None if (bm, nw) == (128, 12) and bn in (64, 128) else "block_m 128, 12 warps, block_n 64 or 128"
+                if (bm, nw) != (128, 12) and (bm, nw, self.head_dim) != (192, 16, 64):
+                    return "block_m 128 with 12 warps (192 with 16 at head_dim 64)"
+                if self.head_dim > 128:
+                    return None if bn in (64, 80) else "block_n 64 or 80 above head_dim 128"
+                return None if bn in (64, 128) else "block_n 64 or 128"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"
@@ -263,10 +269,12 @@ class KernelSpec:
         # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
         if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
             return (bm + 4 * bn) * self.head_dim * 2 + 1024
-        # fwd_sm90_ws: 2 Q slots + 2 K and 2 V stages + mbarriers and work items (192) [+ 2 slots' key intervals]
+        # fwd_sm90_ws: Q slots (2, one at head_dim 256) + 2 K and 2 V stages + mbarriers and work items (192)
+        # [+ the slots' key intervals]
         if self.family == "fwd_sm90_ws":
             ids = self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"])
-            return (2 * bm + 4 * bn) * self.head_dim * 2 + 192 + (2 * (8 * bm + 16) if ids else 0) + 1024
+            slots = 1 if self.head_dim == 256 else 2
+            return (slots * bm + 4 * bn) * self.head_dim * 2 + 192 + (slots * (8 * bm + 16) if ids else 0) + 1024
         if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V); above head_dim 192 one V buffer
             return (2 * bm + (3 if self.head_dim > 192 else 4) * bn) * self.head_dim * 2 + 1024
         if self.family == "bwd_dkdv_sm90":  # K, V + stages of (Q, dO, lse2, delta) [+ P^T]

@@ -24,7 +24,8 @@ import math
 from typing import TYPE_CHECKING
 
 from . import _env
-from .spec import ANY_HEAD_DIM, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SM90_HEAD_DIMS, SOFTCAP_FAMILIES, KernelSpec
+from .spec import (ALIBI_FAMILIES, ANY_HEAD_DIM, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SM90_HEAD_DIMS,
+                   SOFTCAP_FAMILIES, KernelSpec)
 
 if TYPE_CHECKING:
     from .launch import Device
@@ -184,9 +185,9 @@ _PREFERENCES = {
     # Forward: wgmma (fwd_sm90)).
     "fwd_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # warp-specialised (two consumer warpgroups + a producer warpgroup), persistent (its masks: _SM90_MASK_LIMITS);
-    # head_dim 192 spills at every register split between them, 256 does not fit two Q slots (docs/perf-notes.md:
-    # Forward: wgmma (fwd_sm90))
-    "fwd_sm90_ws": [(128, [(128, 128, 12)])],
+    # above head_dim 128 80-key tiles (1.00-1.10x 64-key ones, H200), at 256 one Q slot (docs/perf-notes.md: head_dim
+    # 192 and 256); at head_dim 64 from 4k query rows 192-row tiles (_LONG_PREFERENCES)
+    "fwd_sm90_ws": [(128, [(128, 128, 12)]), (256, [(128, 80, 12)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
     # (head_dim 64: two blocks per SM, capped at 128 registers, 1-9% faster than 128-key tiles at one
@@ -240,6 +241,9 @@ _MASKED_PREFERENCES = {
     # (the head_dim 64 dQ at two blocks per SM spills 8-156 bytes with window, block or segment ids)
     "bwd_dq_sm90": [(64, [(128, 128, 8)]), (256, [(128, 64, 8)])],
     "bwd_fused": [(256, [(64, 64, 8), (64, 32, 8)])],
+    # (the warp-specialised forward at head_dim 256 with 80-key tiles spills 4-20 bytes with segment or block ids,
+    # whose consumers keep 216 registers, 64-key ones none; at head_dim 64 192-row tiles spill 8-176 bytes with ids)
+    "fwd_sm90_ws": [(128, [(128, 128, 12)]), (192, [(128, 80, 12)]), (256, [(128, 64, 12)])],
 }
 # Tilings with a mask_mod expression (MASK_BITS["mod"]): family -> buckets as in _PREFERENCES, replacing both
 # tables above for it. Chosen by spills and the timings cited: with an expression as well, the fused backward at
@@ -252,7 +256,26 @@ _MOD_PREFERENCES = {
     "fwd_sm90": [(64, [(128, 64, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # (the wgmma dQ at head_dim 64 with 128-key tiles spills 32 bytes with an expression alone, NVRTC 12.9)
     "bwd_dq_sm90": [(256, [(128, 64, 8)])],
+    # (the warp-specialised forward at head_dim 64 with 192-row tiles spills 36 bytes with an expression, lengths and a
+    # window; above head_dim 128 64-key tiles: mask_map's rounds of 32 / ceil(block_n / 32) rows (mask_classify.cu) do
+    # not divide 128 rows at 80 keys)
+    "fwd_sm90_ws": [(128, [(128, 128, 12)]), (256, [(128, 64, 12)])],
 }
+# Tilings for long query sequences: family -> (the least query length, {head_dim: tilings}), replacing the plain table
+# (_PREFERENCES; not those of masks beyond lengths or mask_mod) at those head dims from that length on (long_rows). The
+# warp-specialised forward at head_dim 64 with 192-row tiles and three consumer warpgroups, against 128 x 128 (H200,
+# 16k tokens, docs/perf-notes.md: head_dim 64: 192-row tiles): dense / causal 1.09x / 1.02x as fast at S=4k, 1.14x /
+# 1.09x at 16k, but 0.99x / 0.83x at 1k (a third of the last tile idle; no causal diagonal loop).
+_LONG_PREFERENCES = {"fwd_sm90_ws": (4096, {64: [(192, 128, 16)]})}
+
+
+def long_rows(family: str, head_dim: int, seqlen_q: int) -> bool:
+    """Whether a call with query sequences of up to `seqlen_q` rows takes `family`'s long-sequence tiling
+    (_LONG_PREFERENCES) at this head_dim."""
+    least, tables = _LONG_PREFERENCES.get(family, (0, {}))
+    return head_dim in tables and seqlen_q >= least
+
+
 # Spills allowed: measured exceptions to "no register spills": (family, head_dim, min_blocks) -> bytes of local
 # memory a variant may use (tests/test_compile.py, tests/test_gpu.py check the rest). The head_dim 64 dQ at two
 # blocks per SM (128 registers) spills 20-24 bytes in its causal and lengths variants and still runs 1-9% faster
@@ -293,9 +316,12 @@ class TilingError(RuntimeError):
 
 
 def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
-               alibi: bool = False) -> list[tuple[int, int, int, int]]:
-    """(block_m, block_n, warps, min_blocks) of `family` at `head_dim` in order of preference."""
+               alibi: bool = False, long: bool = False) -> list[tuple[int, int, int, int]]:
+    """(block_m, block_n, warps, min_blocks) of `family` at `head_dim` in order of preference (`long`: for long query
+    sequences, long_rows)."""
     table = _PREFERENCES[family]
+    if long and head_dim in _LONG_PREFERENCES.get(family, (0, {}))[1]:
+        table = [(head_dim, _LONG_PREFERENCES[family][1][head_dim])]
     if mask & ~MASK_BITS["lengths"]:
         table = _MASKED_PREFERENCES.get(family, table)
     if mask & MASK_BITS["mod"]:
@@ -310,25 +336,26 @@ def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
 
 def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int,
            mask: int = 0, mask_mod: str = "", mod_tensors: tuple = (), softcap: bool = False,
-           alibi: bool = False) -> KernelSpec:
+           alibi: bool = False, long: bool = False) -> KernelSpec:
     """The kernel of `family` for an arch and a shared-memory limit: the first of its candidates (tiles and
     warps) that is valid at this head_dim and fits `smem_limit` bytes; TilingError if none does.
 
     `mask` (spec.MASK_BITS): element masks beyond lengths take _MASKED_PREFERENCES where a family has them,
     mask_mod _MOD_PREFERENCES; `mask_mod`, `mod_tensors`: a user's expression (spec.KernelSpec); `softcap`, `alibi`:
-    the score cap or ALiBi compiled in (families without scores ignore them).
+    the score cap or ALiBi compiled in (families without scores ignore them); `long`: the tiling for long query
+    sequences where the family has one (long_rows).
     kernel_for is this for a device (what a call runs); this form serves prewarm and tests, with no GPU.
     """
     elementwise = family in ELEMENTWISE
     if family in ANY_HEAD_DIM:  # (head_dim is a run-time argument there)
         head_dim = 256
-    scores = family in SOFTCAP_FAMILIES
-    return _first_fit(family, head_dim, smem_limit, candidates(family, head_dim, mask, softcap, alibi),
+    capped, biased = family in SOFTCAP_FAMILIES, family in ALIBI_FAMILIES
+    return _first_fit(family, head_dim, smem_limit, candidates(family, head_dim, mask, softcap, alibi, long),
                       lambda bm, bn, nw, mb: KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise,
                                                         arch, 0 if elementwise else mask,
                                                         "" if elementwise else mask_mod,
                                                         () if elementwise else tuple(mod_tensors), mb,
-                                                        softcap and scores, alibi and scores))
+                                                        softcap and capped, alibi and biased))
 
 
 def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> KernelSpec:
@@ -350,11 +377,11 @@ def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> Ker
 
 @functools.cache
 def kernel_for(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0, mask_mod: str = "",
-               mod_tensors: tuple = (), softcap: bool = False, alibi: bool = False) -> KernelSpec:
+               mod_tensors: tuple = (), softcap: bool = False, alibi: bool = False, long: bool = False) -> KernelSpec:
     """The kernel of `family` that runs on the device `dev` (launch.Device): tiling for its arch and opt-in
     shared-memory limit, cached."""
     return tiling(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask, mask_mod, mod_tensors, softcap,
-                  alibi)
+                  alibi, long)
 
 
 # ---------------------------------------------------------------------------
@@ -462,20 +489,21 @@ def decode_block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-def decode_spec(head_dim: int, dtype: str, rows: int, arch: str, smem_limit: int) -> KernelSpec:
-    """The decode kernel for `rows` packed rows: 64-key tiles over DECODE_WARPS warps (16 keys per warp at 16 rows),
-    32 at 32 and 64 rows above head_dim 128 (64 keys spill there: 12-152 bytes, NVRTC 12.9), 16 at 64 rows above
-    240 (32 spill 64-76 bytes at head_dim 248, NVRTC 12.9 and 13.0); where those do not fit the shared memory
-    (sm_86 / sm_89: 99 KB), smaller tiles over fewer warps."""
+def decode_spec(head_dim: int, dtype: str, rows: int, arch: str, smem_limit: int, softcap: bool = False) -> KernelSpec:
+    """The decode kernel for `rows` packed rows (`softcap`: with the score cap): 64-key tiles over DECODE_WARPS warps
+    (16 keys per warp at 16 rows), 32 at 32 and 64 rows above head_dim 128 (64 keys spill there: 12-152 bytes, NVRTC
+    12.9), 16 at 64 rows above 240 (32 spill 64-76 bytes at head_dim 248, NVRTC 12.9 and 13.0); where those do not
+    fit the shared memory (sm_86 / sm_89: 99 KB), smaller tiles over fewer warps."""
     bm = decode_block_m(rows)
     widths = (64, 32, 16) if head_dim <= 128 or bm < 32 else (16,) if bm == 64 and head_dim > 240 else (32, 16)
     return _first_fit("decode", head_dim, smem_limit, itertools.product(widths, (DECODE_WARPS, 2, 1)),
-                      lambda bn, nw: KernelSpec("decode", head_dim, dtype, bm, bn, nw, False, arch))
+                      lambda bn, nw: KernelSpec("decode", head_dim, dtype, bm, bn, nw, False, arch, softcap=softcap))
 
 
-def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int) -> list[KernelSpec]:
-    """Every decode kernel a call at this head_dim and dtype may run (one per decode_block_m), for prewarm and tests."""
-    return [decode_spec(head_dim, dtype, rows, arch, smem_limit) for rows in (16, 32, 64)]
+def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int, softcap: bool = False) -> list[KernelSpec]:
+    """Every decode kernel a call at this head_dim and dtype (and softcap) may run (one per decode_block_m), for
+    prewarm and tests."""
+    return [decode_spec(head_dim, dtype, rows, arch, smem_limit, softcap) for rows in (16, 32, 64)]
 
 
 def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, sm_count: int, smem_per_sm: int,

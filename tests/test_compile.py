@@ -11,8 +11,8 @@ import pytest
 
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import (ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL,
-                          SOFTCAP_FAMILIES, KernelSpec)
+from flashrt.spec import (ALIBI_FAMILIES, ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL,
+                          KernelSpec)
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 192, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -59,13 +59,24 @@ def _variants():
     # every built-in mask feature
     for mod in ({"softcap": True}, {"alibi": True}):
         for arch in ARCHS:
-            for family in SOFTCAP_FAMILIES:
+            for family in ALIBI_FAMILIES:
                 for d in (d for d in (64, 96, 128, 192, 256) if tiles.applies(family, d, arch, **mod)):
                     for causal in (False, True):
                         for mask in (0, sum(MASK_BITS.values()) & ~MASK_BITS["mod"]):
                             if tiles.applies(family, d, arch, mask, **mod):
                                 out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])],
                                                      mask, **mod))
+    # decode with a softcap (kernels_cu/sm80/decode.cu): every block_m, off the 16-byte grid, 128 and 256
+    for arch in ARCHS:
+        for d in (72, 128, 256):
+            out.update(tiles.decode_variants(d, "bf16", arch, SMEM_OPTIN[int(arch[3:5])], softcap=True))
+    # tilings for long query sequences (tiles.long_rows): plain, lengths, softcap, ALiBi
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for mask, mod in ((0, {}), (MASK_BITS["lengths"], {}), (0, {"softcap": True}), (0, {"alibi": True})):
+                if tiles.long_rows("fwd_sm90_ws", d, 1 << 30):
+                    out.add(tiles.tiling("fwd_sm90_ws", d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask, long=True,
+                                         **mod))
     return sorted(out, key=lambda s: s.name)
 
 

@@ -163,6 +163,46 @@ def test_forward_over_several_l2_chunks(torch, poison, D, causal):
     assert float(cupy.abs(f64(lse) - rlse).max()) < 1e-3
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["ragged", "padded", "varlen"])
+def test_long_query_tiling_matches_float64(torch, poison, causal, case):
+    """Query sequences of 4k rows and more take the long-sequence tiling where a family has one (tiles.long_rows:
+    fwd_sm90_ws at head_dim 64, 192-row tiles with three consumer warpgroups on Hopper): ragged last tiles, GQA,
+    padded lengths and packed varlen against float64, every element written."""
+    import cupy
+    B, S, H, Hkv, D = 2, 4200, 4, 2, 64
+    q, k, v, _ = make_inputs(torch, B, S, S, H, Hkv, D, "bf16", seed=7 + causal)
+    dev = launch.device(torch.cuda.current_device())
+    if dev.arch == "sm_90a":
+        spec = tiles.kernel_for("fwd_sm90_ws", D, "bf16", causal, dev, MASK_BITS["lengths"] * (case != "ragged"),
+                                long=tiles.long_rows("fwd_sm90_ws", D, S))
+        assert spec.block_m == 192
+    qc, kc, vc = (cupy.from_dlpack(x) for x in (q, k, v))
+    lens = [S, 3100] if case == "varlen" else [S - 77, 1500]
+    if case == "varlen":  # two sequences packed, the second of 3100 rows and keys
+        cu = cupy.asarray([0, lens[0], sum(lens)], dtype=cupy.int32)
+        packed = [cupy.concatenate([x[0], x[1, :lens[1]]]) for x in (qc, kc, vc)]
+        out, lse = flashrt.forward(*packed, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        outs, lses = [out[:lens[0]], out[lens[0]:]], [lse[:, :lens[0]], lse[:, lens[0]:]]
+        for i, n in enumerate(lens):
+            ro, rlse = reference.attention(*(f64(x[i:i + 1, :n]) for x in (q, k, v)), causal=causal)
+            assert not bool(cupy.isnan(f64(outs[i])).any()), "unwritten (poisoned) elements"
+            assert reference.rel_error(f64(outs[i]), ro[0]) < 2e-2
+            assert float(cupy.abs(f64(lses[i]) - rlse[0]).max()) < 1e-3
+        return
+    kw = {}
+    if case == "padded":
+        kw = dict(seqlens_q=cupy.asarray(lens, dtype=cupy.int32), seqlens_k=cupy.asarray(lens, dtype=cupy.int32))
+    out, lse = flashrt.forward(qc, kc, vc, causal=causal, **kw)
+    keep = reference.visible(B, S, S, causal=causal, xp=cupy, **kw)
+    ro, rlse = reference.attention(f64(q), f64(k), f64(v), mask=keep)
+    assert not bool(cupy.isnan(f64(out)).any()), "unwritten (poisoned) elements"
+    assert reference.rel_error(f64(out), ro) < 2e-2
+    seen = cupy.isfinite(rlse)
+    assert bool((lse[~seen] == -cupy.inf).all()), "rows with no visible key must have lse = -inf"
+    assert float(cupy.abs(cupy.where(seen, f64(lse) - rlse, 0)).max()) < 1e-3
+
+
 def test_work_item_counter_is_ready_for_every_launch(torch, poison):
     """fwd_sm90_ws claims work items from one counter per stream, which each launch's last claim sets back
     to zero (launch.sched_counter): launches back to back on one stream, with different item counts, and on

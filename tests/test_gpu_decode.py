@@ -70,9 +70,10 @@ def logical_cache(kc, table, b, n):
     return kc.reshape(-1, *kc.shape[2:])[idx]
 
 
-def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1), scale=None, sinks=None):
+def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1), scale=None, sinks=None,
+              softcap=None):
     """float64 out (B, Sq, H, D) and lse (B, H, Sq) of decode's definition (sinks (H,): one more logit per head's
-    rows, with no value)."""
+    rows, with no value; softcap c: each scaled score x becomes c tanh(x / c))."""
     B, Sq, H, D = q.shape
     Hkv = kc.shape[2]
     scale = 1 / math.sqrt(D) if scale is None else scale
@@ -101,6 +102,8 @@ def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1
         kk = k.repeat_interleave(H // Hkv, dim=1)  # (L, H, D)
         vv = v.repeat_interleave(H // Hkv, dim=1)
         s = torch.einsum("ihd,jhd->hij", q[b].double(), kk) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~vis[None], -math.inf)
         if sinks is not None:
             s = torch.cat([s, sinks.double()[:, None, None].expand(H, Sq, 1)], -1)
@@ -187,6 +190,32 @@ def test_decode_with_sinks_matches_float64_reference(torch, poisoned, splits, pa
     check(torch, out, lse, ref_out, ref_lse, "bf16")
     # (decode.cu's lse goes through log2 units: within an ulp or two of the sink)
     assert torch.all(out[0] == 0) and (lse[0] - sinks[:, None]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("D,rows", [(128, 1), (64, 4), (256, 16)])
+def test_decode_with_softcap_matches_float64_reference(torch, poisoned, splits, D, rows):
+    """softcap (kernels_cu/sm80/decode.cu: Softcap before the mask) at every packed-row tile size, paged, with new
+    tokens, a window, sinks and splits; a cap of 5 bends the scores of these inputs (|x| up to ~4); tanh.approx
+    (relative error 2^-11) keeps the output within the bf16 tolerance."""
+    q, kc, vc, kn, vn, lens, table = make_case(torch, 3, rows, 8, 2, D, 900, page_size=64, seed=50 + D + splits)
+    q = q * 2
+    sinks = torch.randn(8, device="cuda")
+    ref_out, ref_lse = reference(torch, q, kc, vc, kn, vn, lens, table, True, (300, -1), sinks=sinks, softcap=5.0)
+    plain, _ = reference(torch, q, kc, vc, kn, vn, lens, table, True, (300, -1), sinks=sinks)
+    assert (plain - ref_out).abs().max() > 0.05, "the cap must change the answer"
+    out, lse = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table, window=(300, -1),
+                              num_splits=splits, sinks=sinks, softcap=5.0, return_lse=True)
+    check(torch, out, lse, ref_out, ref_lse, "bf16")
+    # flashrt.forward with few query rows takes decode.cu with its softcap too, and its lse feeds the backward
+    k, v = (torch.randn(2, 700, 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q2 = torch.randn(2, rows, 8, D, device="cuda", dtype=torch.bfloat16) * 2
+    out, lse = flashrt.forward(q2, k, v, causal=True, softcap=5.0)
+    ref_out, ref_lse = reference(torch, q2, k, v, None, None, torch.full((2,), 700, dtype=torch.int32, device="cuda"),
+                                 None, softcap=5.0)
+    check(torch, out, lse, ref_out, ref_lse, "bf16")
+    with pytest.raises(ValueError, match="softcap must be a finite positive number"):
+        flashrt.decode(q, kc, vc, cache_seqlens=lens, page_table=table, softcap=float("inf"))
 
 
 def test_decode_empty_sequence_sees_nothing(torch, poisoned):
@@ -327,3 +356,5 @@ def test_decode_under_torch_compile(torch):
     sinks = torch.randn(8, device="cuda")
     torch.library.opcheck(torch.ops.flashrt.decode.default,
                           (q, kc, vc, lens, kn, vn, table, True, [-1, -1], None, 0, sinks))
+    torch.library.opcheck(torch.ops.flashrt.decode.default,
+                          (q, kc, vc, lens, kn, vn, table, True, [-1, -1], None, 0, sinks, 30.0))

@@ -224,9 +224,9 @@ def test_mask_matches_float64_reference(cupy, poison, case):  # noqa: F811
 @pytest.mark.parametrize("D,causal,no_sm90", [(64, False, "0"), (128, True, "0"), (128, False, "1"), (256, True, "0")])
 def test_padding_reads_nothing_past_the_lengths(cupy, poison, monkeypatch, D, causal, no_sm90):  # noqa: F811
     """Padded positions (past seqlens_q / seqlens_k) may hold anything, NaN included (a KV cache from torch.empty):
-    the forward and every backward impl give what they give on clean inputs, zeros past the lengths. head_dim 64 /
-    128: the warp-specialised forward (tiles by TMA, the key tile at a length by cp.async), 256: fwd_sm90, and the
-    mma.sync kernels with FLASHRT_NO_SM90=1."""
+    the forward and every backward impl give what they give on clean inputs, zeros past the lengths: the
+    warp-specialised forward (tiles by TMA, the key tile at a length by cp.async; at head_dim 256 80-key tiles and one
+    Q slot), and the mma.sync kernels with FLASHRT_NO_SM90=1."""
     monkeypatch.setenv("FLASHRT_NO_SM90", no_sm90)
     B, Sq, Sk, H, Hkv = 3, 300, 333, 4, 2
     lq, lk = np.array([300, 129, 1], np.int32), np.array([333, 200, 65], np.int32)

@@ -7,7 +7,7 @@ import pytest
 
 from flashrt import cache, launch, masks, params, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import (ANY_HEAD_DIM, FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS, SOFTCAP_FAMILIES,
+from flashrt.spec import (ALIBI_FAMILIES, ANY_HEAD_DIM, FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS,
                           KernelSpec)
 
 
@@ -70,12 +70,18 @@ def test_score_mods_are_compiled_in_and_named():
     assert "-DFRT_SOFTCAP=0" in spec(alibi=True).options()
     with pytest.raises(ValueError, match="softcap and alibi together are not supported yet"):
         spec(softcap=True, alibi=True)
-    with pytest.raises(ValueError, match="bwd_preprocess computes no scores: it takes no ALiBi"):
+    with pytest.raises(ValueError, match="bwd_preprocess takes no ALiBi"):
         KernelSpec("bwd_preprocess", 64, "bf16", 0, 0, 8, False, "sm_80", alibi=True)
+    # decode takes a softcap, not ALiBi
+    with pytest.raises(ValueError, match="decode takes no ALiBi"):
+        KernelSpec("decode", 128, "bf16", 16, 64, 4, False, "sm_80", alibi=True)
+    capped = tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90], softcap=True)
+    assert capped.softcap and "-DFRT_SOFTCAP=1" in capped.options() and capped.name.endswith("_cap_m16n64w4_sm_90a")
+    assert dataclasses.replace(capped, softcap=False) == tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90])
     # tiling: only the families that compute scores take it; the helper kernels never do
     for family in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_fused", "bwd_preprocess", "bwd_dq_convert"):
         s = tiles.tiling(family, 128, "bf16", True, "sm_80", SMEM_OPTIN[80], alibi=True)
-        assert s.alibi == (family in SOFTCAP_FAMILIES) and not s.softcap
+        assert s.alibi == (family in ALIBI_FAMILIES) and not s.softcap
         if s.alibi:  # the plain tiling (no table of its own yet)
             plain = tiles.tiling(family, 128, "bf16", True, "sm_80", SMEM_OPTIN[80])
             assert dataclasses.replace(s, alibi=False) == plain
@@ -266,9 +272,9 @@ def test_driver_older_than_nvrtc_is_refused_with_the_extra_to_install():
 
 
 def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
-    # warp-specialised at head_dim 64 and 128: dense, causal, lengths, windows and mask_mod; block / segment
-    # ids with mask_mod: fwd_sm90
-    for d in (64, 128):
+    # warp-specialised at head_dim 64, 128, 192 and 256: dense, causal, lengths, windows and mask_mod; block /
+    # segment ids with mask_mod: fwd_sm90
+    for d in (64, 128, 192, 256):
         assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
         for bit in MASK_BITS.values():
             assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], bit) == "fwd_sm90_ws"
@@ -277,8 +283,22 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
         for ids in ("block_ids", "segments"):
             mask = MASK_BITS["lengths"] | MASK_BITS["mod"] | MASK_BITS[ids]
             assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], mask) == "fwd_sm90"
-    assert tiles.forward_family(192, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
-    assert tiles.forward_family(256, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90"
+    # one Q slot at head_dim 256 (two do not fit beside the K / V stages), 80-key tiles above 128 (64 with ids at 256)
+    assert tiles.tiling("fwd_sm90_ws", 256, "bf16", True, "sm_90a", SMEM_OPTIN[90]).smem_bytes == \
+        (128 + 4 * 80) * 256 * 2 + 192 + 1024
+    assert tiles.tiling("fwd_sm90_ws", 192, "bf16", True, "sm_90a", SMEM_OPTIN[90]).smem_bytes == \
+        (2 * 128 + 4 * 80) * 192 * 2 + 192 + 1024
+    segs = tiles.tiling("fwd_sm90_ws", 256, "bf16", True, "sm_90a", SMEM_OPTIN[90], MASK_BITS["segments"])
+    assert (segs.block_n, segs.smem_bytes) == (64, (128 + 4 * 64) * 256 * 2 + 192 + 128 * 8 + 16 + 1024)
+    # head_dim 64: 192-row tiles (three consumer warpgroups) for long query sequences, without masks beyond lengths
+    assert tiles.long_rows("fwd_sm90_ws", 64, 4096) and not tiles.long_rows("fwd_sm90_ws", 64, 4095)
+    assert not tiles.long_rows("fwd_sm90_ws", 128, 1 << 20) and not tiles.long_rows("fwd_sm90", 64, 1 << 20)
+    tall = tiles.tiling("fwd_sm90_ws", 64, "bf16", True, "sm_90a", SMEM_OPTIN[90], MASK_BITS["lengths"], long=True)
+    assert (tall.block_m, tall.block_n, tall.warps, tall.smem_bytes) == (192, 128, 16, (2 * 192 + 4 * 128) * 128 + 1216)
+    for mask in (MASK_BITS["window"], MASK_BITS["segments"]):
+        assert tiles.tiling("fwd_sm90_ws", 64, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, long=True).block_m == 128
+    with pytest.raises(ValueError, match="block_n 64 or 80 above head_dim 128"):
+        KernelSpec("fwd_sm90_ws", 192, "bf16", 128, 128, 12, True, "sm_90a")
     assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90]) == "fwd"      # no wgmma kernel at 96
     assert tiles.forward_family(128, "sm_80", SMEM_OPTIN[80]) == "fwd"      # not Hopper
     assert tiles.forward_family(128, "sm_90a", 64 * 1024) == "fwd"          # does not fit

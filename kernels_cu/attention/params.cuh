@@ -180,6 +180,7 @@ struct DecodeParams {
     int splits;     // blocks over each sequence's key range (grid x)
     int causal, win_left, win_right;  // bottom-right: query i sits at key position L - Sq + i
     float scale_log2;
+    float softcap;       // FRT_SOFTCAP: c / softmax_scale (score_mod.cuh: Softcap), as FwdParams'
     const float* sinks;  // (H,) fp32 sink logits (softmax.cuh: add_sink) or null; joined here when splits == 1, else
                          // by the combine
 };

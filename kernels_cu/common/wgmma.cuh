@@ -64,7 +64,8 @@ FRT_DEVICE u32 align_atom(u32 addr) { return (addr + (kAtomBytes - 1)) & ~(u32)(
 // zeroed (cp.async with source size 0), not read. Consecutive threads take consecutive 16-byte
 // chunks of a row: coalesced global reads, and each 8-lane phase writes 8 distinct chunk slots
 // of one 128-byte row (no bank conflicts).
-template <int ROWS, int COLS, int NTHREADS>
+// UNROLL: the copy loop's unroll factor (0: in full); a producer warpgroup with few registers takes 4.
+template <int ROWS, int COLS, int NTHREADS, int UNROLL = 0>
 FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int tid) {
     constexpr int CPR = COLS / 8, TOTAL = ROWS * CPR;  // 16-byte chunks per row, in all
     static_assert(COLS % kBlockCols == 0, "sw128 tiles hold whole 64-column blocks");
@@ -86,8 +87,25 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
             const bool ok = r0 + i * RSTEP < rows_valid;
             cp_async16(s0 + i * RSTEP * kSwizzleBytes, ok ? src : g, ok);
         }
+    } else if constexpr (NTHREADS % CPR == 0 && UNROLL > 0) {
+        // One column, RSTEP (< 8) rows apart: the swizzle phase changes, so each shared address is found afresh
+        // (head_dim 256 with 128 threads: the general form below kept 32 addresses live and spilled
+        // fwd_sm90_ws's producer).
+        constexpr int RSTEP = NTHREADS / CPR;
+        const u32 ut = (u32)tid;
+        const int c = (int)(ut % CPR), r0 = (int)(ut / CPR);
+        const u16* src = g + (i64)r0 * g_stride + c * 8;
+        const i64 step = (i64)RSTEP * g_stride;
+#pragma unroll UNROLL
+        for (int i = 0; i < TOTAL / NTHREADS; ++i, src += step) {
+            const int r = r0 + i * RSTEP;
+            cp_async16(s_tile + sw128_offset<ROWS>(r, c), r < rows_valid ? src : g, r < rows_valid);
+        }
     } else {
-#pragma unroll
+        // (fwd_sm90_ws's producer at head_dim 192, 12 chunks of K or V and 24 of Q a thread, spilled 752 bytes
+        // unrolled in full.)
+        constexpr int BY = UNROLL > 0 ? UNROLL : TOTAL / NTHREADS;
+#pragma unroll BY
         for (int i = 0; i < TOTAL / NTHREADS; ++i) {
             const int idx = tid + i * NTHREADS;
             const int r = idx / CPR, c = idx % CPR;
@@ -340,6 +358,10 @@ struct Ring {
 #define FRT_WG_R32                                                                                         \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
     "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FRT_WG_D40 FRT_WG_D32, FRT_WG_D8(32)
+#define FRT_WG_R40                                                                                         \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define FRT_WG_R64                                                                                         \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
     "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "   \
@@ -379,7 +401,7 @@ struct Ring {
 // desc_mn_major; 16-bit types only), e.g. dS^T stored [key][query] read as dS for dQ = dS K.
 template <int N, int TRANS_B, bool BF16 = true, int TRANS_A = 0>
 FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d) {
-    static_assert(N == 32 || N == 64 || N == 128, "wgmma_ss: N = 32, 64 or 128");
+    static_assert(N == 32 || N == 64 || N == 80 || N == 128, "wgmma_ss: N = 32, 64, 80 or 128");
     static_assert((TRANS_A == 0 || TRANS_A == 1) && (TRANS_B == 0 || TRANS_B == 1), "wgmma_ss: TRANS_A/B are 0 or 1");
     if constexpr (N == 32 && BF16)
         FRT_WG_SS("m64n32k16", "bf16", FRT_WG_R16, FRT_WG_D16, "%16", "%17", "%18", "%19", "%20");
@@ -389,6 +411,10 @@ FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d)
         FRT_WG_SS("m64n64k16", "bf16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35", "%36");
     else if constexpr (N == 64)
         FRT_WG_SS("m64n64k16", "f16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35", "%36");
+    else if constexpr (N == 80 && BF16)
+        FRT_WG_SS("m64n80k16", "bf16", FRT_WG_R40, FRT_WG_D40, "%40", "%41", "%42", "%43", "%44");
+    else if constexpr (N == 80)
+        FRT_WG_SS("m64n80k16", "f16", FRT_WG_R40, FRT_WG_D40, "%40", "%41", "%42", "%43", "%44");
     else if constexpr (BF16)
         FRT_WG_SS("m64n128k16", "bf16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67", "%68");
     else
@@ -443,6 +469,7 @@ FRT_DEVICE void wgmma_abt(float (&acc)[N / 2], const u32 (&a)[KSTEPS][4], u32 s_
 #undef FRT_WG_D8
 #undef FRT_WG_D16
 #undef FRT_WG_D32
+#undef FRT_WG_D40
 #undef FRT_WG_D64
 #undef FRT_WG_D96
 #undef FRT_WG_D128
@@ -450,6 +477,7 @@ FRT_DEVICE void wgmma_abt(float (&acc)[N / 2], const u32 (&a)[KSTEPS][4], u32 s_
 #undef FRT_WG_R128
 #undef FRT_WG_R16
 #undef FRT_WG_R32
+#undef FRT_WG_R40
 #undef FRT_WG_R64
 
 // d += A B, issued (not committed): A the K_ROWS / 16 register fragments `a` (acc_to_a_frag), B the

@@ -11,7 +11,9 @@
 // and row tile 0 also writes them into the cache (no block reads those cache rows in this launch). A bad value
 // (cache_seqlens outside [0, capacity - new], a page id outside [0, num_pages)) is never used for an access: the
 // rows it touches get NaN outputs and the host-mapped report says what (masks.raise_reported).
+// FRT_SOFTCAP: the scores capped (score_mod.cuh: Softcap) before the mask, as in the forward kernels.
 #include "attention/params.cuh"
+#include "attention/score_mod.cuh"
 #include "attention/softmax.cuh"
 
 namespace frt {
@@ -191,6 +193,8 @@ __device__ void decode(const DecodeParams& p) {
         cp_async_commit();
     }
 
+    const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
+    const float scale_log2 = cap.scale_of(p.scale_log2);
     float o[1][NT_O][4];
     zero(o);
     float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
@@ -218,6 +222,12 @@ __device__ void decode(const DecodeParams& p) {
         } else {
             gemm_ss<T::BF16, 1, NT_S, KS_D, B_NK>(s, sQw, LD, sK, LD, lane);
         }
+        if constexpr (FRT_SOFTCAP) {  // (before the mask: tanh(-inf) is no -inf)
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) s[0][nt][c] = cap.tanh_of(s[0][nt][c]);
+        }
         const int n0 = j * BN + wn * KW;
         if (n0 < all_lo || n0 + KW > all_hi) {
 #pragma unroll
@@ -231,7 +241,7 @@ __device__ void decode(const DecodeParams& p) {
         float alpha[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-            alpha[hh] = online_row<NT_S>(row_max[hh], row_sum[hh], p.scale_log2,
+            alpha[hh] = online_row<NT_S>(row_max[hh], row_sum[hh], scale_log2,
                                          [&](int nt, int e) -> float& { return s[0][nt][2 * hh + e]; });
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // (past the first tiles, rarely)
 #pragma unroll

@@ -199,10 +199,10 @@ struct FwdRows {
     }
 
     // Epilogue, part 2 (after finish_rows, every wgmma complete): O normalised and staged into this
-    // warpgroup's own 64 rows of the BM-row sw128 tile at sQw (only it read them), then 16-byte stores of
+    // warpgroup's own 64 rows (of WGS warpgroups) of the BM-row sw128 tile at sQw (only it read them), then 16-byte stores of
     // the rows that exist (indexed by threadIdx.x & 127 instead of 32 w + 4 g + t: 3 registers fewer at
     // head_dim 128).
-    template <int BM, class Tile>
+    template <int BM, int WGS = 2, class Tile>
     FRT_DEVICE void store_o(const FwdParams& p, const Tile& tile, u32 sQw, int wg, int w, int g, int t) {
 #pragma unroll
         for (int jj = 0; jj < D / 8; ++jj)
@@ -211,8 +211,10 @@ struct FwdRows {
         acc_to_sw128<BM, D, BF16>(sQw, o, 1.f, w, g, t);
         if (wg == 0)
             warpgroup_bar<1>();
-        else
+        else if (WGS == 2 || wg == 1)
             warpgroup_bar<2>();
+        else
+            warpgroup_bar<3>();
         sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss,
                                     sQw, tile.rows - 64 * wg, threadIdx.x & 127);
     }

@@ -4,8 +4,9 @@
 // and segment ids (a search of the id arrays, which the producer warpgroup runs for the item it loads,
 // and leaves in shared memory beside the item's Q slot: each row's interval of keys).
 //
-// 384 threads: warpgroups 0 and 1 consume (64 query rows each), warpgroup 2 produces. setmaxnreg moves
-// registers from the producer (PRODUCER_REGS) to the consumers (CONSUMER_REGS).
+// 384 threads: warpgroups 0 and 1 consume (64 query rows each), warpgroup 2 produces; with 192-row query tiles
+// (head_dim 64) 512: three consumer warpgroups and the producer. setmaxnreg moves registers from the producer
+// (PRODUCER_REGS) to the consumers (CONSUMER_REGS).
 // One block per SM loops over work items (params.cuh: work_item, 128-row query tiles ordered for L2
 // and causal balance): block k starts with item k, and the producer claims each later item from a
 // counter in global memory (p.sched: zero at the launch, set back to zero by its last claim) once it
@@ -14,15 +15,17 @@
 // docs/perf-notes.md: Per-item fixed cost). The producer decodes each
 // item (WorkItem) for the consumers, beside the item in shared memory.
 //
-// The producer issues every load into a ring of two Q slots, two K stages and two V stages of
+// The producer issues every load into a ring of Q_SLOTS Q slots, two K stages and two V stages of
 // 128-byte-swizzled tiles (wgmma.cuh): a tile whose rows all lie inside the sequence by TMA (one thread
 // issues, the mbarrier completes on the bytes: 6-7% faster than cp.async, docs/perf-notes.md: The producer, the ring and the epilogue), a ragged one by
 // cp.async (its 128 threads' `cp.async.mbarrier.arrive.noinc`). The consumers hand a buffer back by
-// arriving on its "empty" mbarrier. The producer runs up to two key tiles ahead, and into the next item: its Q
-// lands in the other slot while the consumers finish the current one.
+// arriving on its "empty" mbarrier. The producer runs up to two key tiles ahead, and, with two Q slots (head_dim
+// <= 192), into the next item: its Q lands in the other slot while the consumers finish the current one. At
+// head_dim 256 two slots do not fit beside the K / V stages (2 x 64 + 4 x 32 KiB): the next Q waits for the
+// current item's epilogue.
 // Each consumer warpgroup runs fwd_sm90.cu's loop (S = Q K^T of tile it and O += P V of tile
-// it - 1 issued together, tile it's softmax under the P V wgmma), and the two warpgroups issue
-// their wgmmas in turn (named barriers 4 and 5): one's softmax runs under the other's wgmmas.
+// it - 1 issued together, tile it's softmax under the P V wgmma), and the warpgroups issue
+// their wgmmas in turn (named barriers 4, 5 and 7): one's softmax runs under the others' wgmmas.
 #include "sm90/fwd_sm90.cuh"
 
 namespace frt {
@@ -31,18 +34,26 @@ template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
 struct FwdWsTraits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
-    static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32, CONSUMERS = 256, PRODUCERS = 128;
+    static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32, CONSUMER_WGS = BM / 64, CONSUMERS = BM * 2;
+    static constexpr int PRODUCERS = 128;
     static constexpr bool IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
-    // 2 * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS = 168 * 384, the launch's count. With id arrays the
+    // CONSUMERS * CONSUMER_REGS + 128 * PRODUCER_REGS = NTHREADS * LAUNCH_REGS (168 x 384, 128 x 512). With id arrays the
     // producer searches (QueryTile), which spilled at 56 registers; the consumers fit 216 without mask_mod
-    // (ids with mask_mod: fwd_sm90; both splits spilled, tiles.py).
-    static constexpr int CONSUMER_REGS = IDS ? 216 : 224, PRODUCER_REGS = (168 * 384 - 2 * 128 * CONSUMER_REGS) / 128;
+    // (ids with mask_mod: fwd_sm90; both splits spilled, tiles.py). Above head_dim 128 (a 64 x D O accumulator of
+    // 96-128 registers) 240 / 24 without ids: no spills, as with 224 / 56; the two not timed against each other.
+    // Three consumer warpgroups: 160 / 32.
+    static constexpr int CONSUMER_REGS = CONSUMER_WGS == 3 ? 160 : IDS ? 216 : D > 128 ? 240 : 224;
+    static constexpr int LAUNCH_REGS = 65536 / NTHREADS / 8 * 8;
+    static constexpr int PRODUCER_REGS = (NTHREADS * LAUNCH_REGS - CONSUMERS * CONSUMER_REGS) / 128;
     static_assert(!(IDS && (MASK & MASK_MOD)), "fwd_sm90_ws: ids with mask_mod take fwd_sm90");
     static_assert(D % 64 == 0 && D <= 256, "fwd_sm90_ws: head_dim 64, 128, 192 or 256 (whole swizzle blocks)");
-    static_assert(BM == 128 && NW == 12, "fwd_sm90_ws: 128 query rows, two consumer warpgroups and a producer one");
-    static_assert(BN == 64 || BN == 128, "fwd_sm90_ws: key tiles of 64 or 128");
+    static_assert((BM == 128 || (BM == 192 && D == 64)) && NW == BM / 16 + 4,
+                  "fwd_sm90_ws: 128 query rows (192 at head_dim 64), a consumer warpgroup per 64 and a producer one");
+    static_assert(D > 128 ? BN == 64 || BN == 80 : BN == 64 || BN == 128,
+                  "fwd_sm90_ws: key tiles of 64 or 128 (64 or 80 above head_dim 128: shared memory, registers)");
+    static constexpr int Q_SLOTS = D == 256 ? 1 : 2;  // (spec.KernelSpec.smem_bytes)
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
-    // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each; then each Q
+    // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each (Q: one per slot); then each Q
     // slot's work item (32 bytes: the item, an int, -1 when no work is left, and at 16 bytes its WorkItem,
     // decoded by the producer), then the producer's next claimed item (int). With id arrays, then each Q
     // slot's key intervals (QueryTile's shared_keys).
@@ -50,7 +61,7 @@ struct FwdWsTraits {
     enum : int { SLOT_BYTES = 32, CLAIMED = 2 * SLOT_BYTES };
     static constexpr int BAR_BYTES = 192, KEYS_BYTES = IDS ? (int)sizeof(TileIntervals<BM>) : 0;
     static_assert(8 * N_BARS + CLAIMED + 4 <= BAR_BYTES, "fwd_sm90_ws: mbarriers and work items");
-    static constexpr int SMEM = 2 * Q_BYTES + 4 * KV_BYTES + BAR_BYTES + 2 * KEYS_BYTES + sm90::kAtomBytes;  // + alignment slack
+    static constexpr int SMEM = Q_SLOTS * Q_BYTES + 4 * KV_BYTES + BAR_BYTES + Q_SLOTS * KEYS_BYTES + sm90::kAtomBytes;  // + alignment slack
 };
 
 FRT_DEVICE void st_shared_s32(u32 at, int v) { asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(v) : "memory"); }
@@ -96,7 +107,7 @@ FRT_DEVICE void fill_tile(u32 s_tile, u32 full, bool by_tma, const void* map, in
             mbar_arrive(full);
         }
     } else {
-        load_tile_sw128<ROWS, D, PRODUCERS>(s_tile, g, stride, rows, ptid);
+        load_tile_sw128<ROWS, D, PRODUCERS, 4>(s_tile, g, stride, rows, ptid);  // (by 4: its few registers)
         mbar_arrive_cp_async(full);
     }
 }
@@ -107,7 +118,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
     constexpr int BM = T::BM, BN = T::BN, D = T::D;
     extern __shared__ __align__(16) unsigned char smem[];
     const u32 sQ = align_atom(smem_u32(smem));         // slot s at sQ + s * Q_BYTES
-    const u32 sK = sQ + 2 * T::Q_BYTES;                 // stage s at sK + s * KV_BYTES
+    const u32 sK = sQ + T::Q_SLOTS * T::Q_BYTES;        // stage s at sK + s * KV_BYTES
     const u32 sV = sK + 2 * T::KV_BYTES;
     const u32 bars = sV + 2 * T::KV_BYTES, slots = bars + 8 * T::N_BARS;
     auto bar = [&](int which, u32 s) { return bars + 8 * (which + s); };
@@ -119,10 +130,10 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
     const int n_m = ceil_div(p.Sq, BM), n_items = n_m * p.H * p.B;
     if (tid == 0) {
         for (int s = 0; s < 2; ++s) {
-            mbar_init(bar(T::Q_FULL, s), T::PRODUCERS + 1);  // the producers' copies, and thread 0's item
+            if (s < T::Q_SLOTS) mbar_init(bar(T::Q_FULL, s), T::PRODUCERS + 1);  // the producers' copies, and thread 0's item
             mbar_init(bar(T::K_FULL, s), T::PRODUCERS);
             mbar_init(bar(T::V_FULL, s), T::PRODUCERS);
-            mbar_init(bar(T::Q_EMPTY, s), T::CONSUMERS);
+            if (s < T::Q_SLOTS) mbar_init(bar(T::Q_EMPTY, s), T::CONSUMERS);
             mbar_init(bar(T::K_EMPTY, s), T::CONSUMERS);
             mbar_init(bar(T::V_EMPTY, s), T::CONSUMERS);
         }
@@ -130,12 +141,13 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
     __syncthreads();
 
     const int wg = block_uniform(tid >> 7);  // (uniform to ptxas: else it serialises the wgmmas below)
-    if (wg == 2) {
+    if (wg == T::CONSUMER_WGS) {
         // ---- producer warpgroup ----
         setmaxnreg_dec<T::PRODUCER_REGS>();
         const int ptid = tid - T::CONSUMERS;
         int item = blockIdx.x;
-        Ring<2> qr, kr;  // the Q slots' and the K / V stages' fills so far (common/wgmma.cuh: Ring)
+        Ring<T::Q_SLOTS> qr;  // the Q slots' fills so far (common/wgmma.cuh: Ring)
+        Ring<2> kr;           // ... and the K / V stages'
         for (;; ++qr) {
             const u32 qs = qr.slot();
             mbar_wait(bar(T::Q_EMPTY, qs), qr.free_parity());
@@ -194,22 +206,28 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
     // ---- consumer warpgroups ----
     setmaxnreg_inc<T::CONSUMER_REGS>();
     const int w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-    // The wgmma turn: warpgroup 0 issues first (named barrier 4: its turn, 5: warpgroup 1's).
+    // The wgmma turn, round robin from warpgroup 0 (named barrier 4: its turn, 5: warpgroup 1's, 7: warpgroup 2's;
+    // 6 is the producer's).
     auto my_turn = [&] {
         if (wg == 0)
             bar_wait<4, 256>();
-        else
+        else if (T::CONSUMER_WGS == 2 || wg == 1)
             bar_wait<5, 256>();
+        else
+            bar_wait<7, 256>();
     };
     auto their_turn = [&] {
         if (wg == 0)
             bar_arrive<5, 256>();
-        else
+        else if (T::CONSUMER_WGS == 2 || wg == 2)
             bar_arrive<4, 256>();
+        else
+            bar_arrive<7, 256>();
     };
-    if (wg == 1) bar_arrive<4, 256>();
+    if (wg == T::CONSUMER_WGS - 1) bar_arrive<4, 256>();
 
-    Ring<2> qr, kr;  // as the producer's
+    Ring<T::Q_SLOTS> qr;  // as the producer's
+    Ring<2> kr;
     for (;; ++qr) {
         const u32 qs = qr.slot();
         mbar_wait(bar(T::Q_FULL, qs), qr.parity());
@@ -295,11 +313,11 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         wgmma_wait<0>();
         fence_operand(r.o);
         if (last_pv) mbar_arrive(bar(T::V_EMPTY, sl));
-        r.template store_o<BM>(p, tile, sQw, wg, w, g, t);  // O staged in this slot, then stored
+        r.template store_o<BM, T::CONSUMER_WGS>(p, tile, sQw, wg, w, g, t);  // O staged in this slot, then stored
         fence_proxy_async();  // this slot's generic reads and writes before the next TMA load into it
         mbar_arrive(bar(T::Q_EMPTY, qs));
     }
-    if (wg == 0) bar_wait<4, 256>();  // warpgroup 1's last "your turn"
+    if (wg == 0) bar_wait<4, 256>();  // the last warpgroup's last "your turn"
 }
 
 }  // namespace frt
