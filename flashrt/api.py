@@ -316,8 +316,8 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
                              "one key")
         return _Plan([], (), allocs, [], None)
     from . import decoding  # (it imports this module)
-    if not alibi and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
-        return decoding.forward_plan(Q4, K4, V4, m, scale, sinks, softcap)
+    if not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
+        return decoding.forward_plan(Q4, K4, V4, m, scale, sinks, softcap, alibi, bstride)
     dev = launch.device(Q.device)
     spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev, bool(softcap), alibi)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=bstride,

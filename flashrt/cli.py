@@ -156,8 +156,8 @@ def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: boo
     """Every kernel the forward and backward passes may launch for these head_dims and dtypes, causal or not; with
     `masks` (MASK_NAMES), also every kernel of every combination of them (causal and not only if "causal" is named:
     the unmasked ones are always both); with `softcap` / `alibi`, also the softcapped / ALiBi ones
-    (spec.SOFTCAP_FAMILIES, decode's included / spec.ALIBI_FAMILIES; never both in one kernel). mask_mod's kernels
-    need their expression: a manifest prewarms them."""
+    (spec.SOFTCAP_FAMILIES; never both in one kernel). mask_mod's kernels need their expression: a manifest prewarms
+    them."""
     bits = [MASK_NAMES[n] for n in masks if n != "causal"]
     combos = [(0, c) for c in (False, True)]
     combos += [(sum(subset), c) for r in range(1, len(bits) + 1) for subset in itertools.combinations(bits, r)
@@ -173,8 +173,8 @@ def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: boo
              if tiles.applies(f, d, arch, mask, cap, ali) and not (mask and f in ELEMENTWISE) and f != "combine_f32"}
     # (flashrt.combine of fp32 parts: no 16-bit dtype, compiled as bf16 whatever the dtypes)
     specs.add(tiles.tiling("combine_f32", 256, "bf16", False, arch, smem_limit))
-    specs.update(s for d in head_dims for t in dtypes for cap in (False, True)[:1 + softcap]
-                 for s in tiles.decode_variants(d, t, arch, smem_limit, cap))
+    specs.update(s for d in head_dims for t in dtypes for cap, ali in mods
+                 for s in tiles.decode_variants(d, t, arch, smem_limit, cap, ali))
     specs.add(tiles.check_spec(arch))
     return sorted(specs, key=lambda s: s.name)
 

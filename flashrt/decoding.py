@@ -30,7 +30,7 @@ def _check_int32(a: interop.Array, name: str, shape: tuple, q: interop.Array) ->
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, page_table=None, causal=True, window=(-1, -1),
            softmax_scale: float | None = None, num_splits: int = 0, sinks=None, softcap: float | None = None,
-           return_lse: bool = False):
+           alibi_slopes=None, return_lse: bool = False):
     """Attention of q's new tokens against a KV cache. Returns out (like q), or (out, lse) with return_lse.
 
     q: (B, Sq, H, D), Sq from 1 to 16 (speculative decoding), bf16 or fp16; head_dim a multiple of 8 up to 256.
@@ -47,6 +47,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, page_table=Non
       denominator; lse includes it, and a query that sees no key gets out = 0 and lse = its sink).
     softcap: c > 0 caps every scaled score x to c * tanh(x / c) before the softmax (Gemma 2, Grok), as
       flashrt.forward's.
+    alibi_slopes: optional float32 (H,) or (B, H) slopes: the scaled score of new token i and key j becomes
+      x - slope * |j - (L - Sq + i)| (ALiBi, bottom-right aligned as the causal mask; L: the tokens attended to), as
+      flashrt.forward's. Not with softcap.
     lse: fp32 (B, H, Sq), natural log; -inf for a query that sees no key (its out is 0; with sinks, lse = the sink).
 
     Bad values are found on the GPU (no host copy): a cache_seqlens entry outside [0, capacity - Sq with k / v]
@@ -57,13 +60,16 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, page_table=Non
     if _compiling(q):  # torch.compile: the custom op flashrt::decode (torch_ops.py), which calls back here
         from .torch_ops import decode_traced
         out, lse = decode_traced(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, window, softmax_scale,
-                                 num_splits, sinks, softcap)
+                                 num_splits, sinks, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
-    result = _planned("decode", _present(q, k_cache, v_cache, cache_seqlens, k, v, page_table, sinks),
+    from .api import _alibi_kind  # (api imports this module)
+    result = _planned("decode", _present(q, k_cache, v_cache, cache_seqlens, k, v, page_table, sinks, alibi_slopes),
                       (k is not None, page_table is not None, causal, tuple(window) if isinstance(window, (tuple, list))
-                       else window, softmax_scale, num_splits, sinks is not None, softcap), {}, 0,
+                       else window, softmax_scale, num_splits, sinks is not None, softcap, _alibi_kind(alibi_slopes)),
+                      {}, 0,
                       lambda tensors: _decode_plan(tensors, k is not None, page_table is not None, causal, window,
-                                                   softmax_scale, num_splits, sinks is not None, softcap))
+                                                   softmax_scale, num_splits, sinks is not None, softcap,
+                                                   alibi_slopes is not None))
     return (result[0], result[1]) if return_lse else result[0]
 
 
@@ -80,9 +86,9 @@ def _present(*tensors) -> tuple:
 
 
 def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale, num_splits,
-                 sinks: bool = False, softcap=None) -> _Plan:
+                 sinks: bool = False, softcap=None, alibi: bool = False) -> _Plan:
     names = ["q", "k_cache", "v_cache", "cache_seqlens"] + (["k_new", "v_new"] if new else []) + \
-        (["page_table"] if paged else []) + (["sinks"] if sinks else [])
+        (["page_table"] if paged else []) + (["sinks"] if sinks else []) + (["alibi_slopes"] if alibi else [])
     if len(tensors) != len(names):
         raise ValueError("k and v must be given together")
     A = dict(zip(names, (interop.describe(t, n) for t, n in zip(tensors, names))))
@@ -121,10 +127,12 @@ def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale,
                              f"a paged cache (num_pages, page_size, Hkv, D) needs page_table")
         capacity, page_size = S_cache, 0
     _check_int32(A["cache_seqlens"], "cache_seqlens", (B,), Q)
-    from .api import _check_sinks, _check_softcap  # (api imports this module)
+    from .api import _check_alibi, _check_score_mods, _check_sinks, _check_softcap  # (api imports this module)
     softcap = _check_softcap(softcap)
+    _check_score_mods(softcap, A.get("alibi_slopes"))
     if sinks:
         _check_sinks(A["sinks"], Q, H)
+    bstride = _check_alibi(A["alibi_slopes"], Q, H, B) if alibi else 0
     if new:
         for n in ("k_new", "v_new"):
             a, name = A[n], n[0]
@@ -150,7 +158,7 @@ def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale,
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an integer >= 0 (0: chosen), got {num_splits!r}")
     return _plan(A, names, capacity, page_size, slots if paged else 0, causal, window, _scale(softmax_scale, D),
-                 num_splits, softcap)
+                 num_splits, softcap, alibi, bstride)
 
 
 FORWARD_MAX_ROWS = 32  # query rows per KV head (query heads per KV head x Sq) up to which flashrt.forward takes decode
@@ -164,19 +172,21 @@ def forward_applies(m, Q: interop.Array, K: interop.Array, V: interop.Array) -> 
             and not m.bits & ~MASK_BITS["window"] and not m.fields.get("top_left") and _strides(K) == _strides(V))
 
 
-def forward_plan(Q, K, V, m, scale: float, sinks: bool = False, softcap: float = 0.0) -> _Plan:
+def forward_plan(Q, K, V, m, scale: float, sinks: bool = False, softcap: float = 0.0, alibi: bool = False,
+                 alibi_bstride: int = 0) -> _Plan:
     """flashrt.forward's plan through decode.cu (forward_applies): k and v as a full contiguous cache (and the
-    call's sinks and softcap, checked by api._forward_plan)."""
+    call's sinks, softcap and ALiBi slopes, checked by api._forward_plan)."""
     window = (m.fields.get("win_left", -1), m.fields.get("win_right", -1))
-    return _plan({"q": Q, "k_cache": K, "v_cache": V}, ["q", "k", "v"] + (["sinks"] if sinks else []), K.shape[1],
-                 0, 0, bool(m.causal), window, scale, 0, softcap)
+    names = ["q", "k", "v"] + (["sinks"] if sinks else []) + (["alibi_slopes"] if alibi else [])
+    return _plan({"q": Q, "k_cache": K, "v_cache": V}, names, K.shape[1], 0, 0, bool(m.causal), window, scale, 0,
+                 softcap, alibi, alibi_bstride)
 
 
 def _plan(A: dict, names: list, capacity: int, page_size: int, num_pages: int, causal: bool, window, scale: float,
-          num_splits: int, softcap: float = 0.0) -> _Plan:
+          num_splits: int, softcap: float = 0.0, alibi: bool = False, alibi_bstride: int = 0) -> _Plan:
     """The plan of checked arrays A (q, k_cache, v_cache [, cache_seqlens, k_new, v_new, page_table]), named by
     `names` as the call's tensors are (without cache_seqlens, every sequence holds `capacity` tokens); softcap: the
-    checked cap (0: none)."""
+    checked cap (0: none); alibi: the call's tensors include alibi_slopes, alibi_bstride its batch stride."""
     Q, KC = A["q"], A["k_cache"]
     B, Sq, H, D = Q.shape
     Hkv = KC.shape[2]
@@ -187,18 +197,21 @@ def _plan(A: dict, names: list, capacity: int, page_size: int, num_pages: int, c
         return _Plan([], (), allocs, [], None)
     dev = launch.device(Q.device)
     rows = H // Hkv * Sq
-    spec = tiles.decode_spec(D, Q.dtype, rows, dev.arch, dev.smem_optin, bool(softcap))
+    spec = tiles.decode_spec(D, Q.dtype, rows, dev.arch, dev.smem_optin, bool(softcap), alibi)
     splits = tiles.decode_splits(spec, B, Hkv, rows, capacity, dev.sm_count, dev.smem_optin, num_splits)
     shift = page_size.bit_length() - 1 if page_size and page_size & (page_size - 1) == 0 else -1
     p = dict(B=B, H=H, Hkv=Hkv, Sq=Sq, capacity=capacity, seqlen=capacity, page_size=page_size, page_shift=shift,
              num_pages=num_pages, splits=splits, causal=int(causal), win_left=window[0], win_right=window[1],
-             scale_log2=scale * _LOG2E, softcap=softcap / scale, report=launch.report_words(dev),
+             scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=alibi_bstride,
+             report=launch.report_words(dev),
              pt_sb=A["page_table"].strides[0] if paged else 0)
     for prefix, name in (("q", "q"), ("kc", "k_cache"), ("kn", "k_new")):
         if name in A:
             p[f"{prefix}_sb"], p[f"{prefix}_ss"], p[f"{prefix}_sh"] = _strides(A[name])
     p["o_sb"], p["o_ss"], p["o_sh"] = Sq * H * D, H * D, D
     links = {"k_cache": "k", "v_cache": "v"} if "k" in names else {}  # (flashrt.forward's names)
+    if alibi:
+        links["alibi"] = "alibi_slopes"
     structs = [(params.DECODE, p, links)]
     launches = [(spec, launch.grid(spec, B, H, Hkv, Sq, 0, dev.sm_count, splits), 0)]
     if splits > 1:

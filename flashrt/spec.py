@@ -57,14 +57,12 @@ PACKED_ROWS = ("decode",)
 KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90", "bwd_fused_sm90")
 # Query-parallel families: grid over query tiles (QueryTile in params.cuh).
 QUERY_PARALLEL = ("fwd", "fwd_sm90", "fwd_sm90_ws", "bwd_dq", "bwd_dq_sm90")
-# Families that apply ALiBi (or a softcap) to the scores when compiled with it (kernels_cu/attention/score_mod.cuh);
-# decode.cu takes a softcap only.
-ALIBI_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
-SOFTCAP_FAMILIES = ALIBI_FAMILIES + ("decode",)
+# Families that apply a softcap (or ALiBi) to the scores when compiled with it (kernels_cu/attention/score_mod.cuh).
+SOFTCAP_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL + PACKED_ROWS
 # wgmma families (sm_90a only; kernels_cu/common/wgmma.cuh) and the head_dims each has a variant at (layout_problem
 # rejects the others; tiles.applies chooses among them).
-SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192, 256), "bwd_dq_sm90": (64, 128, 192, 256),
-                  "bwd_dkdv_sm90": (64, 128, 192, 256), "bwd_fused_sm90": (64, 128)}
+SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192, 256),
+                  "bwd_dq_sm90": (64, 128, 192, 256), "bwd_dkdv_sm90": (64, 128, 192, 256), "bwd_fused_sm90": (64, 128)}
 # mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
 # (tiles.classifier_spec); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
 # The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
@@ -126,7 +124,7 @@ class KernelSpec:
     mod_tensors: tuple = ()         # names the expression gives its int32 tensors, in order
     min_blocks: int = 1             # blocks per SM the registers must allow (__launch_bounds__; 1: no cap)
     softcap: bool = False           # scores capped by c tanh(s / c) (SOFTCAP_FAMILIES; c is a run-time argument)
-    alibi: bool = False             # ALiBi: scores less slope * |j - i - shift| (ALIBI_FAMILIES; slopes at run time)
+    alibi: bool = False             # ALiBi: scores less slope * |j - i - shift| (SOFTCAP_FAMILIES; slopes at run time)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -151,8 +149,8 @@ class KernelSpec:
             raise ValueError(f"{self.family} reads no attention inputs: it takes no mask")
         if self.softcap and self.family not in SOFTCAP_FAMILIES:
             raise ValueError(f"{self.family} computes no scores: it takes no softcap")
-        if self.alibi and self.family not in ALIBI_FAMILIES:
-            raise ValueError(f"{self.family} takes no ALiBi (it computes no scores, or has no variant with it)")
+        if self.alibi and self.family not in SOFTCAP_FAMILIES:
+            raise ValueError(f"{self.family} computes no scores: it takes no ALiBi")
         if self.alibi and self.softcap:
             raise ValueError("softcap and alibi together are not supported yet")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:

@@ -24,8 +24,7 @@ import math
 from typing import TYPE_CHECKING
 
 from . import _env
-from .spec import (ALIBI_FAMILIES, ANY_HEAD_DIM, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SM90_HEAD_DIMS,
-                   SOFTCAP_FAMILIES, KernelSpec)
+from .spec import ANY_HEAD_DIM, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SM90_HEAD_DIMS, SOFTCAP_FAMILIES, KernelSpec
 
 if TYPE_CHECKING:
     from .launch import Device
@@ -349,13 +348,13 @@ def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem
     elementwise = family in ELEMENTWISE
     if family in ANY_HEAD_DIM:  # (head_dim is a run-time argument there)
         head_dim = 256
-    capped, biased = family in SOFTCAP_FAMILIES, family in ALIBI_FAMILIES
+    scores = family in SOFTCAP_FAMILIES
     return _first_fit(family, head_dim, smem_limit, candidates(family, head_dim, mask, softcap, alibi, long),
                       lambda bm, bn, nw, mb: KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise,
                                                         arch, 0 if elementwise else mask,
                                                         "" if elementwise else mask_mod,
                                                         () if elementwise else tuple(mod_tensors), mb,
-                                                        softcap and capped, alibi and biased))
+                                                        softcap and scores, alibi and scores))
 
 
 def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> KernelSpec:
@@ -489,21 +488,24 @@ def decode_block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-def decode_spec(head_dim: int, dtype: str, rows: int, arch: str, smem_limit: int, softcap: bool = False) -> KernelSpec:
-    """The decode kernel for `rows` packed rows (`softcap`: with the score cap): 64-key tiles over DECODE_WARPS warps
+def decode_spec(head_dim: int, dtype: str, rows: int, arch: str, smem_limit: int, softcap: bool = False,
+                alibi: bool = False) -> KernelSpec:
+    """The decode kernel for `rows` packed rows (`softcap`, `alibi`: with them): 64-key tiles over DECODE_WARPS warps
     (16 keys per warp at 16 rows), 32 at 32 and 64 rows above head_dim 128 (64 keys spill there: 12-152 bytes, NVRTC
     12.9), 16 at 64 rows above 240 (32 spill 64-76 bytes at head_dim 248, NVRTC 12.9 and 13.0); where those do not
     fit the shared memory (sm_86 / sm_89: 99 KB), smaller tiles over fewer warps."""
     bm = decode_block_m(rows)
     widths = (64, 32, 16) if head_dim <= 128 or bm < 32 else (16,) if bm == 64 and head_dim > 240 else (32, 16)
     return _first_fit("decode", head_dim, smem_limit, itertools.product(widths, (DECODE_WARPS, 2, 1)),
-                      lambda bn, nw: KernelSpec("decode", head_dim, dtype, bm, bn, nw, False, arch, softcap=softcap))
+                      lambda bn, nw: KernelSpec("decode", head_dim, dtype, bm, bn, nw, False, arch, softcap=softcap,
+                                                alibi=alibi))
 
 
-def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int, softcap: bool = False) -> list[KernelSpec]:
-    """Every decode kernel a call at this head_dim and dtype (and softcap) may run (one per decode_block_m), for
-    prewarm and tests."""
-    return [decode_spec(head_dim, dtype, rows, arch, smem_limit, softcap) for rows in (16, 32, 64)]
+def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int, softcap: bool = False,
+                    alibi: bool = False) -> list[KernelSpec]:
+    """Every decode kernel a call at this head_dim and dtype (with softcap or ALiBi) may run (one per decode_block_m),
+    for prewarm and tests."""
+    return [decode_spec(head_dim, dtype, rows, arch, smem_limit, softcap, alibi) for rows in (16, 32, 64)]
 
 
 def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, sm_count: int, smem_per_sm: int,

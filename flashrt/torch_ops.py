@@ -271,23 +271,24 @@ def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, so
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
             k: Optional[torch.Tensor], v: Optional[torch.Tensor], page_table: Optional[torch.Tensor], causal: bool,
             window: list[int], softmax_scale: Optional[float], num_splits: int,
-            sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+            alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     from . import decoding
     return decoding.decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k=k, v=v, page_table=page_table,
                            causal=causal, window=tuple(window), softmax_scale=softmax_scale, num_splits=num_splits,
-                           sinks=sinks, softcap=softcap, return_lse=True)
+                           sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
 
 
 @_decode.register_fake
 def _decode_fake(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, window, softmax_scale, num_splits,
-                 sinks=None, softcap=None):
+                 sinks=None, softcap=None, alibi_slopes=None):
     B, Sq, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, H, Sq), dtype=torch.float32)
 
 
 def decode_traced(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, window, softmax_scale, num_splits,
-                  sinks=None, softcap=None):
+                  sinks=None, softcap=None, alibi_slopes=None):
     """flashrt.decode's torch.compile path (decoding.decode calls it while compiling): (out, lse)."""
     return torch.ops.flashrt.decode(q, k_cache, v_cache, cache_seqlens, k, v, page_table, bool(causal),
                                     list(window), softmax_scale, int(num_splits), sinks,
-                                    None if softcap is None else float(softcap))
+                                    None if softcap is None else float(softcap), alibi_slopes)

@@ -11,7 +11,7 @@ import pytest
 from conftest import HAS_GPU
 from flashrt import cache, cli, tiles
 from flashrt._version import __version__
-from flashrt.spec import ALIBI_FAMILIES, MASK_BITS
+from flashrt.spec import MASK_BITS, PACKED_ROWS, SOFTCAP_FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 SMEM80 = cli.SMEM_OPTIN[80]
@@ -292,14 +292,13 @@ def test_softcap_and_alibi_add_their_variants(tmp_path):
     assert all(("_cap_" in n) != ("_alibi_" in n) for n in added), added  # one or the other, never both
     # every family that computes scores, causal and not (the wgmma fused backward has neither at head_dim 128:
     # tiles._SCORE_MOD_MAX_HEAD_DIM), both at the same tilings (tiles._SCORE_MOD_PREFERENCES); decode's three
-    # packed-row tilings with a softcap (it has no ALiBi)
-    families = set(ALIBI_FAMILIES) - {"bwd_fused_sm90"}
-    for tag, extra in (("_cap_", {"decode"}), ("_alibi_", set())):
+    # packed-row tilings (not causal: its mask is a run-time argument)
+    families = set(SOFTCAP_FAMILIES) - {"bwd_fused_sm90"}
+    for tag in ("_cap_", "_alibi_"):
         names = {n for n in added if tag in n}
-        assert {n.split("_hd128")[0].removeprefix("flashrt_") for n in names} == families | extra
-        assert len(names) == 2 * len(families) + 3 * len(extra)
-    capped = {n for n in added if "_cap_" in n and not n.startswith("flashrt_decode_")}
-    assert {n.replace("_alibi_", "_cap_") for n in added if "_alibi_" in n} == capped
+        assert {n.split("_hd128")[0].removeprefix("flashrt_") for n in names} == families
+        assert len(names) == 2 * len(families - set(PACKED_ROWS)) + 3 * len(PACKED_ROWS)
+    assert {n.replace("_alibi_", "_cap_") for n in added if "_alibi_" in n} == {n for n in added if "_cap_" in n}
     assert tiles.tiling("bwd_dq_sm90", 128, "bf16", True, "sm_90a", cli.SMEM_OPTIN[90], alibi=True).name in added
     assert_usage_error(run("prewarm", "--manifest", str(tmp_path / "m.json"), "--alibi", cache_dir=tmp_path),
                        "drop --alibi")

@@ -11,8 +11,8 @@ import pytest
 
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import (ALIBI_FAMILIES, ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL,
-                          KernelSpec)
+from flashrt.spec import (ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL,
+                          SOFTCAP_FAMILIES, KernelSpec)
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 192, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -59,17 +59,18 @@ def _variants():
     # every built-in mask feature
     for mod in ({"softcap": True}, {"alibi": True}):
         for arch in ARCHS:
-            for family in ALIBI_FAMILIES:
+            for family in set(SOFTCAP_FAMILIES) - set(PACKED_ROWS):
                 for d in (d for d in (64, 96, 128, 192, 256) if tiles.applies(family, d, arch, **mod)):
                     for causal in (False, True):
                         for mask in (0, sum(MASK_BITS.values()) & ~MASK_BITS["mod"]):
                             if tiles.applies(family, d, arch, mask, **mod):
                                 out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])],
                                                      mask, **mod))
-    # decode with a softcap (kernels_cu/sm80/decode.cu): every block_m, off the 16-byte grid, 128 and 256
-    for arch in ARCHS:
-        for d in (72, 128, 256):
-            out.update(tiles.decode_variants(d, "bf16", arch, SMEM_OPTIN[int(arch[3:5])], softcap=True))
+    # decode with a softcap or ALiBi (kernels_cu/sm80/decode.cu): every block_m, off the 16-byte grid, 128 and 256
+    for mod in ({"softcap": True}, {"alibi": True}):
+        for arch in ARCHS:
+            for d in (72, 128, 256):
+                out.update(tiles.decode_variants(d, "bf16", arch, SMEM_OPTIN[int(arch[3:5])], **mod))
     # tilings for long query sequences (tiles.long_rows): plain, lengths, softcap, ALiBi
     for d in (64, 128, 256):
         for causal in (False, True):

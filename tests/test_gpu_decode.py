@@ -71,9 +71,10 @@ def logical_cache(kc, table, b, n):
 
 
 def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1), scale=None, sinks=None,
-              softcap=None):
+              softcap=None, alibi=None):
     """float64 out (B, Sq, H, D) and lse (B, H, Sq) of decode's definition (sinks (H,): one more logit per head's
-    rows, with no value; softcap c: each scaled score x becomes c tanh(x / c))."""
+    rows, with no value; softcap c: each scaled score x becomes c tanh(x / c); alibi (H,) or (B, H) slopes: x less
+    slope |key - position|)."""
     B, Sq, H, D = q.shape
     Hkv = kc.shape[2]
     scale = 1 / math.sqrt(D) if scale is None else scale
@@ -104,6 +105,9 @@ def reference(torch, q, kc, vc, kn, vn, lens, table, causal=True, window=(-1, -1
         s = torch.einsum("ihd,jhd->hij", q[b].double(), kk) * scale
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
+        if alibi is not None:
+            slopes = (alibi if alibi.dim() == 1 else alibi[b]).double()
+            s = s - slopes[:, None, None] * (key - pos).abs()[None]
         s = s.masked_fill(~vis[None], -math.inf)
         if sinks is not None:
             s = torch.cat([s, sinks.double()[:, None, None].expand(H, Sq, 1)], -1)
@@ -216,6 +220,35 @@ def test_decode_with_softcap_matches_float64_reference(torch, poisoned, splits, 
     check(torch, out, lse, ref_out, ref_lse, "bf16")
     with pytest.raises(ValueError, match="softcap must be a finite positive number"):
         flashrt.decode(q, kc, vc, cache_seqlens=lens, page_table=table, softcap=float("inf"))
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("D,rows,splits", [(128, 1, 1), (64, 4, 3), (256, 16, 2)])
+def test_decode_with_alibi_matches_float64_reference(torch, poisoned, per_batch, D, rows, splits):
+    """ALiBi in decode.cu (each packed row's head's slope, its token's position L - Sq + i): (H,) and (B, H) slopes,
+    every packed-row tile size, paged, new tokens, causal; and flashrt.forward's decode route with the same slopes
+    against its forward kernels."""
+    B, H, Hkv = 3, 8, 2
+    q, kc, vc, kn, vn, lens, table = make_case(torch, B, rows, H, Hkv, D, 900, page_size=64, seed=70 + D + per_batch)
+    slopes = 2.0 ** -torch.arange(1, H + 1, device="cuda", dtype=torch.float32)  # (the ALiBi paper's, 8 heads)
+    if per_batch:
+        slopes = slopes[None].repeat(B, 1) * torch.tensor([[1.0], [0.5], [2.0]], device="cuda")
+    ref_out, ref_lse = reference(torch, q, kc, vc, kn, vn, lens, table, alibi=slopes)
+    plain, _ = reference(torch, q, kc, vc, kn, vn, lens, table)
+    assert (plain - ref_out).abs().max() > 0.05, "the slopes must change the answer"
+    out, lse = flashrt.decode(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, page_table=table, num_splits=splits,
+                              alibi_slopes=slopes, return_lse=True)
+    check(torch, out, lse, ref_out, ref_lse, "bf16")
+    k, v = (torch.randn(B, 700, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q2 = torch.randn(B, rows, H, D, device="cuda", dtype=torch.bfloat16)
+    out, lse = flashrt.forward(q2, k, v, causal=True, alibi_slopes=slopes)
+    ref_out, ref_lse = reference(torch, q2, k, v, None, None, torch.full((B,), 700, dtype=torch.int32, device="cuda"),
+                                 None, alibi=slopes)
+    check(torch, out, lse, ref_out, ref_lse, "bf16")
+    with pytest.raises(ValueError, match="softcap and alibi_slopes together are not supported yet"):
+        flashrt.decode(q, kc, vc, cache_seqlens=lens, page_table=table, softcap=30.0, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        flashrt.decode(q, kc, vc, cache_seqlens=lens, page_table=table, alibi_slopes=slopes[..., :3])
 
 
 def test_decode_empty_sequence_sees_nothing(torch, poisoned):
@@ -358,3 +391,6 @@ def test_decode_under_torch_compile(torch):
                           (q, kc, vc, lens, kn, vn, table, True, [-1, -1], None, 0, sinks))
     torch.library.opcheck(torch.ops.flashrt.decode.default,
                           (q, kc, vc, lens, kn, vn, table, True, [-1, -1], None, 0, sinks, 30.0))
+    slopes = torch.rand(8, device="cuda")
+    torch.library.opcheck(torch.ops.flashrt.decode.default,
+                          (q, kc, vc, lens, kn, vn, table, True, [-1, -1], None, 0, sinks, None, slopes))

@@ -7,7 +7,7 @@ import pytest
 
 from flashrt import cache, launch, masks, params, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import (ALIBI_FAMILIES, ANY_HEAD_DIM, FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS,
+from flashrt.spec import (ANY_HEAD_DIM, FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS, SOFTCAP_FAMILIES,
                           KernelSpec)
 
 
@@ -70,18 +70,18 @@ def test_score_mods_are_compiled_in_and_named():
     assert "-DFRT_SOFTCAP=0" in spec(alibi=True).options()
     with pytest.raises(ValueError, match="softcap and alibi together are not supported yet"):
         spec(softcap=True, alibi=True)
-    with pytest.raises(ValueError, match="bwd_preprocess takes no ALiBi"):
+    with pytest.raises(ValueError, match="bwd_preprocess computes no scores: it takes no ALiBi"):
         KernelSpec("bwd_preprocess", 64, "bf16", 0, 0, 8, False, "sm_80", alibi=True)
-    # decode takes a softcap, not ALiBi
-    with pytest.raises(ValueError, match="decode takes no ALiBi"):
-        KernelSpec("decode", 128, "bf16", 16, 64, 4, False, "sm_80", alibi=True)
-    capped = tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90], softcap=True)
-    assert capped.softcap and "-DFRT_SOFTCAP=1" in capped.options() and capped.name.endswith("_cap_m16n64w4_sm_90a")
-    assert dataclasses.replace(capped, softcap=False) == tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90])
+    # decode takes either, at its plain tiles
+    plain = tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90])
+    for kw, tag in (({"softcap": True}, "cap"), ({"alibi": True}, "alibi")):
+        mod = tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90], **kw)
+        assert mod.name.endswith(f"_{tag}_m16n64w4_sm_90a")
+        assert dataclasses.replace(mod, **{k: False for k in kw}) == plain
     # tiling: only the families that compute scores take it; the helper kernels never do
     for family in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_fused", "bwd_preprocess", "bwd_dq_convert"):
         s = tiles.tiling(family, 128, "bf16", True, "sm_80", SMEM_OPTIN[80], alibi=True)
-        assert s.alibi == (family in ALIBI_FAMILIES) and not s.softcap
+        assert s.alibi == (family in SOFTCAP_FAMILIES) and not s.softcap
         if s.alibi:  # the plain tiling (no table of its own yet)
             plain = tiles.tiling(family, 128, "bf16", True, "sm_80", SMEM_OPTIN[80])
             assert dataclasses.replace(s, alibi=False) == plain

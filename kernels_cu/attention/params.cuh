@@ -183,6 +183,8 @@ struct DecodeParams {
     float softcap;       // FRT_SOFTCAP: c / softmax_scale (score_mod.cuh: Softcap), as FwdParams'
     const float* sinks;  // (H,) fp32 sink logits (softmax.cuh: add_sink) or null; joined here when splits == 1, else
                          // by the combine
+    const float* alibi;  // FRT_ALIBI: (H,) or (B, H) fp32 slopes, as FwdParams'
+    int alibi_bstride;   // 0 for (H,), H for (B, H)
 };
 
 // combine.cu: partial results of n key ranges, (n, B, Sq, H, D) outputs and (n, B, H, Sq) natural-log lse, all

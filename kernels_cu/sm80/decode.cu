@@ -11,7 +11,9 @@
 // and row tile 0 also writes them into the cache (no block reads those cache rows in this launch). A bad value
 // (cache_seqlens outside [0, capacity - new], a page id outside [0, num_pages)) is never used for an access: the
 // rows it touches get NaN outputs and the host-mapped report says what (masks.raise_reported).
-// FRT_SOFTCAP: the scores capped (score_mod.cuh: Softcap) before the mask, as in the forward kernels.
+// FRT_SOFTCAP: the scores capped (score_mod.cuh: Softcap) before the mask, as in the forward kernels. FRT_ALIBI: each
+// score gains -(slope / scale) |key - position|, the row's head's slope and its token's key position (score_mod.cuh:
+// Alibi's definition, bottom-right aligned as decode's causal mask).
 #include "attention/params.cuh"
 #include "attention/score_mod.cuh"
 #include "attention/softmax.cuh"
@@ -202,6 +204,16 @@ __device__ void decode(const DecodeParams& p) {
     const u32 sQw = sQ + wm * 16 * LD;
     // This thread's two rows' tokens (the fragment rows g and g + 8 of the warp's 16).
     const int tok[2] = {(row0 + wm * 16 + g) / group, (row0 + wm * 16 + g + 8) / group};
+    // FRT_ALIBI: the rows' slopes in raw-score units (their heads: hk * group + row % group) and key positions.
+    float slope[2] = {0.f, 0.f}, pos[2] = {0.f, 0.f};
+    if constexpr (FRT_ALIBI) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int h = hk * group + (row0 + wm * 16 + g + 8 * hh) % group;
+            slope[hh] = p.alibi[(i64)b * p.alibi_bstride + h] * (kLog2e / p.scale_log2);
+            pos[hh] = (float)(shift + tok[hh] - 2 * t);  // (less the lane's first column: key offsets are constants)
+        }
+    }
 
     for (int it = 0; it < n_blocks; ++it) {
         const int j = first + it, stage = it % STAGES;
@@ -229,6 +241,15 @@ __device__ void decode(const DecodeParams& p) {
                 for (int c = 0; c < 4; ++c) s[0][nt][c] = cap.tanh_of(s[0][nt][c]);
         }
         const int n0 = j * BN + wn * KW;
+        if constexpr (FRT_ALIBI) {
+            const float base = (float)n0;
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    s[0][nt][c] = fmaf(-slope[c >> 1], fabsf(base + (float)(nt * 8 + (c & 1)) - pos[c >> 1]),
+                                       s[0][nt][c]);
+        }
         if (n0 < all_lo || n0 + KW > all_hi) {
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt)
