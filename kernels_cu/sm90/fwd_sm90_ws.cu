@@ -7,7 +7,7 @@
 // 384 threads: warpgroups 0 and 1 consume (64 query rows each), warpgroup 2 produces; with 192-row query tiles
 // (head_dim 64) 512: three consumer warpgroups and the producer. setmaxnreg moves registers from the producer
 // (PRODUCER_REGS) to the consumers (CONSUMER_REGS).
-// One block per SM loops over work items (params.cuh: work_item, 128-row query tiles ordered for L2
+// One block per SM loops over work items (params.cuh: work_item, BM-row query tiles ordered for L2
 // and causal balance): block k starts with item k, and the producer claims each later item from a
 // counter in global memory (p.sched: zero at the launch, set back to zero by its last claim) once it
 // has issued the current item's last K / V tile, so that blocks take items greedily in that order, as
