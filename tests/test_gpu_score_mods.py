@@ -44,8 +44,8 @@ def _f64(x):
 
 
 # (B, Sq, Sk, H, Hkv, D, causal, dtype, mask): the forward kernels at their head dims (fwd_sm90_ws 64 / 128 with
-# 128-key tiles, 192 / 256 with 80-key ones, mma.sync 96 / 72), Sq > Sk causal (rows that see no key), one query row (flashrt.forward's
-# decode route with sinks alone; the ordinary forward with softcap or ALiBi), GQA / MQA, a window and packed varlen.
+# 128-key tiles, 192 / 256 with 80-key ones, mma.sync 96 / 72), Sq > Sk causal (rows that see no key), one query row
+# (flashrt.forward's decode route, with sinks, softcap or ALiBi), GQA / MQA, a window and packed varlen.
 CASES = [
     (2, 200, 300, 4, 4, 64, True, "bf16", None),
     (1, 300, 100, 8, 2, 128, True, "bf16", None),
