@@ -62,10 +62,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, page_table=Non
         out, lse = decode_traced(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, window, softmax_scale,
                                  num_splits, sinks, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
-    from .api import _alibi_kind  # (api imports this module)
+    alibi_kind = 0
+    if alibi_slopes is not None:  # (not on the plain call's path)
+        from .api import _alibi_kind  # (api imports this module)
+        alibi_kind = _alibi_kind(alibi_slopes)
     result = _planned("decode", _present(q, k_cache, v_cache, cache_seqlens, k, v, page_table, sinks, alibi_slopes),
                       (k is not None, page_table is not None, causal, tuple(window) if isinstance(window, (tuple, list))
-                       else window, softmax_scale, num_splits, sinks is not None, softcap, _alibi_kind(alibi_slopes)),
+                       else window, softmax_scale, num_splits, sinks is not None, softcap, alibi_kind),
                       {}, 0,
                       lambda tensors: _decode_plan(tensors, k is not None, page_table is not None, causal, window,
                                                    softmax_scale, num_splits, sinks is not None, softcap,
