@@ -169,6 +169,9 @@ decode_case(1, 16, 8, 1, 256, 150, 64, 2, [100], causal=False)
 decode_case(2, 4, 16, 2, 64, 500, 32, 1, [10, 480])
 decode_case(2, 2, 8, 2, 128, 300, 0, 1, [0, 250], sinks=torch.randn(8, device="cuda"))  # sinks: decode.cu joins
 decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], sinks=torch.randn(8, device="cuda"))  # and combine.cu does
+decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], softcap=20.0)  # softcap and ALiBi ((H,) and (B, H)
+decode_case(2, 3, 8, 2, 64, 200, 0, 2, [7, 190], alibi_slopes=torch.rand(8, device="cuda"))  # slopes): decode.cu
+decode_case(2, 1, 16, 4, 128, 300, 16, 0, [0, 280], alibi_slopes=torch.rand(2, 16, device="cuda"))
 q, kc, vc, kn, vn, table = decode_case(2, 2, 8, 2, 128, 256, 64, 2, [10, 20])
 flat_k, flat_v = (torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 table[1, 1] = 1 << 20
