@@ -492,10 +492,12 @@ def decode_spec(head_dim: int, dtype: str, rows: int, arch: str, smem_limit: int
                 alibi: bool = False) -> KernelSpec:
     """The decode kernel for `rows` packed rows (`softcap`, `alibi`: with them): 64-key tiles over DECODE_WARPS warps
     (16 keys per warp at 16 rows), 32 at 32 and 64 rows above head_dim 128 (64 keys spill there: 12-152 bytes, NVRTC
-    12.9), 16 at 64 rows above 240 (32 spill 64-76 bytes at head_dim 248, NVRTC 12.9 and 13.0); where those do not
-    fit the shared memory (sm_86 / sm_89: 99 KB), smaller tiles over fewer warps."""
+    12.9), 16 at 64 rows above 240, and above 224 with ALiBi (32 spill 64-76 bytes at head_dim 248, NVRTC 12.9 and
+    13.0; with ALiBi 4-8 bytes at 232); where those do not fit the shared memory (sm_86 / sm_89: 99 KB), smaller
+    tiles over fewer warps."""
     bm = decode_block_m(rows)
-    widths = (64, 32, 16) if head_dim <= 128 or bm < 32 else (16,) if bm == 64 and head_dim > 240 else (32, 16)
+    narrow = bm == 64 and head_dim > (224 if alibi else 240)
+    widths = (64, 32, 16) if head_dim <= 128 or bm < 32 else (16,) if narrow else (32, 16)
     return _first_fit("decode", head_dim, smem_limit, itertools.product(widths, (DECODE_WARPS, 2, 1)),
                       lambda bn, nw: KernelSpec("decode", head_dim, dtype, bm, bn, nw, False, arch, softcap=softcap,
                                                 alibi=alibi))
