@@ -117,8 +117,8 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
 # deterministic, causal) -> the least query length it is chosen from (absent: never). H200, flashrt.backward alone at
 # 16k tokens and hidden 2048, S = 1k / 4k / 16k (scripts/probes/bwd_fused_ws.py; docs/perf-notes.md: Backward: fused
 # wgmma):
-# unordered 1.11-1.36x the split pair at head_dim 128, at 64 1.02-1.21x but causal at 1k (0.97x); ordered 0.86-0.93x
-# at 1k and 1.13-1.32x from 4k at 128, at 64 0.82-0.89x up to 4k and 1.08-1.09x at 16k.
+# unordered 1.13-1.48x the split pair at head_dim 128, at 64 1.06-1.23x but causal at 1k (0.96x); ordered 0.86-0.93x
+# at 1k and 1.14-1.28x from 4k at 128, at 64 0.83-0.93x up to 4k and 1.13x at 16k.
 FUSED_WGMMA_MIN_SQ = {(128, False, False): 0, (128, False, True): 0, (64, False, False): 0, (64, False, True): 4096,
                       (128, True, False): 4096, (128, True, True): 4096, (64, True, False): 16384,
                       (64, True, True): 16384}

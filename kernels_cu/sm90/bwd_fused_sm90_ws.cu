@@ -20,11 +20,11 @@
 //     completes on the bytes), others and the statistics by loads and shared stores (bwd_sm90.cuh: load_query_stage).
 //     The consumers hand a stage back once their dV and dK wgmmas, the last to read it, are complete.
 //   - Per pair each consumer warpgroup computes S^T and dP^T (SS wgmma), P^T and dS^T on the fragments, dV += P^T dO
-//     and dK += dS^T Q (RS), writes its dS^T rows into one of two dS^T tiles, meets the other at named barrier 4
-//     (the pair's whole dS^T is there; with two tiles no barrier guards a tile's reuse: a tile's readers of two pairs
-//     ago have passed this barrier since) and computes its DQ_N columns of dQ = dS K (SS), which it stages in fp32
-//     (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (DQ_EMPTY), then tells the writer
-//     (DQ_FULL).
+//     (RS), writes its dS^T rows into one of two dS^T tiles, meets the other at named barrier 4 (the pair's whole
+//     dS^T is there; with two tiles no barrier guards a tile's reuse: a tile's readers of two pairs ago have passed
+//     this barrier since), issues its DQ_N columns of dQ = dS K (SS), then dK += dS^T Q (RS), and stages dQ in fp32
+//     while dK runs (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (DQ_EMPTY), then tells
+//     the writer (DQ_FULL).
 //   - The writer adds the staged tile with one bulk reduce-add and hands the tile back once the add has read it.
 //     Ordered (dq_sem set, deterministic=True), it first waits for its key tile's turn on the query tile's counter
 //     (key tiles in order; the grid key-tile-major: key_block_tile_major) and releases the next once its add is
@@ -206,23 +206,32 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         const u32 sdSp = sdS + (it & 1) * T::DS_BYTES;  // this pair's dS^T tile
         a_frags_to_sw128<BN, BM>(sdSp + wg * 64 * kSwizzleBytes, dsa, w, g, t);
         fence_proxy_async();
-        wgmma_fence();
-        wgmma_rs_mn<D, BM, T::BF16>(acc[0], dsa, sQ);  // dK += dS^T Q
-        wgmma_commit();
         bar_wait<4, T::CONSUMERS>();  // both warpgroups' dS^T rows are in the tile
-        // This warpgroup's DQ_N columns of dS K: A = dS^T read MN-major (dS), B = the K tile's columns (MN-major)
+        // This warpgroup's DQ_N columns of dS K: A = dS^T read MN-major (dS), B = the K tile's columns (MN-major);
+        // then dK (RS).
         float dq[T::DQ_N / 2];
         const u32 sKcols = sK + (D == 128 ? wg * BN * kSwizzleBytes : wg * T::DQ_N * 2);
+        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             wgmma_ss<T::DQ_N, 1, T::BF16, 1>(dq, desc_mn_major<BN>(sdSp, kk), desc_mn_major<BN>(sKcols, kk), kk > 0);
         wgmma_commit();
-        wgmma_wait<1>();  // dV and dK are complete: the stage goes back
-        fence_acc_and_frags(acc, pa, dsa);
-        mbar_arrive(bar(T::EMPTY, s_));
-        wgmma_wait<0>();
+        wgmma_rs_mn<D, BM, T::BF16>(acc[0], dsa, sQ);  // dK += dS^T Q
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dQ are complete
         fence_operand(dq);
-        if (it > it_begin) mbar_wait(bar(T::DQ_EMPTY, 0), (it - it_begin - 1) & 1);  // the writer read the last tile
+        // dQ is staged while dK runs, once the writer has read the last tile. Ordered, where it has not (it waits for
+        // its turn), dK is waited for first and the stage handed back, so that the loader is not held up as well
+        // (docs/perf-notes.md: Order of a pair's wgmmas).
+        const u32 dq_parity = (it - it_begin - 1) & 1;
+        const bool under_dk =
+            !ordered || it == it_begin || __shfl_sync(~0u, mbar_test(bar(T::DQ_EMPTY, 0), dq_parity), 0);
+        if (!under_dk) {
+            wgmma_wait<0>();  // dK is complete: the stage goes back
+            fence_acc_and_frags(acc, pa, dsa);
+            mbar_arrive(bar(T::EMPTY, s_));
+        }
+        if (it > it_begin) mbar_wait(bar(T::DQ_EMPTY, 0), dq_parity);
         const i64 row0 = (i64)b * p.st_sb + (i64)pr.h * p.st_sh + tile.vis.q_row0 + pr.m * BM;
         stage_dq<D, T::DQ_N>(sDQ, dq, row0, wg, w, g, t);
         if (tid == 0) {  // the writer's job: where the tile goes, its bytes, the counter and its turn (ordered)
@@ -233,6 +242,11 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             job[4] = ordered ? dq_turn<BM, BN>(tile, pr.m) : 0;
         }
         mbar_arrive(bar(T::DQ_FULL, 0));
+        if (under_dk) {
+            wgmma_wait<0>();  // dK is complete: the stage goes back
+            fence_acc_and_frags(acc, pa, dsa);
+            mbar_arrive(bar(T::EMPTY, s_));
+        }
     }
     const int rows_wg = tile.rows - 64 * wg;
     if (p.splits > 1) {  // unscaled fp32 partials of this split (bwd_dkdv_sm90.cu)

@@ -1,13 +1,15 @@
 """The warp-specialised wgmma fused backward (bwd_fused_sm90), ordered and not, against the split pair.
 
     python scripts/probes/bwd_fused_ws.py [--check-only] [--rounds 3] [--heads 64,128] [--seqlens 1024,4096,16384]
-                                         [--gqa]
+                                         [--gqa] [--defines "a=-DX=1;b=-DX=0"]
 
 Checks first (float64 reference, fresh inputs): the fused kernel, ordered and not, at small shapes with causal, GQA
 and MQA; the ordered form bitwise over repeats. Then times flashrt.backward alone (out and lse from one
 forward) with CUDA events, medians over interleaved rounds, at 16k tokens and hidden 2048 (B = 16384 // S,
 H = 2048 // head_dim), or with --gqa at GQA prefill shapes (head_dim 128). TFLOP/s: 2.5 x the forward's
 4 B H S^2 D, halved when causal. Prints a table last.
+--defines: an A/B of compile-time switches in one process: the fused variants are checked and timed once per named
+set of NVRTC defines (the kernels reloaded at each switch), the split pair once.
 """
 from __future__ import annotations
 
@@ -17,6 +19,18 @@ import statistics
 import torch
 
 import flashrt
+from flashrt import api, launch, spec
+
+BASE_OPTIONS = spec.NVRTC_OPTIONS
+DEFINES: dict[str, tuple] = {"": ()}  # name -> NVRTC options added (--defines)
+
+
+def use_defines(name: str) -> None:
+    """Compile and load the kernels with the named set of defines from here on (a separate cache entry each)."""
+    if spec.NVRTC_OPTIONS != BASE_OPTIONS + DEFINES[name]:
+        spec.NVRTC_OPTIONS = BASE_OPTIONS + DEFINES[name]
+        launch._functions.clear()
+        api._PLANS.clear()
 
 
 def reference(q, k, v, do, causal):
@@ -46,7 +60,8 @@ def check() -> list[str]:
         do = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
         ref = reference(q, k, v, do, causal)
         out, lse = flashrt.forward(q, k, v, causal=causal)
-        for det in (False, True):
+        for dname, det in ((dname, det) for dname in DEFINES for det in (False, True)):
+            use_defines(dname)
             got = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=det)
             errs = [float((a.double() - r).norm() / r.norm()) for a, r in zip(got, ref)]
             same = ""
@@ -57,7 +72,7 @@ def check() -> list[str]:
                 same = "bitwise" if same else "DIFFERS"
             ok = all(e < 2e-2 for e in errs) and same != "DIFFERS"
             rows.append(f"| B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'causal' if causal else 'full'} | "
-                        f"{'det' if det else 'nondet'} | {' '.join(f'{e:.1e}' for e in errs)} | {same} | "
+                        f"{dname + ' ' if dname else ''}{'det' if det else 'nondet'} | {' '.join(f'{e:.1e}' for e in errs)} | {same} | "
                         f"{'ok' if ok else 'FAIL'} |")
             print(rows[-1], flush=True)
     return rows
@@ -68,11 +83,16 @@ def time_shape(B, S, H, Hkv, D, causal, rounds) -> dict:
     q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out, lse = flashrt.forward(q, k, v, causal=causal)
-    variants = {"fused-det": dict(impl="fused"), "fused": dict(impl="fused", deterministic=False),
-                "split": dict(impl="split")}
+    variants = {}
+    for dname in DEFINES:
+        tag = f"{dname} " if dname else ""
+        variants[tag + "fused-det"] = (dname, dict(impl="fused"))
+        variants[tag + "fused"] = (dname, dict(impl="fused", deterministic=False))
+    variants["split"] = (next(iter(DEFINES)), dict(impl="split"))
     times = {n: [] for n in variants}
     for _ in range(rounds):
-        for name, kw in variants.items():
+        for name, (dname, kw) in variants.items():
+            use_defines(dname)
             for _ in range(3):
                 flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -105,7 +125,13 @@ def main():
     ap.add_argument("--heads", default="64,128")
     ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--gqa", action="store_true", help="GQA shapes instead of the grid")
+    ap.add_argument("--defines", default="", help='named sets of NVRTC defines to A/B: "a=-DX=1 -DY=2;b=-DX=0"')
     a = ap.parse_args()
+    if a.defines:
+        DEFINES.clear()
+        for item in a.defines.split(";"):
+            name, _, opts = item.partition("=")
+            DEFINES[name.strip()] = tuple(opts.split())
     print(torch.cuda.get_device_name())
     rows = check()
     if a.gqa:  # GQA prefill 32/8 and 16/2 at head_dim 128
