@@ -211,7 +211,8 @@ class KernelSpec:
             if self.arch != "sm_90a" or self.head_dim not in SM90_HEAD_DIMS[self.family]:
                 return f"{self.family} is for sm_90a at head_dim {', '.join(map(str, SM90_HEAD_DIMS[self.family]))}"
             if self.family == "bwd_fused_sm90":  # 64 keys per consumer warpgroup, and a producer warpgroup
-                return None if (bm, bn, nw) == (64, 128, 12) else "block_m 64, block_n 128, 12 warps"
+                ok = (bn, nw) == (128, 12) and (bm == 64 or (bm == 128 and self.head_dim == 64))
+                return None if ok else "block_m 64 (or 128 at head_dim 64), block_n 128, 12 warps"
             if self.family == "bwd_dkdv_sm90":  # 64 keys per warpgroup, or one warpgroup per gradient above 128
                 bn_sm90 = 128 if self.head_dim <= 128 else 64
                 return None if (bm, bn, nw) == (64, bn_sm90, 8) else f"block_m 64, block_n {bn_sm90}, 8 warps"
@@ -281,7 +282,7 @@ class KernelSpec:
             return (2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + xch + 1024
         if self.family == "bwd_fused_sm90":  # K, V + stages of (Q, dO, lse2, delta) + two dS^T tiles + the fp32 dQ
             # tile + mbarriers + the writer's job (bwd_fused_sm90_ws.cu: FusedWsTraits)
-            stages = 4 if self.head_dim == 64 else 2
+            stages = 4 if self.head_dim == 64 and bm == 64 else 2
             return ((2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + 2 * bn * bm * 2
                     + bm * self.head_dim * 4 + 8 * (3 + 2 * stages) + 32 + 1024)
         if self.family == "decode":  # Q + stages of (K, V) (decode.cu: DecodeTraits::STAGES)

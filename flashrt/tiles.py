@@ -113,25 +113,31 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
                for bm, bn, nw, mb in candidates(family, head_dim)) <= smem_limit
 
 
-# Where the warp-specialised wgmma fused backward (bwd_fused_sm90) beats the wgmma split pair: (head_dim,
-# deterministic, causal) -> the least query length it is chosen from (absent: never). H200, flashrt.backward alone at
-# 16k tokens and hidden 2048, S = 1k / 4k / 16k (scripts/probes/bwd_fused_ws.py; docs/perf-notes.md: Backward: fused
-# wgmma):
-# unordered 1.13-1.48x the split pair at head_dim 128, at 64 1.06-1.23x but causal at 1k (0.96x); ordered 0.86-0.93x
-# at 1k and 1.14-1.28x from 4k at 128, at 64 0.83-0.93x up to 4k and 1.13x at 16k.
-FUSED_WGMMA_MIN_SQ = {(128, False, False): 0, (128, False, True): 0, (64, False, False): 0, (64, False, True): 4096,
-                      (128, True, False): 4096, (128, True, True): 4096, (64, True, False): 16384,
-                      (64, True, True): 16384}
+# Where the warp-specialised wgmma fused backward (bwd_fused_sm90) beats the wgmma split pair: (head_dim, its query
+# tile, deterministic, causal) -> the least query length it is chosen from (absent: never). H200, flashrt.backward
+# alone at 16k tokens and hidden 2048, S = 1k / 4k / 16k (scripts/probes/bwd_fused_ws.py; docs/perf-notes.md:
+# Backward: fused wgmma):
+# unordered 1.13-1.48x the split pair at head_dim 128; at 64 with 128-query tiles 1.21-1.40x, causal at 1k 1.07x
+# (64-query tiles, which masks beyond lengths and score mods take: 1.06-1.23x but causal at 1k, 0.96x); ordered
+# 0.86-0.93x at 1k and 1.14-1.28x from 4k at 128; at 64 0.92-0.97x at 1k and 1.04-1.30x from 4k with 128-query tiles
+# (64-query: 0.83-0.93x up to 4k and 1.13x at 16k).
+FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (128, 64, True, False): 4096,
+                      (128, 64, True, True): 4096,
+                      (64, 128, False, False): 0, (64, 128, False, True): 0, (64, 128, True, False): 4096,
+                      (64, 128, True, True): 4096,
+                      (64, 64, False, False): 0, (64, 64, False, True): 4096, (64, 64, True, False): 16384,
+                      (64, 64, True, True): 16384}
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
-                  fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0) -> str:
+                  fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0,
+                  fused_block_m: int = 64) -> str:
     """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
 
     `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
-    (fused_family). Then split, but fused from the query length FUSED_WGMMA_MIN_SQ gives per (head_dim,
-    deterministic, causal) on (`seqlen_q`; GQA alike: 1.08-1.35x the split pair at 32/8 and 16/2, H200) and with no
-    id or mask_mod masks (`mask`, MASK_BITS: not measured).
+    (fused_family). Then split, but fused from the query length FUSED_WGMMA_MIN_SQ gives per (head_dim, the fused
+    kernel's query tile `fused_block_m`, deterministic, causal) on (`seqlen_q`; GQA alike: 1.08-1.35x the split pair
+    at 32/8 and 16/2, H200) and with no id or mask_mod masks (`mask`, MASK_BITS: not measured).
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -144,7 +150,7 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
     """
     if wgmma_split:
         plain = not mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"])
-        least = FUSED_WGMMA_MIN_SQ.get((head_dim, bool(deterministic), bool(causal)))
+        least = FUSED_WGMMA_MIN_SQ.get((head_dim, fused_block_m, bool(deterministic), bool(causal)))
         if (fused_wgmma and plain and least is not None and seqlen_q >= least
                 and (ordered_ok or not deterministic)):
             return "fused"
@@ -195,7 +201,7 @@ _PREFERENCES = {
     "bwd_dkdv_sm90": [(128, [(64, 128, 8)]), (256, [(64, 64, 8)])],
     # fused wgmma backward (dK/dV + dQ by bulk reduce-add; head_dim 64, 128): the dK/dV kernel's tiles, warp-specialised
     # (two consumer warpgroups + a producer warpgroup, kernels_cu/sm90/bwd_fused_sm90_ws.cu)
-    "bwd_fused_sm90": [(128, [(64, 128, 12)])],
+    "bwd_fused_sm90": [(64, [(128, 128, 12)]), (128, [(64, 128, 12)])],
     "bwd_dq": [
         (128, [(64, 64, 4)]),
         (224, [(128, 32, 8), (64, 32, 4)]),
@@ -231,6 +237,8 @@ _SCORE_MOD_PREFERENCES = {
     "bwd_dq": [(128, [(64, 64, 4)]), (224, [(128, 32, 8), (64, 32, 4)]), (256, [(128, 32, 8), (64, 16, 4)])],
     "bwd_fused": [(128, [(64, 64, 8)]), (240, [(64, 64, 8), (64, 32, 8), (32, 64, 8)]), (248, [(64, 32, 8)]),
                   (256, [(64, 64, 8), (64, 32, 8), (32, 64, 8)])],
+    # (128-query tiles at head_dim 64 spill 16-96 bytes with softcap, 0-8 with ALiBi: not measured against 64)
+    "bwd_fused_sm90": [(128, [(64, 128, 12)])],
 }
 # Tilings with element masks beyond lengths (window, block / segment ids): family -> buckets as in _PREFERENCES,
 # replacing that family's for such masks. Chosen by spills: the mask predicate's registers make some preferred
@@ -240,6 +248,8 @@ _MASKED_PREFERENCES = {
     # (the head_dim 64 dQ at two blocks per SM spills 8-156 bytes with window, block or segment ids)
     "bwd_dq_sm90": [(64, [(128, 128, 8)]), (256, [(128, 64, 8)])],
     "bwd_fused": [(256, [(64, 64, 8), (64, 32, 8)])],
+    # (the wgmma fused backward's 128-query tiles at head_dim 64 spill 8-36 bytes with windows or ids)
+    "bwd_fused_sm90": [(128, [(64, 128, 12)])],
     # (the warp-specialised forward at head_dim 256 with 80-key tiles spills 4-20 bytes with segment or block ids,
     # whose consumers keep 216 registers, 64-key ones none; at head_dim 64 192-row tiles spill 8-176 bytes with ids)
     "fwd_sm90_ws": [(128, [(128, 128, 12)]), (192, [(128, 80, 12)]), (256, [(128, 64, 12)])],
@@ -281,7 +291,9 @@ def long_rows(family: str, head_dim: int, seqlen_q: int) -> bool:
 # than at one block (H200, docs/perf-notes.md: head_dim 64 backward).
 # The warp-specialised fused backward at head_dim 128 spills 24-48 bytes (by mask) in its producer warpgroup, which
 # keeps 24 registers so that the consumers have the 240 they need (bwd_fused_sm90_ws.cu: FusedWsTraits).
-SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 64}
+# At head_dim 64, its 128-query tiles' causal variant spills 4 bytes (NVRTC 12.9) and still runs 1.12-1.16x faster
+# than with 64-query tiles (H200, docs/perf-notes.md: head_dim 64: 128-query tiles).
+SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 64, ("bwd_fused_sm90", 64, 1): 16}
 
 
 # Smaller tilings of each family, tried in order after its preferred ones (candidates) when none of those fits the

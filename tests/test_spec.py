@@ -341,10 +341,10 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
     for det in (False, True):
         for ordered_ok in (False, True):
             assert tiles.backward_impl(128, det, ordered_ok, wgmma_split=True) == "split"
-    for (d, det, causal), sq in tiles.FUSED_WGMMA_MIN_SQ.items():
-        assert tiles.backward_impl(d, det, True, True, True, causal, sq) == "fused"
+    for (d, bm, det, causal), sq in tiles.FUSED_WGMMA_MIN_SQ.items():
+        assert tiles.backward_impl(d, det, True, True, True, causal, sq, 0, bm) == "fused"
         if sq:
-            assert tiles.backward_impl(d, det, True, True, True, causal, sq - 1) == "split"
+            assert tiles.backward_impl(d, det, True, True, True, causal, sq - 1, 0, bm) == "split"
     assert tiles.backward_impl(128, True, False, True, True, False, 1 << 14) == "split"  # dQ adds not orderable
     assert tiles.backward_impl(128, False, False, True, True, False, 1 << 14) == "fused"
     assert tiles.backward_impl(128, False, True, True, True, False, 1 << 14, MASK_BITS["segments"]) == "split"

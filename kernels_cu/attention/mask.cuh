@@ -407,15 +407,26 @@ FRT_DEVICE void mask_fragments(Fragments at, float hidden, const Elem& x, const 
                 if (!at.visible<TRANSPOSED>(mt, jj, c, test)) x(mt, jj, c) = hidden;
 }
 
+// A word of N bits (N <= 64): u32 up to 32.
+template <int N>
+struct BitsOf {
+    static_assert(N <= 64, "at most 64 bits");
+    using type = u32;
+};
+template <>
+struct BitsOf<64> {
+    using type = u64;
+};
+
 // One bit per element of one m-tile's N8 n-groups (bit 4 jj + c) whose pair is hidden: a mask made before the
-// accumulators it applies to are live (the sm90 backward's kernels), N8 <= 8.
+// accumulators it applies to are live (the sm90 backward's kernels), N8 <= 16 (N8 = 16: a u64).
 template <int N8, bool TRANSPOSED = false, class Visible>
-FRT_DEVICE u32 hidden_bits_of(Fragments at, const Visible& test) {
-    static_assert(N8 <= 8, "one bit per element of 32");
-    u32 hidden = 0;
+FRT_DEVICE typename BitsOf<4 * N8>::type hidden_bits_of(Fragments at, const Visible& test) {
+    using Bits = typename BitsOf<4 * N8>::type;
+    Bits hidden = 0;
 #pragma unroll
     for (int i = 0; i < 4 * N8; ++i)
-        if (!at.visible<TRANSPOSED>(0, i >> 2, i & 3, test)) hidden |= 1u << i;
+        if (!at.visible<TRANSPOSED>(0, i >> 2, i & 3, test)) hidden |= Bits(1) << i;
     return hidden;
 }
 

@@ -39,18 +39,22 @@ struct FusedWsTraits {
     static constexpr bool BF16 = BF16_, CAUSAL = CAUSAL_;
     static constexpr int MASK = FRT_MASK, NTHREADS = NW * 32, CONSUMERS = 256;
     static_assert(D == 64 || D == 128, "bwd_fused_sm90_ws: head_dim 64 or 128");
-    static_assert(BM == 64 && BN == 128 && NW == 12,
-                  "bwd_fused_sm90_ws: 64-row query tiles, 128 keys (64 per consumer warpgroup), 12 warps");
+    static_assert((BM == 64 || (BM == 128 && D == 64)) && BN == 128 && NW == 12,
+                  "bwd_fused_sm90_ws: 64-row query tiles (128 at head_dim 64), 128 keys (64 per consumer warpgroup), "
+                  "12 warps");
     // 2 * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS = 168 * 384, the launch's count. The consumers spill below 240
-    // registers at head_dim 128 (16 bytes at 232), 232 at 64; the producers' 24 at 128 spill 24-48 bytes, by mask
-    // (tiles.SPILL_ALLOWANCE).
+    // registers at head_dim 128 (16 bytes at 232), 232 at 64 with 64-row tiles; the producers' 24 at 128 spill 24-48
+    // bytes, by mask (tiles.SPILL_ALLOWANCE).
+    static constexpr bool WIDE = BM == 128;  // 128 queries a pair: S^T, dP^T 64 x 128 a warpgroup
     static constexpr int CONSUMER_REGS = D == 64 ? 232 : 240;
     static constexpr int PRODUCER_REGS = (168 * 384 - 2 * 128 * CONSUMER_REGS) / 128;
     static constexpr bool INTERVALS = MASK != 0 || D <= 64;  // as bwd_dkdv_sm90.cu's
     static constexpr bool ORDERED = !(MASK & (MASK_SEGMENTS | MASK_MOD));  // (flashrt/masks.py: ordered_dq_ok)
-    static constexpr bool KV_REGS = D == 64;  // K and V rows as the A operands of S^T and dP^T (bwd_dkdv_sm90.cu)
-    static constexpr int STAGES = D == 64 ? 4 : 2;
-    static constexpr int DQ_N = D / 2;  // dQ columns per consumer warpgroup
+    // K and V rows as the A operands of S^T and dP^T (bwd_dkdv_sm90.cu); not with 128-query tiles (the registers)
+    static constexpr bool KV_REGS = D == 64 && !WIDE;
+    static constexpr int STAGES = D == 64 && !WIDE ? 4 : 2;  // (spec.py's smem formula: the same)
+    // dQ per consumer warpgroup: half its columns (64-query tiles) or its 64 rows (128-query tiles)
+    static constexpr int DQ_N = WIDE ? D : D / 2;
     static constexpr int KV_BYTES = BN * D * 2, QT_BYTES = BM * D * 2, STAGE_BYTES = 2 * QT_BYTES;
     static constexpr int STAT_STAGE_BYTES = 2 * BM * 4, DS_BYTES = BN * BM * 2, DQ_BYTES = BM * D * 4;
     enum : int { KV_FULL = 0, DQ_FULL = 1, DQ_EMPTY = 2, FULL = 3, EMPTY = 3 + STAGES, N_BARS = 3 + 2 * STAGES };
@@ -174,7 +178,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         const float* s_lse2 = stat_base + s_ * (T::STAT_STAGE_BYTES / 4);
         const float* s_delta = s_lse2 + BM;
         const auto pr = tile.pair(p, it);
-        const u32 hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0u;
+        // (found before the wait for the stage, under the loads; with 128-query tiles after S^T, which spilled 4 bytes)
+        auto hidden_of = [&] { return pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0; };
+        HiddenWord<BM> hidden = 0;
+        if constexpr (!T::WIDE) hidden = hidden_of();
         mbar_wait(bar(T::FULL, s_), r.parity());
         fence_proxy_async();
         float sc[BM / 2], dp[BM / 2];
@@ -192,29 +199,43 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         wgmma_wait<1>();  // S^T is complete
         fence_operand(sc);
         add_alibi<BM>(sc, p, tile, pr.h, pr.m, key_base, t);
+        if constexpr (T::WIDE) hidden = hidden_of();
         probabilities<BM>(sc, s_lse2, p.scale_log2, hidden, t, cap);
+        auto pack_p = [&] {
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(sc, kk, pa[kk]);
-        wgmma_fence();
-        wgmma_rs_mn<D, BM, T::BF16>(acc[1], pa, sdO);  // dV += P^T dO, under dS^T's arithmetic
-        wgmma_commit();
-        wgmma_wait<1>();  // dP^T is complete
+            for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(sc, kk, pa[kk]);
+        };
+        auto mma_dv = [&] {  // dV += P^T dO
+            wgmma_fence();
+            wgmma_rs_mn<D, BM, T::BF16>(acc[1], pa, sdO);
+            wgmma_commit();
+        };
+        if constexpr (!T::WIDE) {
+            pack_p();
+            mma_dv();  // under dS^T's arithmetic
+            wgmma_wait<1>();  // dP^T is complete
+        } else {
+            wgmma_wait<0>();  // dP^T is complete; dV after dS^T (P^T's fragments beside S^T and dP^T spilled)
+        }
         fence_operand(dp);
         ds_from_dp<BM>(dp, sc, s_delta, t, s_lse2, cap);
+        if constexpr (T::WIDE) pack_p();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);
         const u32 sdSp = sdS + (it & 1) * T::DS_BYTES;  // this pair's dS^T tile
         a_frags_to_sw128<BN, BM>(sdSp + wg * 64 * kSwizzleBytes, dsa, w, g, t);
         fence_proxy_async();
+        if constexpr (T::WIDE) mma_dv();
         bar_wait<4, T::CONSUMERS>();  // both warpgroups' dS^T rows are in the tile
-        // This warpgroup's DQ_N columns of dS K: A = dS^T read MN-major (dS), B = the K tile's columns (MN-major);
-        // then dK (RS).
+        // This warpgroup's block of dS K (its DQ_N columns, or with 128-query tiles its 64 queries): A = dS^T read
+        // MN-major (dS), B = the K tile's columns (MN-major); then dK (RS).
         float dq[T::DQ_N / 2];
-        const u32 sKcols = sK + (D == 128 ? wg * BN * kSwizzleBytes : wg * T::DQ_N * 2);
+        const u32 sKcols = sK + (T::WIDE ? 0 : D == 128 ? wg * BN * kSwizzleBytes : wg * T::DQ_N * 2);
+        const u32 sdSrows = sdSp + (T::WIDE ? wg * BN * kSwizzleBytes : 0);  // (the tile's query column block)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_ss<T::DQ_N, 1, T::BF16, 1>(dq, desc_mn_major<BN>(sdSp, kk), desc_mn_major<BN>(sKcols, kk), kk > 0);
+            wgmma_ss<T::DQ_N, 1, T::BF16, 1>(dq, desc_mn_major<BN>(sdSrows, kk), desc_mn_major<BN>(sKcols, kk), kk > 0);
         wgmma_commit();
         wgmma_rs_mn<D, BM, T::BF16>(acc[0], dsa, sQ);  // dK += dS^T Q
         wgmma_commit();
@@ -233,7 +254,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         }
         if (it > it_begin) mbar_wait(bar(T::DQ_EMPTY, 0), dq_parity);
         const i64 row0 = (i64)b * p.st_sb + (i64)pr.h * p.st_sh + tile.vis.q_row0 + pr.m * BM;
-        stage_dq<D, T::DQ_N>(sDQ, dq, row0, wg, w, g, t);
+        stage_dq<D, T::DQ_N>(sDQ, dq, row0, T::WIDE ? 64 * wg : 0, T::WIDE ? 0 : wg * T::DQ_N, w, g, t);
         if (tid == 0) {  // the writer's job: where the tile goes, its bytes, the counter and its turn (ordered)
             int* job = reinterpret_cast<int*>(smem + (sJob - smem_base));
             *reinterpret_cast<i64*>(job) = row0 * D;

@@ -61,8 +61,11 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
 
 // The bits of a thread's 32 S^T elements (rows: keys from key_base, columns: queries from q0; mask.cuh: the
 // fragments) whose pair visible(query, key) hides.
+template <int BM>
+using HiddenWord = typename BitsOf<BM / 2>::type;  // one bit per S^T element of a thread (BM = 64: u32, 128: u64)
+
 template <int BM, class Visible>
-FRT_DEVICE u32 hidden_where(int q0, int key_base, Visible visible) {
+FRT_DEVICE HiddenWord<BM> hidden_where(int q0, int key_base, Visible visible) {
     return hidden_bits_of<BM / 8, true>(Fragments{key_base, q0}, visible);
 }
 
@@ -75,9 +78,9 @@ FRT_DEVICE u32 hidden_where(int q0, int key_base, Visible visible) {
 // and no id arrays, where the thread's keys and the query tile lie inside the sequence, without the length
 // tests and clamps (Visibility::visible_inside).
 template <int BM, bool INTERVALS, class Tile>
-FRT_DEVICE u32 hidden_bits(const Tile& tile, int h, int m, int key_base, int t) {
-    static_assert(BM / 2 == 32, "one bit per S^T element of a thread");
-    u32 hidden = 0;
+FRT_DEVICE HiddenWord<BM> hidden_bits(const Tile& tile, int h, int m, int key_base, int t) {
+    static_assert(BM == 64 || BM == 128, "one bit per S^T element of a thread, in a u32 or a u64");
+    HiddenWord<BM> hidden = 0;
     const int q0 = m * BM + 2 * t;
     if constexpr (Tile::INTERVALS && INTERVALS) {  // each key's queries [lo, hi) of the tile, two compares per pair
         int2 rel[2];
@@ -113,7 +116,7 @@ FRT_DEVICE void add_alibi(float (&s)[BM / 2], const BwdParams& p, const Tile& ti
 // P^T = exp2(S^T * scale_log2 - lse2[query]) on the accumulator fragment (accumulator column =
 // query), 0 where `hidden` says so; with FRT_SOFTCAP, S^T capped first.
 template <int BM>
-FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float scale_log2, u32 hidden, int t,
+FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float scale_log2, HiddenWord<BM> hidden, int t,
                               const Softcap& cap) {
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
@@ -187,19 +190,19 @@ FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&d
     for (int kk = 0; kk < F; ++kk) sm90::fence_operand(pa[kk]), sm90::fence_operand(dsa[kk]);
 }
 
-// Fused: this warpgroup's DQ_N columns (from wg * DQ_N) of a pair's dQ (64 queries x D fp32, in the accumulator dq) into
-// the staging tile at s_tile, laid out as its rows are in dq_accum (row-major, D floats a row; the tile's row 0 is
-// dq_accum row row0) but with each row's 16-byte chunks permuted: chunk c of buffer row R at c ^ (R % 8)
+// Fused: a warpgroup's 64 x DQ_N block of a pair's dQ (fp32, in the accumulator dq; its first row r0 and column c0 in
+// the tile) into the staging tile at s_tile, laid out as its rows are in dq_accum (row-major, D floats a row; the
+// tile's row 0 is dq_accum row row0) but with each row's 16-byte chunks permuted: chunk c of buffer row R at c ^ (R % 8)
 // (BwdParams::dq_swizzle; bwd_dq_convert.cu reads them back so), which spreads a warp's float2 stores (eight rows,
 // four threads each) over all banks. Fenced for the bulk copy that reads it (async proxy).
 template <int D, int DQ_N>
-FRT_DEVICE void stage_dq(u32 s_tile, const float (&dq)[DQ_N / 2], i64 row0, int wg, int w, int g, int t) {
+FRT_DEVICE void stage_dq(u32 s_tile, const float (&dq)[DQ_N / 2], i64 row0, int r0, int c0, int w, int g, int t) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        const int r = 16 * w + g + 8 * hh, sw = (int)((row0 + r) & 7);
+        const int r = r0 + 16 * w + g + 8 * hh, sw = (int)((row0 + r) & 7);
 #pragma unroll
         for (int j = 0; j < DQ_N / 8; ++j) {
-            const int chunk = (wg * DQ_N + 8 * j + 2 * t) >> 2;
+            const int chunk = (c0 + 8 * j + 2 * t) >> 2;
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
                          :: "r"(s_tile + r * D * 4 + ((chunk ^ sw) << 4) + (t & 1) * 8), "f"(dq[4 * j + 2 * hh]),
                          "f"(dq[4 * j + 2 * hh + 1]) : "memory");

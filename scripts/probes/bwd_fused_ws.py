@@ -9,7 +9,8 @@ forward) with CUDA events, medians over interleaved rounds, at 16k tokens and hi
 H = 2048 // head_dim), or with --gqa at GQA prefill shapes (head_dim 128). TFLOP/s: 2.5 x the forward's
 4 B H S^2 D, halved when causal. Prints a table last.
 --defines: an A/B of compile-time switches in one process: the fused variants are checked and timed once per named
-set of NVRTC defines (the kernels reloaded at each switch), the split pair once.
+set of NVRTC defines (the kernels reloaded at each switch), the split pair once; an item "bm64=64" sets the fused
+kernel's query tile at head_dim 64.
 """
 from __future__ import annotations
 
@@ -19,17 +20,24 @@ import statistics
 import torch
 
 import flashrt
-from flashrt import api, launch, spec
+from flashrt import api, launch, spec, tiles
 
 BASE_OPTIONS = spec.NVRTC_OPTIONS
-DEFINES: dict[str, tuple] = {"": ()}  # name -> NVRTC options added (--defines)
+BASE_TILES = list(tiles._PREFERENCES["bwd_fused_sm90"])
+DEFINES: dict[str, tuple] = {"": ()}  # name -> NVRTC options added, and "bm64=M" (--defines)
 
 
 def use_defines(name: str) -> None:
-    """Compile and load the kernels with the named set of defines from here on (a separate cache entry each)."""
-    if spec.NVRTC_OPTIONS != BASE_OPTIONS + DEFINES[name]:
-        spec.NVRTC_OPTIONS = BASE_OPTIONS + DEFINES[name]
+    """Compile and load the kernels with the named set of defines from here on (a separate cache entry each); a
+    "bm64=M" item: the fused kernel's query tile of M rows at head_dim 64."""
+    opts = tuple(o for o in DEFINES[name] if not o.startswith("bm64="))
+    bm64 = [int(o[5:]) for o in DEFINES[name] if o.startswith("bm64=")]
+    prefs = BASE_TILES if not bm64 else [(64, [(bm64[0], 128, 12)]), *BASE_TILES[1:]]
+    if spec.NVRTC_OPTIONS != BASE_OPTIONS + opts or tiles._PREFERENCES["bwd_fused_sm90"] != prefs:
+        spec.NVRTC_OPTIONS = BASE_OPTIONS + opts
+        tiles._PREFERENCES["bwd_fused_sm90"] = prefs
         launch._functions.clear()
+        tiles.kernel_for.cache_clear()
         api._PLANS.clear()
 
 
@@ -52,7 +60,8 @@ def check() -> list[str]:
     rows = []
     torch.manual_seed(0)
     cases = [(2, 300, 300, 4, 4, 64, False), (2, 300, 300, 4, 4, 128, True), (1, 512, 512, 8, 2, 128, True),
-             (3, 200, 333, 4, 1, 64, False), (2, 1024, 1024, 4, 4, 128, False), (1, 700, 700, 6, 3, 64, False)]
+             (3, 200, 333, 4, 1, 64, False), (2, 1024, 1024, 4, 4, 128, False), (1, 700, 700, 6, 3, 64, False),
+             (2, 333, 333, 4, 2, 64, True), (1, 200, 517, 4, 4, 64, True), (1, 1024, 1024, 8, 8, 64, True)]
     for B, Sq, Sk, H, Hkv, D, causal in cases:
         q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
