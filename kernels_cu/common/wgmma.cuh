@@ -307,17 +307,6 @@ FRT_DEVICE void mbar_wait(u32 bar, u32 parity) {
         "@!done bra WAIT;\n"
         "}\n" :: "r"(bar), "r"(parity) : "memory");
 }
-// Whether the phase of that parity is complete (mbar_wait without the wait).
-FRT_DEVICE bool mbar_test(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    return done != 0;
-}
 
 // A position in a ring of STAGES buffers, each guarded by mbarriers (a "full" one the consumers wait on, an
 // "empty" one the producers wait on): fill n (n = count) uses slot n % STAGES, in phase n / STAGES of that

@@ -178,10 +178,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         const float* s_lse2 = stat_base + s_ * (T::STAT_STAGE_BYTES / 4);
         const float* s_delta = s_lse2 + BM;
         const auto pr = tile.pair(p, it);
-        // (found before the wait for the stage, under the loads; with 128-query tiles after S^T, which spilled 4 bytes)
-        auto hidden_of = [&] { return pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0; };
-        HiddenWord<BM> hidden = 0;
-        if constexpr (!T::WIDE) hidden = hidden_of();
+        const HiddenWord<BM> hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0;
         mbar_wait(bar(T::FULL, s_), r.parity());
         fence_proxy_async();
         float sc[BM / 2], dp[BM / 2];
@@ -199,7 +196,6 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         wgmma_wait<1>();  // S^T is complete
         fence_operand(sc);
         add_alibi<BM>(sc, p, tile, pr.h, pr.m, key_base, t);
-        if constexpr (T::WIDE) hidden = hidden_of();
         probabilities<BM>(sc, s_lse2, p.scale_log2, hidden, t, cap);
         auto pack_p = [&] {
 #pragma unroll
@@ -241,18 +237,15 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         wgmma_commit();
         wgmma_wait<1>();  // dV and dQ are complete
         fence_operand(dq);
-        // dQ is staged while dK runs, once the writer has read the last tile. Ordered, where it has not (it waits for
-        // its turn), dK is waited for first and the stage handed back, so that the loader is not held up as well
+        // dQ is staged while dK runs, once the writer has read the last tile. Ordered (the writer may wait for its
+        // turn), dK is waited for first and the stage handed back, so that the loader is not held up as well
         // (docs/perf-notes.md: Order of a pair's wgmmas).
-        const u32 dq_parity = (it - it_begin - 1) & 1;
-        const bool under_dk =
-            !ordered || it == it_begin || __shfl_sync(~0u, mbar_test(bar(T::DQ_EMPTY, 0), dq_parity), 0);
-        if (!under_dk) {
+        if (ordered) {
             wgmma_wait<0>();  // dK is complete: the stage goes back
             fence_acc_and_frags(acc, pa, dsa);
             mbar_arrive(bar(T::EMPTY, s_));
         }
-        if (it > it_begin) mbar_wait(bar(T::DQ_EMPTY, 0), dq_parity);
+        if (it > it_begin) mbar_wait(bar(T::DQ_EMPTY, 0), (it - it_begin - 1) & 1);
         const i64 row0 = (i64)b * p.st_sb + (i64)pr.h * p.st_sh + tile.vis.q_row0 + pr.m * BM;
         stage_dq<D, T::DQ_N>(sDQ, dq, row0, T::WIDE ? 64 * wg : 0, T::WIDE ? 0 : wg * T::DQ_N, w, g, t);
         if (tid == 0) {  // the writer's job: where the tile goes, its bytes, the counter and its turn (ordered)
@@ -263,7 +256,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             job[4] = ordered ? dq_turn<BM, BN>(tile, pr.m) : 0;
         }
         mbar_arrive(bar(T::DQ_FULL, 0));
-        if (under_dk) {
+        if (!ordered) {
             wgmma_wait<0>();  // dK is complete: the stage goes back
             fence_acc_and_frags(acc, pa, dsa);
             mbar_arrive(bar(T::EMPTY, s_));
