@@ -118,10 +118,10 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
 # alone at 16k tokens and hidden 2048, S = 1k / 4k / 16k (scripts/probes/bwd_fused_ws.py; docs/perf-notes.md:
 # Backward: fused wgmma):
 # unordered 1.13-1.48x the split pair at head_dim 128; at 64 with 128-query tiles 1.21-1.40x, causal at 1k 1.07x
-# (64-query tiles, which masks beyond lengths and score mods take: 1.06-1.23x but causal at 1k, 0.96x); ordered
-# 0.86-0.93x at 1k and 1.14-1.28x from 4k at 128; at 64 0.92-0.97x at 1k and 1.04-1.30x from 4k with 128-query tiles
-# (64-query: 0.83-0.93x up to 4k and 1.13x at 16k).
-FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (128, 64, True, False): 4096,
+# (64-query tiles, which masks beyond lengths and score mods take: 1.06-1.23x but causal at 1k, 0.96x); ordered at
+# 128 1.08-1.33x non-causal, causal 0.85x at 1k and 1.16-1.27x from 4k; at 64 with 128-query tiles 0.91-0.97x at 1k
+# and 1.04-1.41x from 4k (64-query: 0.83-0.93x up to 4k and 1.13x at 16k).
+FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (128, 64, True, False): 0,
                       (128, 64, True, True): 4096,
                       (64, 128, False, False): 0, (64, 128, False, True): 0, (64, 128, True, False): 4096,
                       (64, 128, True, True): 4096,

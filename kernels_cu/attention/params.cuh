@@ -291,8 +291,9 @@ FRT_DEVICE int3 key_block(int chunk) {
     return make_int3(blockIdx.x, blockIdx.y, blockIdx.z);
 }
 // Key tile t of every (batch entry, grid row) before key tile t + 1 of any (chunked_order in one chunk): the
-// ordered fused dQ's order (bwd_dkdv_sm90.cu), where key tile t waits for t - 1 of its row: the blocks running
-// together are few key tiles of many rows, so few wait on each other.
+// causal ordered fused dQ's order (bwd_fused_sm90_ws.cu), where key tile t waits for t - 1 of its row: the blocks
+// running together are few key tiles of many rows, so few wait on each other (not causal, a row's key tiles
+// together ran 1.02-1.16x faster: docs/perf-notes.md, Ordered grid).
 FRT_DEVICE int3 key_block_tile_major() {
     const int pairs = gridDim.y * gridDim.z;
     const ChunkedItem c = chunked_order<false>(linear_block(), gridDim.x, pairs, pairs);

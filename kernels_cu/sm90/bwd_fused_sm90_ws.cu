@@ -27,8 +27,9 @@
 //     the writer (DQ_FULL).
 //   - The writer adds the staged tile with one bulk reduce-add and hands the tile back once the add has read it.
 //     Ordered (dq_sem set, deterministic=True), it first waits for its key tile's turn on the query tile's counter
-//     (key tiles in order; the grid key-tile-major: key_block_tile_major) and releases the next once its add is
-//     performed: the consumers never wait for a turn.
+//     (key tiles in order; causal, the grid key-tile-major: key_block_tile_major; not causal, a row's key tiles
+//     together, whose blocks share its Q and dO in L2: docs/perf-notes.md, Ordered grid) and releases the next once
+//     its add is performed: the consumers never wait for a turn.
 #include "sm90/bwd_sm90.cuh"
 
 namespace frt {
@@ -88,7 +89,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     }
     __syncthreads();
     const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(
-        p, ordered ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs), tid, T::NTHREADS);
+        p, ordered && T::CAUSAL ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs), tid, T::NTHREADS);
     if (tile.rows <= 0) return;
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
 

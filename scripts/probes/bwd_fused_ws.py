@@ -81,7 +81,8 @@ def check() -> list[str]:
                 same = "bitwise" if same else "DIFFERS"
             ok = all(e < 2e-2 for e in errs) and same != "DIFFERS"
             rows.append(f"| B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'causal' if causal else 'full'} | "
-                        f"{dname + ' ' if dname else ''}{'det' if det else 'nondet'} | {' '.join(f'{e:.1e}' for e in errs)} | {same} | "
+                        f"{dname + ' ' if dname else ''}{'det' if det else 'nondet'} | "
+                        f"{' '.join(f'{e:.1e}' for e in errs)} | {same} | "
                         f"{'ok' if ok else 'FAIL'} |")
             print(rows[-1], flush=True)
     return rows
