@@ -25,6 +25,9 @@
 //     this barrier since), issues its DQ_N columns of dQ = dS K (SS), then dK += dS^T Q (RS), and stages dQ in fp32
 //     while dK runs (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (DQ_EMPTY), then tells
 //     the writer (DQ_FULL).
+//   - At head_dim 64 the query tiles are 128 rows (WIDE; docs/perf-notes.md: head_dim 64: 128-query tiles): S^T and
+//     dP^T are 64 x 128 a warpgroup, K and V stay in shared memory, dV is issued once dS^T is formed, and each
+//     warpgroup's share of dQ is its 64 queries (all columns) rather than half the columns of all 64.
 //   - The writer adds the staged tile with one bulk reduce-add and hands the tile back once the add has read it.
 //     Ordered (dq_sem set, deterministic=True), it first waits for its key tile's turn on the query tile's counter
 //     (key tiles in order; causal, the grid key-tile-major: key_block_tile_major; not causal, a row's key tiles
@@ -44,7 +47,7 @@ struct FusedWsTraits {
                   "bwd_fused_sm90_ws: 64-row query tiles (128 at head_dim 64), 128 keys (64 per consumer warpgroup), "
                   "12 warps");
     // 2 * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS = 168 * 384, the launch's count. The consumers spill below 240
-    // registers at head_dim 128 (16 bytes at 232), 232 at 64 with 64-row tiles; the producers' 24 at 128 spill 24-48
+    // registers at head_dim 128 (16 bytes at 232), 232 at 64 (either tile); the producers' 24 at 128 spill 24-48
     // bytes, by mask (tiles.SPILL_ALLOWANCE).
     static constexpr bool WIDE = BM == 128;  // 128 queries a pair: S^T, dP^T 64 x 128 a warpgroup
     static constexpr int CONSUMER_REGS = D == 64 ? 232 : 240;

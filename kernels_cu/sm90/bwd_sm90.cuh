@@ -59,7 +59,7 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
     }
 }
 
-// The bits of a thread's 32 S^T elements (rows: keys from key_base, columns: queries from q0; mask.cuh: the
+// The bits of a thread's BM / 2 S^T elements (rows: keys from key_base, columns: queries from q0; mask.cuh: the
 // fragments) whose pair visible(query, key) hides.
 template <int BM>
 using HiddenWord = typename BitsOf<BM / 2>::type;  // one bit per S^T element of a thread (BM = 64: u32, 128: u64)
@@ -69,7 +69,7 @@ FRT_DEVICE HiddenWord<BM> hidden_where(int q0, int key_base, Visible visible) {
     return hidden_bits_of<BM / 8, true>(Fragments{key_base, q0}, visible);
 }
 
-// Partial pairs: which of a thread's 32 S^T elements (keys key_base + 8 hh, queries of the tile
+// Partial pairs: which of a thread's BM / 2 S^T elements (keys key_base + 8 hh, queries of the
 // m-th tile) the mask hides, one bit each, evaluated before the wgmmas hold their accumulators
 // (inside the exponential loop, the predicate made the head_dim 128 variants with block / segment
 // ids spill 16-56 bytes, NVRTC 12.9). Unrolled, so that a mask_mod's reads are in flight together:
