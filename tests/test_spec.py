@@ -124,6 +124,27 @@ def test_tiling_prefers_large_tiles_when_they_fit():
     assert small.smem_bytes <= 48 * 1024 and small.block_m * small.block_n < big.block_m * big.block_n
 
 
+def test_fused_wgmma_backward_query_tiles():
+    """bwd_fused_sm90 (kernels_cu/sm90/bwd_fused_sm90_ws.cu): 128-query tiles at head_dim 64 without masks beyond
+    lengths or score mods (they spill there), 64 otherwise and at 128; no 128-query tiles at 128 (the registers)."""
+    def bm(d, causal=False, mask=0, **mod):
+        return tiles.tiling("bwd_fused_sm90", d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask, **mod).block_m
+    for causal in (False, True):
+        assert bm(64, causal) == bm(64, causal, MASK_BITS["lengths"]) == 128
+        for mask in (MASK_BITS["window"], MASK_BITS["block_ids"], MASK_BITS["segments"]):
+            assert bm(64, causal, mask) == 64
+        assert bm(64, causal, softcap=True) == bm(64, causal, alibi=True) == 64
+        assert bm(128, causal) == 64
+    ok = tiles.tiling("bwd_fused_sm90", 64, "bf16", False, "sm_90a", SMEM_OPTIN[90])
+    assert ok.smem_bytes <= SMEM_OPTIN[90] and ok.layout_problem() is None
+    with pytest.raises(ValueError, match=r"block_m 64 \(or 128 at head_dim 64\)"):
+        dataclasses.replace(ok, head_dim=128)
+    # impl="auto" reads its thresholds by the tile the call runs: 64-query tiles at head_dim 64 wait for longer
+    # sequences than 128-query ones (ordered: 16384 against 4096)
+    assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 128) == "fused"
+    assert tiles.backward_impl(64, True, True, True, True, False, 4096, MASK_BITS["window"], 64) == "split"
+
+
 def test_tiling_error_names_required_and_limit():
     with pytest.raises(tiles.TilingError, match=r"limit of 1000 bytes.*required: flashrt_fwd_hd256"):
         tiles.tiling("fwd", 256, "bf16", False, "sm_80", 1000)
