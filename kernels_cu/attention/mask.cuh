@@ -407,14 +407,14 @@ FRT_DEVICE void mask_fragments(Fragments at, float hidden, const Elem& x, const 
                 if (!at.visible<TRANSPOSED>(mt, jj, c, test)) x(mt, jj, c) = hidden;
 }
 
-// A word of N bits (N <= 64): u32 up to 32.
-template <int N>
+// A word of N bits (N <= 64): u32 up to 32, else u64.
+template <int N, bool LONG = (N > 32)>
 struct BitsOf {
-    static_assert(N <= 64, "at most 64 bits");
     using type = u32;
 };
-template <>
-struct BitsOf<64> {
+template <int N>
+struct BitsOf<N, true> {
+    static_assert(N <= 64, "at most 64 bits");
     using type = u64;
 };
 

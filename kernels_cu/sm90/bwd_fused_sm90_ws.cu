@@ -2,8 +2,9 @@
 // contributions added into the fp32 buffer dq_accum, in one kernel of five wgmmas per (query head, query tile) pair
 // where the split pair (bwd_dkdv_sm90.cu, whose math and grid this kernel shares, and bwd_dq_sm90.cu) runs seven.
 // Each consumer warpgroup stores its dS^T fragments (16-bit, the A operands of dK) by stmatrix into its 64 rows of a
-// [key][query] sw128 tile; both then compute half the columns of the pair's dQ = dS K with an SS wgmma (A = that tile
-// read MN-major, i.e. transposed: dS; B = the K tile's columns, MN-major) and stage them in fp32; one thread adds the
+// [key][query] sw128 tile; both then compute their share of the pair's dQ = dS K (half its columns, or with 128-query
+// tiles half its rows) with an SS wgmma (A = that tile read MN-major, i.e. transposed: dS; B = the K tile's columns,
+// MN-major) and stage it in fp32; one thread adds the
 // staged tile into dq_accum with one TMA bulk reduce-add (cp.reduce.async.bulk .add.f32: atomic per element; one op per
 // pair: an op per row ran the backward at 0.72x the speed, docs/perf-notes.md: Backward: fused wgmma). bwd_preprocess
 // zeroes the buffer, bwd_dq_convert un-permutes, scales and casts it (bwd_sm90.cuh: stage_dq, the permutation).
@@ -22,15 +23,15 @@
 //   - Per pair each consumer warpgroup computes S^T and dP^T (SS wgmma), P^T and dS^T on the fragments, dV += P^T dO
 //     (RS), writes its dS^T rows into one of two dS^T tiles, meets the other at named barrier 4 (the pair's whole
 //     dS^T is there; with two tiles no barrier guards a tile's reuse: a tile's readers of two pairs ago have passed
-//     this barrier since), issues its DQ_N columns of dQ = dS K (SS), then dK += dS^T Q (RS), and stages dQ in fp32
-//     while dK runs (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (DQ_EMPTY), then tells
-//     the writer (DQ_FULL).
+//     this barrier since), issues its share of dQ = dS K (SS), then dK += dS^T Q (RS), and stages dQ in fp32 while
+//     dK runs (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (DQ_EMPTY; ordered, it waits for
+//     dK and hands the stage back first), then tells the writer (DQ_FULL).
 //   - At head_dim 64 the query tiles are 128 rows (WIDE; docs/perf-notes.md: head_dim 64: 128-query tiles): S^T and
 //     dP^T are 64 x 128 a warpgroup, K and V stay in shared memory, dV is issued once dS^T is formed, and each
 //     warpgroup's share of dQ is its 64 queries (all columns) rather than half the columns of all 64.
 //   - The writer adds the staged tile with one bulk reduce-add and hands the tile back once the add has read it.
 //     Ordered (dq_sem set, deterministic=True), it first waits for its key tile's turn on the query tile's counter
-//     (key tiles in order; causal, the grid key-tile-major: key_block_tile_major; not causal, a row's key tiles
+//     (key tiles in order; causal or split, the grid key-tile-major: key_block_tile_major; else a row's key tiles
 //     together, whose blocks share its Q and dO in L2: docs/perf-notes.md, Ordered grid) and releases the next once
 //     its add is performed: the consumers never wait for a turn.
 #include "sm90/bwd_sm90.cuh"
@@ -92,7 +93,8 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     }
     __syncthreads();
     const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(
-        p, ordered && T::CAUSAL ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs), tid, T::NTHREADS);
+        p, ordered && (T::CAUSAL || p.splits > 1) ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs),
+        tid, T::NTHREADS);
     if (tile.rows <= 0) return;
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
 
