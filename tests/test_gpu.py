@@ -371,6 +371,32 @@ def test_wgmma_split_backward_matches_mma_split(torch, poison, monkeypatch, D, c
 
 
 @pytest.mark.parametrize("D", [64, 128])
+def test_ordered_fused_backward_with_splits_and_a_window(torch, poison, D):
+    """The ordered (deterministic) wgmma fused backward when its key tiles are split across blocks (MQA, few key
+    tiles) and a window gives the key tiles different query spans, so that their pairs fall into splits differently:
+    it runs on the key-tile-major grid there (kernels_cu/sm90/bwd_fused_sm90_ws.cu; docs/perf-notes.md: Ordered grid),
+    where no block waits for one that starts after it. Close to float64, and bitwise the same over repeats."""
+    import cupy
+    dev = launch.device(torch.cuda.current_device())
+    if dev.arch != "sm_90a":
+        pytest.skip(f"the wgmma fused backward is for sm_90a; this GPU is {dev.arch}")
+    B, S, H, Hkv, window = 1, 1000, 8, 1, (100, 50)
+    spec = tiles.kernel_for("bwd_fused_sm90", D, "bf16", False, dev, MASK_BITS["window"])
+    assert tiles.dkdv_splits(spec, B, H, Hkv, S, S, dev.sm_count) > 1  # (the case this test is for)
+    q, k, v, do = (cupy.from_dlpack(x) for x in make_inputs(torch, B, S, S, H, Hkv, D, "bf16", seed=D + 7))
+    out, lse = flashrt.forward(q, k, v, window=window)
+    grads = [flashrt.backward(do, q, k, v, out, lse, window=window, impl="fused", deterministic=True)
+             for _ in range(3)]
+    assert any(n.startswith(f"flashrt_bwd_fused_sm90_hd{D}_") for n, _ in launch._functions)
+    keep = reference.visible(B, S, S, window=window, xp=cupy)
+    _, _, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+    for i, (name, ref) in enumerate(zip(("dq", "dk", "dv"), (rdq, rdk, rdv))):
+        assert not bool(cupy.isnan(f64(grads[0][i])).any()), f"{name} has NaN: unwritten (poisoned) elements"
+        assert reference.rel_error(f64(grads[0][i]), ref) < 2e-2, name
+        assert all(bool((g[i] == grads[0][i]).all()) for g in grads[1:]), f"{name} differs between repeats"
+
+
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", ["gqa-ragged-causal", "varlen"])
 def test_fused_backward_without_tma_is_bitwise_the_same(torch, poison, monkeypatch, D, case):
     """On Hopper the fused backward's loader takes whole tiles by TMA and ragged ones (and everything with
