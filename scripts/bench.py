@@ -8,6 +8,9 @@ Implementations (--impls, comma-separated, or `all`):
   flash, cudnn, efficient, math   torch SDPA, one backend forced (sdpa_kernel)
   flex           FlexAttention: flex_attention under torch.compile (dynamic shapes), causal through a
                  block mask from create_block_mask; GQA through enable_gqa
+  fa4, fa4-det   FlashAttention-4 (flash_attn.cute.flash_attn_func, the `flash-attn-4` package), its
+                 backward unordered / deterministic=True; an error row where it is not installed (how to
+                 carry it to the device machine: ../shared/baselines/README.md)
 Every implementation reads the same (B, S, H, D) tensors; torch's (B, H, S, D) APIs get transposed
 views, never copies.
 
@@ -105,7 +108,8 @@ FLASHRT = {"flashrt": dict(impl="split", deterministic=True),
            "flashrt-fused": dict(impl="fused", deterministic=False)}
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-IMPLS = (*FLASHRT, "flash", "cudnn", "efficient", "math", "flex")
+FA4 = {"fa4": False, "fa4-det": True}  # FlashAttention-4, deterministic=
+IMPLS = (*FLASHRT, "flash", "cudnn", "efficient", "math", "flex", *FA4)
 DEFAULT_IMPLS = "flashrt,flashrt-fused-det,flashrt-fused,flash,cudnn"
 SETS = ("grid", "seed", "quick", "long", "stack", "masks", "masks-quick", "all", "decode")
 # The masks set: flashrt's variants there, the mask kinds, and the built-in twin of each mask_mod kind.
@@ -207,6 +211,15 @@ def sdpa_attention(backend: SDPBackend, causal: bool):
     return attn
 
 
+def fa4_attention(causal: bool, deterministic: bool):
+    from flash_attn.cute import flash_attn_func  # (B, S, H, D) like flashrt; returns (out, lse)
+
+    def attn(q, k, v):
+        out = flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        return out[0] if isinstance(out, tuple) else out
+    return attn
+
+
 def make_attention(impl: str, causal: bool, S: int):
     """attn(q, k, v) -> out, all (B, S, heads, D), for one implementation (sequence length S)."""
     if impl in FLASHRT:
@@ -214,6 +227,8 @@ def make_attention(impl: str, causal: bool, S: int):
         return lambda q, k, v: flashrt.attention(q, k, v, causal=causal, **options)
     if impl == "flex":
         return flex_attn(causal, S)
+    if impl in FA4:
+        return fa4_attention(causal, FA4[impl])
     return sdpa_attention(SDPA[impl], causal)
 
 
@@ -433,10 +448,10 @@ def attention_measure(c: dict, q, k, v, do):
 HOST_BOUND_ROUNDS = 7  # the seed and stack sets: measured in interleaved rounds (bench_impls)
 
 
-def bench_case(c: dict, impls: list[str]) -> list[dict]:
+def bench_case(c: dict, impls: list[str], rounds: int | None = None) -> list[dict]:
     q, k, v, do = make_inputs(c)
     ref = reference(q, k, v, do, c["causal"])
-    rounds = HOST_BOUND_ROUNDS if c["set"] == "seed" else 1
+    rounds = rounds or (HOST_BOUND_ROUNDS if c["set"] == "seed" else 1)
     return bench_impls(impls, c, (q, k, v, do), ref, attention_measure(c, q, k, v, do), rounds=rounds)
 
 
@@ -919,6 +934,8 @@ def main() -> None:
     ap.add_argument("--mask-impls", default="all",
                     help=f"the masks set's implementations: comma-separated from {','.join(MASK_IMPLS)}, or all")
     ap.add_argument("--seqlens", help="comma-separated sequence lengths to keep (every set but stack), e.g. 1024,8192")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds of every attention case (default: 1; seed: "
+                    f"{HOST_BOUND_ROUNDS}); each figure the median of its rounds")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
     impls = list(IMPLS) if args.impls == "all" else args.impls.split(",")
@@ -939,7 +956,7 @@ def main() -> None:
     rows = []
     for c in attention_cases(args.set):
         if seqlens is None or c["S"] in seqlens:
-            for r in bench_case(c, impls):
+            for r in bench_case(c, impls, args.rounds):
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     for c in mask_cases(args.set):
