@@ -51,8 +51,9 @@ def reference(q, k, v, do, causal):
     mask = torch.zeros(Sq, Sk, dtype=torch.bool, device=s.device)
     if causal:
         mask = torch.ones(Sq, Sk, dtype=torch.bool, device=s.device).tril(Sk - Sq).logical_not()
-    s = s.masked_fill(mask, float("-inf"))
-    (torch.softmax(s, -1) @ vv).backward(do)
+    # (a query that sees no key, as where Sq > Sk causal: output and gradients zero, as flashrt's)
+    p = torch.softmax(s.masked_fill(mask, -1e30), -1) * mask.logical_not()
+    (p @ vv).backward(do)
     return [x.grad.transpose(1, 2) for x in (q, k, v)]
 
 
@@ -61,7 +62,9 @@ def check() -> list[str]:
     torch.manual_seed(0)
     cases = [(2, 300, 300, 4, 4, 64, False), (2, 300, 300, 4, 4, 128, True), (1, 512, 512, 8, 2, 128, True),
              (3, 200, 333, 4, 1, 64, False), (2, 1024, 1024, 4, 4, 128, False), (1, 700, 700, 6, 3, 64, False),
-             (2, 333, 333, 4, 2, 64, True), (1, 200, 517, 4, 4, 64, True), (1, 1024, 1024, 8, 8, 64, True)]
+             (2, 333, 333, 4, 2, 64, True), (1, 200, 517, 4, 4, 64, True), (1, 1024, 1024, 8, 8, 64, True),
+             (1, 517, 200, 4, 4, 64, True), (1, 1000, 1000, 8, 1, 128, True),  # (MQA: dK/dV splits)
+             (1, 1000, 1000, 8, 1, 64, True)]
     for B, Sq, Sk, H, Hkv, D, causal in cases:
         q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
