@@ -21,7 +21,14 @@ def pytest_configure(config):
         os.environ["FLASHRT_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashrt-test-cache-")
 
 
+@pytest.hookimpl(trylast=True)  # (after -k / -m deselection)
 def pytest_collection_modifyitems(config, items):
+    # The tests that read test_compile.py's compiled variants run last, and their compiles start now, in the
+    # background (test_compile.py: start_compiling), while the other tests run.
+    late = [item for item in items if "compiled" in getattr(item, "fixturenames", ())]
+    if late:
+        items[:] = [item for item in items if item not in late] + late
+        late[0].module.start_compiling()
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible to CuPy); run `pytest -m gpu` on a GPU machine")

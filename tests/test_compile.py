@@ -2,8 +2,13 @@
 
 CI compiles a representative subset of head dims here; the GPU run prewarms the
 full matrix (every multiple of 8 up to 256) through `flashrt prewarm`.
+
+The variants compile in worker processes that start as soon as the session is collected (conftest.py moves the tests
+that read them to the session's end): the other tests run meanwhile, on a core the compiles leave free at times. In
+processes, not threads: other tests monkeypatch flashrt.nvrtc while these compile.
 """
 import concurrent.futures
+import multiprocessing
 import os
 import re
 
@@ -92,15 +97,37 @@ def _compile_verbose(spec: KernelSpec, fresh: bool = False) -> tuple[bytes, str]
                                cache.kernel_sources())
 
 
+def _proof(spec: KernelSpec) -> tuple[bool, bool, str]:
+    """One variant's compile: (the cubin is an ELF, its entry symbol is in it, NVRTC's log)."""
+    cubin, log = _compile_verbose(spec)
+    # NVRTC 13.0 gives an empty log for a program this process compiled before, and once gave one under 16
+    # parallel compiles: compile those again as new programs.
+    if "bytes spill stores" not in log:
+        cubin, log = _compile_verbose(spec, fresh=True)
+    return cubin[:4] == b"\x7fELF", spec.name.encode() in cubin, log
+
+
+_started: tuple | None = None  # (variants, their futures, the pool): start_compiling
+
+
+def start_compiling() -> None:
+    """Start compiling every variant in the background, once (conftest.py: at the end of collection)."""
+    global _started
+    if _started is None:
+        variants = _variants()
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers,
+                                                      mp_context=multiprocessing.get_context("spawn"))
+        _started = variants, [pool.submit(_proof, spec) for spec in variants], pool
+
+
 @pytest.fixture(scope="module")
 def compiled():
-    variants = _variants()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(_compile_verbose, variants))
-    # NVRTC 13.0 gives an empty log for a program this process compiled before (another test's kernel),
-    # and once gave one under 16 parallel compiles: compile those again, alone, as new programs.
-    return {spec: result if "bytes spill stores" in result[1] else _compile_verbose(spec, fresh=True)
-            for spec, result in zip(variants, results)}
+    start_compiling()
+    variants, futures, pool = _started
+    results = {spec: f.result() for spec, f in zip(variants, futures)}
+    pool.shutdown()
+    return results
 
 
 def test_nvrtc_version_supported():
@@ -111,14 +138,14 @@ def test_nvrtc_version_supported():
 def test_every_family_compiles_for_each_arch(compiled):
     assert {s.family for s in compiled} == set(FAMILIES)
     assert {s.arch for s in compiled} == set(ARCHS) | {"sm_86"}
-    for spec, (cubin, _) in compiled.items():
-        assert cubin[:4] == b"\x7fELF", spec.name
-        assert spec.name.encode() in cubin, f"{spec.name}: entry symbol missing from the cubin"
+    for spec, (elf, named, _) in compiled.items():
+        assert elf, spec.name
+        assert named, f"{spec.name}: entry symbol missing from the cubin"
 
 
 def test_no_register_spills(compiled):
     spilled = []
-    for spec, (_, log) in compiled.items():
+    for spec, (_, _, log) in compiled.items():
         stores = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
         stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
         assert stores, f"{spec.name}: no resource usage in NVRTC's log"
@@ -130,7 +157,7 @@ def test_no_register_spills(compiled):
 def test_no_serialised_wgmma(compiled):
     # ptxas falls back to waiting for every wgmma where it cannot prove the asynchronous ones safe (an
     # accumulator read before its wait, a loop it takes to be divergent): the kernels still run, slower.
-    serial = [f"{spec.name}: {line.strip()}" for spec, (_, log) in compiled.items()
+    serial = [f"{spec.name}: {line.strip()}" for spec, (_, _, log) in compiled.items()
               for line in log.splitlines() if "wgmma.mma_async instructions are serialized" in line]
     assert not serial, "\n".join(serial)
 
