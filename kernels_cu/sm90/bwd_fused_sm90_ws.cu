@@ -24,8 +24,8 @@
 //     (RS), writes its dS^T rows into one of two dS^T tiles, meets the other at named barrier 4 (the pair's whole
 //     dS^T is there; with two tiles no barrier guards a tile's reuse: a tile's readers of two pairs ago have passed
 //     this barrier since), issues its share of dQ = dS K (SS), then dK += dS^T Q (RS), and stages dQ in fp32 while
-//     dK runs (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (DQ_EMPTY; ordered, it waits for
-//     dK and hands the stage back first), then tells the writer (DQ_FULL).
+//     dK runs (bwd_sm90.cuh: stage_dq) once the writer has read the previous pair's (DQ_EMPTY; ordered causal, it waits
+//     for dK and hands the stage back first), then tells the writer (DQ_FULL).
 //   - At head_dim 64 the query tiles are 128 rows (WIDE; docs/perf-notes.md: head_dim 64: 128-query tiles): S^T and
 //     dP^T are 64 x 128 a warpgroup, K and V stay in shared memory, dV is issued once dS^T is formed, and each
 //     warpgroup's share of dQ is its 64 queries (all columns) rather than half the columns of all 64.
@@ -144,8 +144,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                 bulk_wait_read<0>();
                 if (it + 1 < it_end) mbar_arrive(bar(T::DQ_EMPTY, 0));  // the staging tile (and job) is free
                 if (sem_at >= 0) {
-                    bulk_wait<0>();  // the add is performed
-                    __threadfence();
+                    // The add is performed, then released to the next key tile's acquire by the store alone: a
+                    // __threadfence() before it cost 0-9% of the ordered backward (docs/perf-notes.md: The writer's
+                    // fence).
+                    bulk_wait<0>();
                     st_release(p.dq_sem + sem_at, turn + 1);
                 }
             }
@@ -243,10 +245,11 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         wgmma_commit();
         wgmma_wait<1>();  // dV and dQ are complete
         fence_operand(dq);
-        // dQ is staged while dK runs, once the writer has read the last tile. Ordered (the writer may wait for its
-        // turn), dK is waited for first and the stage handed back, so that the loader is not held up as well
-        // (docs/perf-notes.md: Order of a pair's wgmmas).
-        if (ordered) {
+        // dQ is staged while dK runs, once the writer has read the last tile. Ordered causal (the writer may wait for
+        // its turn), dK is waited for first and the stage handed back, so that the loader is not held up as well
+        // (docs/perf-notes.md: Order of a pair's wgmmas, The writer's fence).
+        const bool dk_first = T::CAUSAL && ordered;
+        if (dk_first) {
             wgmma_wait<0>();  // dK is complete: the stage goes back
             fence_acc_and_frags(acc, pa, dsa);
             mbar_arrive(bar(T::EMPTY, s_));
@@ -262,7 +265,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             job[4] = ordered ? dq_turn<BM, BN>(tile, pr.m) : 0;
         }
         mbar_arrive(bar(T::DQ_FULL, 0));
-        if (!ordered) {
+        if (!dk_first) {
             wgmma_wait<0>();  // dK is complete: the stage goes back
             fence_acc_and_frags(acc, pa, dsa);
             mbar_arrive(bar(T::EMPTY, s_));
