@@ -120,11 +120,13 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
 # unordered 1.13-1.48x the split pair at head_dim 128; at 64 with 128-query tiles 1.21-1.40x, causal at 1k 1.07x
 # (64-query tiles, which masks beyond lengths and score mods take: 1.06-1.23x but causal at 1k, 0.96x); ordered at
 # 128 1.08-1.33x non-causal, causal 0.85x at 1k and 1.16-1.27x from 4k; at 64 with 128-query tiles 0.91-0.97x at 1k
-# and 1.04-1.41x from 4k (64-query: 0.83-0.93x up to 4k and 1.13x at 16k).
+# and 1.04-1.41x from 4k (64-query: 0.83-0.93x up to 4k and 1.13x at 16k). Ordered causal at 64 from 8k: on the H100
+# (2026-11-26, after docs/perf-notes.md: The writer's fence) it ran at 0.78x the split pair at 4k (234 / 301 TFLOP/s),
+# 1.28x at 16k; on the H200 1.02-1.07x at 4k, 1.22x at 8k (bench, h200-2026-11-26-fa4-8k: 375 / 307).
 FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (128, 64, True, False): 0,
                       (128, 64, True, True): 4096,
                       (64, 128, False, False): 0, (64, 128, False, True): 0, (64, 128, True, False): 4096,
-                      (64, 128, True, True): 4096,
+                      (64, 128, True, True): 8192,
                       (64, 64, False, False): 0, (64, 64, False, True): 4096, (64, 64, True, False): 16384,
                       (64, 64, True, True): 16384}
 
