@@ -4,8 +4,8 @@ CI compiles a representative subset of head dims here; the GPU run prewarms the
 full matrix (every multiple of 8 up to 256) through `flashrt prewarm`.
 
 The variants compile in worker processes that start as soon as the session is collected (conftest.py moves the tests
-that read them to the session's end): the other tests run meanwhile, sharing the cores (on 2 cores the suite took 752
-s against 828 with the compiles first). In processes, not threads: other tests monkeypatch flashrt.nvrtc meanwhile.
+that read them to the session's end): the other tests run meanwhile, sharing the cores. In processes, not threads:
+other tests monkeypatch flashrt.nvrtc meanwhile.
 """
 import concurrent.futures
 import multiprocessing
