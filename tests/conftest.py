@@ -1,4 +1,5 @@
 import os
+import sys
 import tempfile
 
 import pytest
@@ -29,13 +30,21 @@ def pytest_collection_modifyitems(config, items):
             and hasattr(getattr(item, "module", None), "start_compiling")]
     if late:
         items[:] = [item for item in items if item not in late] + late
-        late[0].module.start_compiling()
+        if not config.option.collectonly:
+            late[0].module.start_compiling()
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible to CuPy); run `pytest -m gpu` on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session):
+    # (a session that ends before test_compile.py's tests read the compiles, -x or Ctrl-C: stop the workers)
+    module = sys.modules.get("test_compile")
+    if module is not None and hasattr(module, "stop_compiling"):
+        module.stop_compiling()
 
 
 @pytest.fixture

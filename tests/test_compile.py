@@ -121,6 +121,12 @@ def start_compiling() -> None:
         _started = variants, [pool.submit(_proof, spec) for spec in variants], pool
 
 
+def stop_compiling() -> None:
+    """Cancel the compiles not yet started and stop the workers (conftest.py: at the session's end)."""
+    if _started is not None:
+        _started[2].shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     start_compiling()
