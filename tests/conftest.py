@@ -1,5 +1,4 @@
 import os
-import sys
 import tempfile
 
 import pytest
@@ -22,6 +21,9 @@ def pytest_configure(config):
         os.environ["FLASHRT_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashrt-test-cache-")
 
 
+_compiling = []  # test_compile.py, once its background compiles have started
+
+
 @pytest.hookimpl(trylast=True)  # (after -k / -m deselection)
 def pytest_collection_modifyitems(config, items):
     # The tests that read test_compile.py's compiled variants run last, and their compiles start now, in the
@@ -31,6 +33,7 @@ def pytest_collection_modifyitems(config, items):
     if late:
         items[:] = [item for item in items if item not in late] + late
         if not config.option.collectonly:
+            _compiling.append(late[0].module)
             late[0].module.start_compiling()
     if HAS_GPU:
         return
@@ -42,8 +45,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session):
     # (a session that ends before test_compile.py's tests read the compiles, -x or Ctrl-C: stop the workers)
-    module = sys.modules.get("test_compile")
-    if module is not None and hasattr(module, "stop_compiling"):
+    for module in _compiling:
         module.stop_compiling()
 
 
