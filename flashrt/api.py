@@ -113,9 +113,27 @@ def _as_batch(a: Array) -> Array:
 
 
 def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False, alibi: bool = False):
-    """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi and query length (tiles.long_rows)."""
+    """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi, score_mod and query length (tiles.long_rows)."""
     return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi,
-                            tiles.long_rows(family, D, m.Sq))
+                            tiles.long_rows(family, D, m.Sq), m.score_mod)
+
+
+def _check_score_mod(m: masks.Masking, softcap: float, alibi: bool) -> None:
+    """score_mod's combinations that the kernels have."""
+    if m.score_mod and (softcap or alibi):
+        raise ValueError("score_mod with softcap or alibi_slopes is not supported: write the cap or the bias into the "
+                         "expression, e.g. score_mod=\"30.f * tanhf(s / 30.f)\"")
+
+
+def _compiled_score_mod(m: masks.Masking, dev, specs) -> None:
+    """A score_mod call's kernels compiled before its plan is made, so that an expression NVRTC rejects raises
+    masks.score_mod_error (the fault marked in the user's text), not the kernel's compile error."""
+    for spec in specs:
+        if spec.score_mod:
+            try:
+                launch.function(spec, dev)
+            except nvrtc.CompileError as exc:
+                raise masks.score_mod_error(m.score_mod, exc.log) from None
 
 
 def _check_softcap(softcap) -> float:
@@ -301,6 +319,7 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
     q, k, v = tensors[:3]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
+    _check_score_mod(m, softcap, alibi)
     if sinks:
         _check_sinks(interop.describe(tensors[3], "sinks"), Q, H)
     bstride = _check_alibi(interop.describe(tensors[3 + sinks], "alibi_slopes"), Q, H, m.B) if alibi else 0
@@ -320,6 +339,7 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
         return decoding.forward_plan(Q4, K4, V4, m, scale, sinks, softcap, alibi, bstride)
     dev = launch.device(Q.device)
     spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev, bool(softcap), alibi)
+    _compiled_score_mod(m, dev, [spec])
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=bstride,
              **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
@@ -427,6 +447,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     dout, q, k, v, out, lse = tensors[:6]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
+    _check_score_mod(m, softcap, alibi)
     scale = _scale(softmax_scale, D)
     dO, O, L = interop.describe(dout, "dout"), interop.describe(out, "out"), interop.describe(lse, "lse")
     _check_grad_inputs(Q, dO, O, L, m.lse_shape(H))
@@ -451,7 +472,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
 
     dev = launch.device(Q.device)
     dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
-    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi)
+    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi, m.score_mod)
     if impl == "auto":
         fused_bm = _kernel_for(fused_family, D, Q, m, dev, bool(softcap), alibi).block_m
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90",
@@ -487,6 +508,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         families.append("bwd_dkdv_reduce")
     rowwise = m.elementwise_fields(H)
     launches = []
+    _compiled_score_mod(m, dev, [_kernel_for(family, D, Q, m, dev, bool(softcap), alibi) for family in families])
     for family in families:
         spec = _kernel_for(family, D, Q, m, dev, bool(softcap), alibi)
         if family in ELEMENTWISE:
@@ -635,8 +657,10 @@ def _mask_arrays(mask_args: dict) -> list:
     if not mask_args:
         return []
     mod = mask_args.get("mask_tensors") or {}
+    score = mask_args.get("score_tensors") or {}
     return [(masks.ARRAY_FIELDS[n], mask_args[n]) for n in masks.ARRAY_ARGS if mask_args.get(n) is not None] + \
-        ([(f"mod_t{i}", x) for i, x in enumerate(mod.values())] if isinstance(mod, dict) else [])  # else: build raises
+        ([(f"mod_t{i}", x) for i, x in enumerate(mod.values())] if isinstance(mod, dict) else []) + \
+        ([(f"score_t{i}", x) for i, x in enumerate(score.values())] if isinstance(score, dict) else [])  # else: raises
 
 
 def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: int):
@@ -651,8 +675,8 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: 
         if mask_args.get("cu_seqlens_q") is not None and (mask_args.get("max_seqlen_q") is None
                                                          or mask_args.get("max_seqlen_k") is None):
             return None
-        mod = mask_args.get("mask_tensors")
-        if mod is not None and not isinstance(mod, dict):
+        mod, score = mask_args.get("mask_tensors"), mask_args.get("score_tensors")
+        if (mod is not None and not isinstance(mod, dict)) or (score is not None and not isinstance(score, dict)):
             return None  # the build path says what is wrong with it
         # (an array: whether it is given, its layout being in the tensors' signatures; mask_tensors: the names)
         rest = tuple([(n, a is not None) if n in _ARRAY_ARGS else (n, tuple(a) if isinstance(a, (list, dict)) else a)

@@ -354,8 +354,9 @@ _TYPES = {"str": str, "int": int, "bool": bool, "tuple": tuple}  # KernelSpec's 
 
 
 def spec_fields(spec: KernelSpec) -> dict:
-    """A variant's KernelSpec fields as JSON values (mod_tensors a list), what a manifest and an entry's header hold."""
-    return dict(spec.key_fields(), mod_tensors=list(spec.mod_tensors))
+    """A variant's KernelSpec fields as JSON values (mod_tensors and score_mod lists), what a manifest and an entry's
+    header hold."""
+    return dict(spec.key_fields(), mod_tensors=list(spec.mod_tensors), score_mod=_lists(spec.score_mod))
 
 
 def spec_from_fields(fields) -> KernelSpec:
@@ -371,14 +372,26 @@ def spec_from_fields(fields) -> KernelSpec:
     values = dict(fields)
     if isinstance(values.get("mod_tensors"), list):
         values["mod_tensors"] = tuple(values["mod_tensors"])
+    if isinstance(values.get("score_mod"), list):  # [expression, derivative, [[name, type], ...]]
+        values["score_mod"] = _tuples(values["score_mod"])
     for name, value in values.items():
         want = _TYPES.get(str(_FIELDS[name].type), object)  # (a field of another type: KernelSpec checks it)
         if not isinstance(value, want) or (want is int and isinstance(value, bool)) or (
-                want is tuple and not all(isinstance(t, str) for t in value)):
+                want is tuple and name != "score_mod" and not all(isinstance(t, str) for t in value)):
             shown = json.dumps(list(value) if isinstance(value, tuple) else value)
             raise ValueError(f"field {name} must be {'a list of strings' if want is tuple else want.__name__}, "
                              f"got {shown}")
     return KernelSpec(**values)  # its own checks: family, dtype, head_dim, arch, mask bits, tiling
+
+
+def _tuples(x):
+    """JSON lists (nested) as tuples, as KernelSpec.score_mod holds them."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _lists(x):
+    """Nested tuples as the lists JSON reads back."""
+    return [_lists(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
 def _canonical(fields) -> str:

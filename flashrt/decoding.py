@@ -170,9 +170,10 @@ FORWARD_MAX_ROWS = 32  # query rows per KV head (query heads per KV head x Sq) u
 def forward_applies(m, Q: interop.Array, K: interop.Array, V: interop.Array) -> bool:
     """Whether flashrt.forward runs decode's kernels (api._forward_plan): at most FORWARD_MAX_ROWS query rows per KV
     head (each K/V byte is read once per KV head, the keys split over blocks), no mask but a bottom-right causal one
-    and a window, k and v of one layout (docs/perf-notes.md, Decode: flashrt.forward)."""
+    and a window, no score_mod, k and v of one layout (docs/perf-notes.md, Decode: flashrt.forward)."""
     return (m.Sq * (Q.shape[2] // K.shape[2]) <= FORWARD_MAX_ROWS and not m.varlen and not m.mask_mod
-            and not m.bits & ~MASK_BITS["window"] and not m.fields.get("top_left") and _strides(K) == _strides(V))
+            and not m.score_mod and not m.bits & ~MASK_BITS["window"] and not m.fields.get("top_left")
+            and _strides(K) == _strides(V))
 
 
 def forward_plan(Q, K, V, m, scale: float, sinks: bool = False, softcap: float = 0.0, alibi: bool = False,

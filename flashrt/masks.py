@@ -19,7 +19,7 @@ import numpy as np
 from . import interop, launch
 from .interop import Array
 from .params import CHECK_FAILURES, REPORT_WORDS
-from .spec import MASK_BITS, MAX_MOD_TENSORS, MOD_VARIABLES
+from .spec import MASK_BITS, MAX_MOD_TENSORS, MOD_VARIABLES, SCORE_VARIABLES
 
 CAUSAL_MODES = (False, True, "bottom_right", "top_left")
 # Keyword arguments of forward / backward that are device arrays, and all mask keywords.
@@ -28,7 +28,8 @@ ARRAY_ARGS = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "block_i
 # The params field (params.py) that carries each array's pointer.
 ARRAY_FIELDS = dict(zip(ARRAY_ARGS, ("seqlens_q", "seqlens_k", "cu_q", "cu_k", "block_q", "block_k", "seg_q", "seg_k")))
 _ARRAY_FIELD_SET = frozenset(ARRAY_FIELDS.values())
-ARGS = ARRAY_ARGS + ("window", "max_seqlen_q", "max_seqlen_k", "mask_mod", "mask_tensors")
+ARGS = ARRAY_ARGS + ("window", "max_seqlen_q", "max_seqlen_k", "mask_mod", "mask_tensors", "score_mod", "score_mod_grad",
+                     "score_tensors")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 
 
@@ -66,6 +67,7 @@ class Masking:
     mod_tensors: tuple = ()
     mod_per_head: bool = False   # the expression names h: tile lists per query head
     mod_per_batch: bool = False  # it names b or a tensor, or a built-in mask varies by batch entry
+    score_mod: tuple = ()        # a user's score_mod: spec.KernelSpec.score_mod's (expression, derivative, tensors)
 
     @property
     def static_lists(self) -> bool:
@@ -113,7 +115,7 @@ class Masking:
     def parse(Q: Array, K: Array, *, causal=False, window=None, seqlens_q=None, seqlens_k=None,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_ids_q=None,
               block_ids_k=None, segment_ids_q=None, segment_ids_k=None, mask_mod=None,
-              mask_tensors=None) -> "Masking":
+              mask_tensors=None, score_mod=None, score_mod_grad=None, score_tensors=None) -> "Masking":
         """Q, K: the descriptors of q and k as given ((B, S, H, D), or (total, H, D) when varlen). Reads no
         device data, but cu_seqlens' (a host copy) for a max_seqlen not given."""
         if causal not in CAUSAL_MODES or isinstance(causal, (int, float)) and not isinstance(causal, bool):
@@ -200,8 +202,16 @@ class Masking:
             per_head = "h" in used
             per_batch = "b" in used or bool(names) or bool(bits & ~MASK_BITS["window"])
             bits |= MASK_BITS["mod"]
+        score = ()
+        if score_mod is not None or score_mod_grad is not None or score_tensors:
+            expr, grad = _check_score_mod(score_mod, score_mod_grad, score_tensors)
+            types = []
+            for i, (name, x) in enumerate((score_tensors or {}).items()):
+                fields[f"score_t{i}"], ctype = _score_array(x, f"score_tensors[{name!r}]", Q)
+                types.append((name, ctype))
+            score = (expr, grad, tuple(types))
         return Masking(bool(causal), bits, fields, varlen, B, Sq, Sk, total_q, total_k, tuple(arrays), mod, names,
-                       per_head, per_batch)
+                       per_head, per_batch, score)
 
 
 def _max_len(given, name: str, cu) -> int:
@@ -221,19 +231,76 @@ def _check_mask_mod(expr, tensors) -> tuple[str, tuple]:
         raise ValueError(f"mask_mod must be a CUDA boolean expression over {', '.join(MOD_VARIABLES)} (and the "
                          f"names of mask_tensors), such as \"k <= q || k < 256\"; got {expr!r}")
     tensors = tensors or {}
-    if not isinstance(tensors, dict):
-        raise TypeError(f"mask_tensors must be a dict of name -> int32 device array, got {type(tensors).__name__}")
-    if len(tensors) > MAX_MOD_TENSORS:
-        raise ValueError(f"mask_tensors holds at most {MAX_MOD_TENSORS} arrays, got {len(tensors)}")
+    _check_names(tensors, "mask_tensors", MOD_VARIABLES)
     if expr.rstrip().endswith("\\"):
         raise ValueError(f"mask_mod must not end in a backslash (it would continue onto flashrt's next line): {expr!r}")
+    return expr.strip(), tuple(tensors)
+
+
+def _check_names(tensors, what: str, reserved: tuple) -> None:
+    """The keys of mask_tensors / score_tensors: C identifiers the expression can name its tensors by."""
+    if not isinstance(tensors, dict):
+        raise TypeError(f"{what} must be a dict of name -> device array, got {type(tensors).__name__}")
+    if len(tensors) > MAX_MOD_TENSORS:
+        raise ValueError(f"{what} holds at most {MAX_MOD_TENSORS} arrays, got {len(tensors)}")
     for name in tensors:
         if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name) or name in _CPP_KEYWORDS \
-                or name in MOD_VARIABLES or re.fullmatch(r"t\d|(?i:frt)\w*|flashrt\w*|__\w*", name):
-            raise ValueError(f"mask_tensors key {name!r} must be a C identifier other than a C++ keyword, "
-                             f"{', '.join(MOD_VARIABLES)}, t0-t3, frt*/FRT* and flashrt*: it names the tensor in "
+                or name in reserved or re.fullmatch(r"t\d|(?i:frt)\w*|flashrt\w*|__\w*", name):
+            raise ValueError(f"{what} key {name!r} must be a C identifier other than a C++ keyword, "
+                             f"{', '.join(reserved)}, t0-t3, frt*/FRT* and flashrt*: it names the tensor in "
                              f"the expression")
-    return expr.strip(), tuple(tensors)
+
+
+def _check_score_mod(expr, grad, tensors) -> tuple[str, str]:
+    """score_mod's expression and derivative ("" for the automatic one), checked for what can be checked before
+    NVRTC sees them; then its tensors' names."""
+    for value, name in ((expr, "score_mod"), (grad, "score_mod_grad")):
+        if value is None and name == "score_mod_grad":
+            continue
+        if not isinstance(value, str) or not value.strip():
+            what = ("a CUDA float expression, the new scaled score" if name == "score_mod" else
+                    "a CUDA float expression, the derivative of score_mod in s (or None: derived automatically)")
+            raise ValueError(f"{name} must be {what}, over float s (softmax_scale * q.k), int "
+                             f"{', '.join(MOD_VARIABLES)} and the names of score_tensors, such as "
+                             f"\"30.f * tanhf(s / 30.f)\"; got {value!r}")
+        if value.rstrip().endswith("\\"):
+            raise ValueError(f"{name} must not end in a backslash (it would continue onto flashrt's next line): "
+                             f"{value!r}")
+    _check_names(tensors or {}, "score_tensors", SCORE_VARIABLES)
+    return expr.strip(), (grad or "").strip()
+
+
+def _score_array(x, name: str, Q: Array) -> tuple[int, str]:
+    """A score_mod tensor's pointer and element type (spec.SCORE_TENSOR_TYPES): float32 or int32, any shape,
+    contiguous, beside q."""
+    a = interop.describe(x, name)
+    interop.check_beside(a, Q, name)
+    types = {"float32": "float", "int32": "int"}
+    if a.dtype not in types:
+        raise TypeError(f"{name} must be float32 (read as const float*) or int32 (const int*), got {a.dtype}")
+    interop.check_contiguous(a, name)
+    return a.ptr, types[a.dtype]
+
+
+def score_mod_error(score: tuple, log: str) -> ValueError:
+    """A score_mod (spec.KernelSpec.score_mod) that NVRTC rejected: the messages about the user's expressions, with
+    NVRTC's caret under the fault; where only the automatic derivative failed, how to give one."""
+    from .spec import SCORE_DUAL_FILE, SCORE_END_FILE, SCORE_FILE, SCORE_GRAD_FILE
+    expr, grad, tensors = score
+    lines = [re.sub(re.escape(SCORE_END_FILE) + r"\(\d+\)", "the expression's end", ln)
+             for ln in log.rstrip().splitlines()
+             if not ln.rstrip().endswith('.cu".') and "error detected" not in ln and "errors detected" not in ln]
+    text = "\n  ".join(ln for ln in lines if ln.strip())
+    names = ", ".join(("float s",) + MOD_VARIABLES + tuple(f"const {t}* {n}" for n, t in tensors))
+    mine = (SCORE_FILE + "(", SCORE_GRAD_FILE + "(")
+    if SCORE_DUAL_FILE in log and not any(ln.startswith(mine) for ln in lines):
+        return ValueError(f"score_mod's automatic derivative does not compile: the expression is differentiated by "
+                          f"evaluating it over dual numbers, which support + - * /, comparisons and the common math "
+                          f"functions (tanhf, expf, logf, sqrtf, fabsf, fminf, fmaxf, powf, ...), but not casts of s "
+                          f"or other functions. Pass score_mod_grad=\"...\", the derivative in s as a CUDA expression "
+                          f"over the same names.\n  {text}\n(the expression: {expr!r})")
+    shown = f"(the expression: {expr!r}" + (f", its derivative: {grad!r})" if grad else ")")
+    return ValueError(f"score_mod does not compile as a CUDA float expression over {names}:\n  {text}\n{shown}")
 
 
 _CPP_KEYWORDS = frozenset("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char16_t

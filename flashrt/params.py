@@ -56,6 +56,8 @@ _MOD = ([(n, _PTR) for n in ("mod_map", "mod_rows", "mod_rows_count", "mod_cols"
         + [("mod_heads", _I32), ("mod_batches", _I32)])
 # ALiBi's slopes (null: none) and their batch stride (H for (B, H) slopes, 0 for (H,)), last in both structs.
 _ALIBI = [("alibi", _PTR), ("alibi_bstride", _I32)]
+# A score_mod expression's tensors (null: unused), last in both structs.
+_SCORE = [(f"score_t{i}", _PTR) for i in range(4)]
 
 FWD = np.dtype(
     [(n, _MAP) for n in ("q_map", "k_map", "v_map")]
@@ -66,7 +68,7 @@ FWD = np.dtype(
     + [("scale_log2", _F32)]
     + _MOD
     + [("sched_pairs", _I32), ("sched", _PTR), ("use_tma", _I32), ("sinks", _PTR), ("softcap", _F32)]
-    + _ALIBI,
+    + _ALIBI + _SCORE,
     align=True,
 )
 # The C struct's size is a multiple of its alignment, 64 with the maps (numpy's align=True goes to 8); BWD's too.
@@ -84,7 +86,7 @@ BWD = np.dtype(
     + [("scale_log2", _F32), ("scale", _F32)]
     + _MOD
     + [("softcap", _F32)]
-    + _ALIBI,
+    + _ALIBI + _SCORE,
     align=True,
 )
 BWD = np.dtype({"names": BWD.names, "formats": [BWD.fields[n][0] for n in BWD.names],

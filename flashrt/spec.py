@@ -59,6 +59,10 @@ KEY_PARALLEL = ("bwd_dkdv", "bwd_fused", "bwd_dkdv_sm90", "bwd_fused_sm90")
 QUERY_PARALLEL = ("fwd", "fwd_sm90", "fwd_sm90_ws", "bwd_dq", "bwd_dq_sm90")
 # Families that apply a softcap (or ALiBi) to the scores when compiled with it (kernels_cu/attention/score_mod.cuh).
 SOFTCAP_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL + PACKED_ROWS
+# Families that apply a user's score_mod expression (score_mod.cuh: ScoreMod), and those of them that take its
+# derivative (the backward's: score_mod_source defines flashrt_score_mod_grad in them).
+SCORE_MOD_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
+SCORE_GRAD_FAMILIES = KEY_PARALLEL + ("bwd_dq", "bwd_dq_sm90")
 # wgmma families (sm_90a only; kernels_cu/common/wgmma.cuh) and the head_dims each has a variant at (layout_problem
 # rejects the others; tiles.applies chooses among them).
 SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192, 256),
@@ -80,6 +84,10 @@ FWD_WS_NO_MASKS = (MASK_BITS["block_ids"] | MASK_BITS["mod"], MASK_BITS["segment
 # What a mask_mod expression sees besides its tensors (kernels_cu/attention/mask.cuh: flashrt_mask_mod).
 MOD_VARIABLES = ("b", "h", "q", "k", "Lq", "Lk")
 MAX_MOD_TENSORS = 4
+# What a score_mod expression sees besides its tensors (score_mod.cuh: flashrt_score_mod): the scaled score first;
+# its tensors' element types (KernelSpec.score_mod).
+SCORE_VARIABLES = ("s",) + MOD_VARIABLES
+SCORE_TENSOR_TYPES = ("float", "int")
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
 HEAD_DIMS = tuple(range(8, 257, 8))
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -125,6 +133,9 @@ class KernelSpec:
     min_blocks: int = 1             # blocks per SM the registers must allow (__launch_bounds__; 1: no cap)
     softcap: bool = False           # scores capped by c tanh(s / c) (SOFTCAP_FAMILIES; c is a run-time argument)
     alibi: bool = False             # ALiBi: scores less slope * |j - i - shift| (SOFTCAP_FAMILIES; slopes at run time)
+    # A user's score_mod (SCORE_MOD_FAMILIES): (expression, its derivative's expression or "" for the automatic one,
+    # ((tensor name, element type in SCORE_TENSOR_TYPES), ...)), or () for none
+    score_mod: tuple = ()
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -155,6 +166,17 @@ class KernelSpec:
             raise ValueError("softcap and alibi together are not supported yet")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
             raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
+        if self.score_mod:
+            if self.family not in SCORE_MOD_FAMILIES:
+                raise ValueError(f"{self.family} has no score_mod variant")
+            if self.softcap or self.alibi:
+                raise ValueError("score_mod with softcap or alibi: write them into the expression")
+            expr, grad, tensors = self.score_mod
+            if not (isinstance(expr, str) and expr and isinstance(grad, str) and isinstance(tensors, tuple)
+                    and len(tensors) <= MAX_MOD_TENSORS
+                    and all(isinstance(t, tuple) and len(t) == 2 and t[1] in SCORE_TENSOR_TYPES for t in tensors)):
+                raise ValueError(f"score_mod must be (expression, derivative or '', ((name, type), ...) with at most "
+                                 f"{MAX_MOD_TENSORS} tensors of types {SCORE_TENSOR_TYPES}), got {self.score_mod!r}")
         problem = self.layout_problem()
         if problem:
             raise ValueError(f"invalid tiling for {self.name}: {problem}")
@@ -176,6 +198,9 @@ class KernelSpec:
             mask += "_cap"
         if self.alibi:
             mask += "_alibi"
+        if self.score_mod:  # the expression's identity (its derivative's too where the variant takes it)
+            used = self.score_mod if self.family in SCORE_GRAD_FAMILIES else (self.score_mod[0], "", self.score_mod[2])
+            mask += "_smod" + hashlib.sha256(repr(used).encode()).hexdigest()[:12]
         what = self.family if self.family in CLASSIFY else f"{self.family}_hd{self.head_dim}_{self.dtype}"
         occupancy = f"b{self.min_blocks}" if self.min_blocks > 1 else ""
         return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}{occupancy}_{self.arch}"
@@ -314,6 +339,8 @@ class KernelSpec:
             "FRT_ALIBI": int(self.alibi),
             **FAMILIES[self.family][2],
         }
+        if self.score_mod:
+            defines["FRT_SCORE_MOD"] = 1
         if self.family == "mask_map":
             defines["FRT_MAP_SPLIT"] = self.map_split
         if self.family in ("bwd_dkdv", "bwd_fused"):
@@ -322,7 +349,8 @@ class KernelSpec:
 
     def translation_unit(self) -> str:
         return (f'#include "{self.source_file}"\n' + params.static_asserts(FAMILIES[self.family][1])
-                + (mask_mod_source(self.mask_mod, self.mod_tensors) if self.mask_mod else ""))
+                + (mask_mod_source(self.mask_mod, self.mod_tensors) if self.mask_mod else "")
+                + (score_mod_source(*self.score_mod, self.family in SCORE_GRAD_FAMILIES) if self.score_mod else ""))
 
     def key_fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -349,3 +377,35 @@ def mask_mod_source(expr: str, tensors: tuple) -> str:
             f'#line 1 "{MOD_END_FILE}"\n'
             "    );\n"
             "}\n")
+
+
+SCORE_FILE = "score_mod"  # the file names NVRTC gives a score_mod expression, its derivative, and the expression
+SCORE_GRAD_FILE = "score_mod_grad"  # over dual numbers (the automatic derivative), in its messages
+SCORE_DUAL_FILE = "score_mod (its automatic derivative)"
+SCORE_END_FILE = "flashrt_score_mod_end"
+
+
+def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> str:
+    """The definitions of kernels_cu/attention/score_mod.cuh's flashrt_score_mod (and with_grad its derivative,
+    flashrt_score_mod_grad: `grad` over float s, or with grad == "" the expression over dual numbers, dual.cuh)
+    around a user's expressions, at global scope as mask_mod_source writes mask_mod's."""
+    args = ("int b, int h, int q, int k, int Lq, int Lk, const void* t0, const void* t1, const void* t2, "
+            "const void* t3")
+    names = "".join(f"    const {ctype}* const {n} = static_cast<const {ctype}*>(t{i});\n"
+                    for i, (n, ctype) in enumerate(tensors))
+
+    def wrapped(text: str, file: str) -> str:
+        return f'#line 1 "{file}"\n{text}\n#line 1 "{SCORE_END_FILE}"\n'
+
+    out = (f"FRT_DEVICE float flashrt_score_mod(float s, {args}) {{\n{names}"
+           f"    return static_cast<float>(\n{wrapped(expr, SCORE_FILE)}    );\n}}\n")
+    if not with_grad:
+        return out
+    if grad:
+        return out + (f"FRT_DEVICE float flashrt_score_mod_grad(float s, {args}, float* flashrt_value) {{\n"
+                      f"    *flashrt_value = flashrt_score_mod(s, b, h, q, k, Lq, Lk, t0, t1, t2, t3);\n{names}"
+                      f"    return static_cast<float>(\n{wrapped(grad, SCORE_GRAD_FILE)}    );\n}}\n")
+    return out + (f"FRT_DEVICE float flashrt_score_mod_grad(float flashrt_s, {args}, float* flashrt_value) {{\n"
+                  f"{names}    const flashrt_dual::Dual s(flashrt_s, 1.f);\n"
+                  f"    const flashrt_dual::Dual flashrt_r = flashrt_dual::Dual(\n{wrapped(expr, SCORE_DUAL_FILE)}"
+                  f"    );\n    *flashrt_value = flashrt_r.v;\n    return flashrt_r.d;\n}}\n")

@@ -24,7 +24,8 @@ import math
 from typing import TYPE_CHECKING
 
 from . import _env
-from .spec import ANY_HEAD_DIM, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SM90_HEAD_DIMS, SOFTCAP_FAMILIES, KernelSpec
+from .spec import (ANY_HEAD_DIM, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SCORE_MOD_FAMILIES, SM90_HEAD_DIMS,
+                   SOFTCAP_FAMILIES, KernelSpec)
 
 if TYPE_CHECKING:
     from .launch import Device
@@ -48,18 +49,19 @@ _SM90_MASK_LIMITS = {
 }
 
 
-# Score-modification variants (softcap, ALiBi) not chosen: family -> head_dims above which its kernel with either
-# is not used: the wgmma fused backward at head_dim 128, neither timed nor tested on a GPU with them (its former
+# Score-modification variants (softcap, ALiBi, score_mod) not chosen: family -> head_dims above which its kernel
+# with one is not used: the wgmma fused backward at head_dim 128, neither timed nor tested on a GPU with them (its former
 # 8-warp form spilled there; the warp-specialised one compiles with the plain variant's 24-28 bytes of producer
 # spills); the split pair runs instead.
 _SCORE_MOD_MAX_HEAD_DIM = {"bwd_fused_sm90": 64}
 
 
-def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool = False, alibi: bool = False) -> bool:
-    """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS) (and softcap or ALiBi); wgmma
-    families: sm_90a, spec.SM90_HEAD_DIMS (the head_dims they have a variant at, which KernelSpec checks),
+def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool = False, alibi: bool = False,
+            score_mod: tuple = ()) -> bool:
+    """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS) (and softcap, ALiBi or a score_mod);
+    wgmma families: sm_90a, spec.SM90_HEAD_DIMS (the head_dims they have a variant at, which KernelSpec checks),
     _SM90_MASK_LIMITS, _SCORE_MOD_MAX_HEAD_DIM."""
-    if (softcap or alibi) and head_dim > _SCORE_MOD_MAX_HEAD_DIM.get(family, 256):
+    if (softcap or alibi or score_mod) and head_dim > _SCORE_MOD_MAX_HEAD_DIM.get(family, 256):
         return False
     if family not in SM90_HEAD_DIMS:
         return True
@@ -95,11 +97,11 @@ def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> 
 
 
 def fused_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, softcap: bool = False,
-                 alibi: bool = False) -> str:
+                 alibi: bool = False, score_mod: tuple = ()) -> str:
     """The fused backward's kernel family: the wgmma one (bwd_fused_sm90, head_dim 64 / 128) on Hopper where it fits
-    (and has a softcap / ALiBi variant: _SCORE_MOD_MAX_HEAD_DIM), else the mma.sync one
+    (and has a softcap / ALiBi / score_mod variant: _SCORE_MOD_MAX_HEAD_DIM), else the mma.sync one
     (FLASHRT_NO_SM90=1: always)."""
-    sm90 = (applies("bwd_fused_sm90", head_dim, arch, mask, softcap, alibi)
+    sm90 = (applies("bwd_fused_sm90", head_dim, arch, mask, softcap, alibi, score_mod)
             and _sm90_fits("bwd_fused_sm90", head_dim, arch, smem_limit, _env.no_sm90(), mask))
     return "bwd_fused_sm90" if sm90 else "bwd_fused"
 
@@ -242,6 +244,17 @@ _SCORE_MOD_PREFERENCES = {
     # (128-query tiles at head_dim 64 spill 16-96 bytes with softcap, 0-8 with ALiBi: not measured against 64)
     "bwd_fused_sm90": [(128, [(64, 128, 12)])],
 }
+# Tilings of a user's score_mod (spec.KernelSpec.score_mod), family -> (lo, hi, tilings) for lo < head_dim <= hi,
+# ahead of every table above (the long-rows one aside: not taken with a score_mod). Chosen by spills of the compile
+# proof's expressions (tests/test_compile.py: a capped score, an ALiBi-like one over a slopes tensor, a relative-bias
+# table read per element; NVRTC 12.9) where the softcap / ALiBi tilings spill: the mma.sync forward at head_dim 64
+# with four warps (116-120 bytes, bias table), the warp-specialised forward with 80- or 128-key tiles above head_dim
+# 64 (12-56 bytes), the wgmma dQ at two blocks per SM (128-200 bytes).
+_USER_MOD_PREFERENCES = {
+    "fwd": [(0, 64, [(128, 64, 8)])],
+    "fwd_sm90_ws": [(64, 256, [(128, 64, 12)])],
+    "bwd_dq_sm90": [(0, 64, [(128, 64, 8)])],
+}
 # Tilings with element masks beyond lengths (window, block / segment ids): family -> buckets as in _PREFERENCES,
 # replacing that family's for such masks. Chosen by spills: the mask predicate's registers make some preferred
 # tilings spill (NVRTC 12.9, tests/test_compile.py); these replace them for masked variants.
@@ -327,18 +340,20 @@ class TilingError(RuntimeError):
 
 
 def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
-               alibi: bool = False, long: bool = False) -> list[tuple[int, int, int, int]]:
+               alibi: bool = False, long: bool = False, score_mod: tuple = ()) -> list[tuple[int, int, int, int]]:
     """(block_m, block_n, warps, min_blocks) of `family` at `head_dim` in order of preference (`long`: for long query
     sequences, long_rows)."""
     table = _PREFERENCES[family]
-    if long and head_dim in _LONG_PREFERENCES.get(family, (0, {}))[1]:
+    if long and not score_mod and head_dim in _LONG_PREFERENCES.get(family, (0, {}))[1]:
         table = [(head_dim, _LONG_PREFERENCES[family][1][head_dim])]
     if mask & ~MASK_BITS["lengths"]:
         table = _MASKED_PREFERENCES.get(family, table)
     if mask & MASK_BITS["mod"]:
         table = _MOD_PREFERENCES.get(family, table)
-    if softcap or alibi:
+    if softcap or alibi or score_mod:
         table = _SCORE_MOD_PREFERENCES.get(family, table)
+    if score_mod:
+        table = [(256, prefs) for lo, hi, prefs in _USER_MOD_PREFERENCES.get(family, ()) if lo < head_dim <= hi] + table
     for max_d, prefs in table:
         if head_dim <= max_d:
             return [(*t, 1) if len(t) == 3 else t for t in prefs + [f for f in _FALLBACKS[family] if f not in prefs]]
@@ -347,26 +362,29 @@ def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
 
 def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int,
            mask: int = 0, mask_mod: str = "", mod_tensors: tuple = (), softcap: bool = False,
-           alibi: bool = False, long: bool = False) -> KernelSpec:
+           alibi: bool = False, long: bool = False, score_mod: tuple = ()) -> KernelSpec:
     """The kernel of `family` for an arch and a shared-memory limit: the first of its candidates (tiles and
     warps) that is valid at this head_dim and fits `smem_limit` bytes; TilingError if none does.
 
     `mask` (spec.MASK_BITS): element masks beyond lengths take _MASKED_PREFERENCES where a family has them,
     mask_mod _MOD_PREFERENCES; `mask_mod`, `mod_tensors`: a user's expression (spec.KernelSpec); `softcap`, `alibi`:
     the score cap or ALiBi compiled in (families without scores ignore them); `long`: the tiling for long query
-    sequences where the family has one (long_rows).
+    sequences where the family has one (long_rows); `score_mod`: a user's expression (spec.KernelSpec.score_mod; the
+    families without a score_mod variant ignore it).
     kernel_for is this for a device (what a call runs); this form serves prewarm and tests, with no GPU.
     """
     elementwise = family in ELEMENTWISE
     if family in ANY_HEAD_DIM:  # (head_dim is a run-time argument there)
         head_dim = 256
     scores = family in SOFTCAP_FAMILIES
-    return _first_fit(family, head_dim, smem_limit, candidates(family, head_dim, mask, softcap, alibi, long),
+    score_mod = score_mod if family in SCORE_MOD_FAMILIES else ()
+    return _first_fit(family, head_dim, smem_limit,
+                      candidates(family, head_dim, mask, softcap, alibi, long, score_mod),
                       lambda bm, bn, nw, mb: KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise,
                                                         arch, 0 if elementwise else mask,
                                                         "" if elementwise else mask_mod,
                                                         () if elementwise else tuple(mod_tensors), mb,
-                                                        softcap and scores, alibi and scores))
+                                                        softcap and scores, alibi and scores, score_mod))
 
 
 def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> KernelSpec:
@@ -388,11 +406,12 @@ def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> Ker
 
 @functools.cache
 def kernel_for(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0, mask_mod: str = "",
-               mod_tensors: tuple = (), softcap: bool = False, alibi: bool = False, long: bool = False) -> KernelSpec:
+               mod_tensors: tuple = (), softcap: bool = False, alibi: bool = False, long: bool = False,
+               score_mod: tuple = ()) -> KernelSpec:
     """The kernel of `family` that runs on the device `dev` (launch.Device): tiling for its arch and opt-in
     shared-memory limit, cached."""
     return tiling(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask, mask_mod, mod_tensors, softcap,
-                  alibi, long)
+                  alibi, long, score_mod)
 
 
 # ---------------------------------------------------------------------------
@@ -409,7 +428,7 @@ def classifier_spec(consumer: KernelSpec, family: str) -> KernelSpec:
     reads its map or lists: head_dim and dtype fixed (it reads no q/k/v), CLASSIFY_WARPS; the list makers read
     only the map, so they take no mask bits and no expression (one compile serves every mask_mod)."""
     fixed = {"family": family, "head_dim": 64, "dtype": "bf16", "warps": CLASSIFY_WARPS[family], "min_blocks": 1,
-             "softcap": False, "alibi": False}
+             "softcap": False, "alibi": False, "score_mod": ()}
     if family != "mask_map":
         fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
     return dataclasses.replace(consumer, **fixed)

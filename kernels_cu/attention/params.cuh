@@ -64,6 +64,11 @@ struct FwdParams {
     float softcap;       // FRT_SOFTCAP: the cap in raw-score units, c / softmax_scale (score_mod.cuh: Softcap)
     const float* alibi;  // FRT_ALIBI: slopes, alibi[b * alibi_bstride + h] (score_mod.cuh: Alibi)
     int alibi_bstride;   // H for (B, H) slopes, 0 for (H,)
+    // FRT_SCORE_MOD: the tensors a score_mod expression reads (score_mod.cuh: ScoreMod), null when unused
+    const void* score_t0;
+    const void* score_t1;
+    const void* score_t2;
+    const void* score_t3;
 };
 
 struct BwdParams {
@@ -129,6 +134,11 @@ struct BwdParams {
     float softcap;  // FRT_SOFTCAP: the cap in raw-score units, c / softmax_scale (score_mod.cuh: Softcap)
     const float* alibi;  // FRT_ALIBI: slopes, alibi[b * alibi_bstride + h] (score_mod.cuh: Alibi)
     int alibi_bstride;   // H for (B, H) slopes, 0 for (H,)
+    // FRT_SCORE_MOD: the tensors a score_mod expression reads (score_mod.cuh: ScoreMod), null when unused
+    const void* score_t0;
+    const void* score_t1;
+    const void* score_t2;
+    const void* score_t3;
 };
 
 // mask_check.cu: a call's mask arrays (the pointers of FwdParams / BwdParams, null when not given), the

@@ -1,6 +1,6 @@
 // Score modifications on the raw scores s = q . k (before the softmax's scale), one definition for every kernel
-// that computes scores (spec.SOFTCAP_FAMILIES). Softcap is elementwise; ALiBi reads each element's (query, key)
-// through mask.cuh's Fragments, the backward's transposed scores included.
+// that computes scores (spec.SOFTCAP_FAMILIES). Softcap is elementwise; ALiBi and a user's score_mod read each
+// element's (query, key) through mask.cuh's Fragments, the backward's transposed scores included.
 //
 // Softcap (FRT_SOFTCAP; FwdParams / BwdParams::softcap = c / softmax_scale): s becomes cap tanh(s / cap), so that
 // the scaled score x = scale s becomes c tanh(x / c). The forward applies it before the online softmax; the
@@ -20,6 +20,25 @@
 #endif
 #ifndef FRT_TANH_EXACT
 #define FRT_TANH_EXACT 0
+#endif
+#ifndef FRT_SCORE_MOD
+#define FRT_SCORE_MOD 0
+#endif
+#if FRT_SCORE_MOD && (FRT_SOFTCAP || FRT_ALIBI)
+#error "score_mod with softcap or ALiBi: no such variant (flashrt/spec.py refuses it; the expression can hold them)"
+#endif
+
+#if FRT_SCORE_MOD
+#include "attention/dual.cuh"
+// The user's expression f over the scaled score s (softmax_scale q . k), the batch entry, query head, query and key
+// positions in the sequence, the sequence's lengths and up to four tensors (float or int, as the user's names
+// declare them), and its derivative in s (the value in *value as well): the user's score_mod_grad, or the expression
+// once more over dual numbers (dual.cuh). flashrt/spec.py (score_mod_source) writes their definitions after the
+// kernel source, at global scope, as it does mask_mod's; the forward kernels call only the first.
+FRT_DEVICE float flashrt_score_mod(float s, int b, int h, int q, int k, int Lq, int Lk, const void* t0, const void* t1,
+                                   const void* t2, const void* t3);
+FRT_DEVICE float flashrt_score_mod_grad(float s, int b, int h, int q, int k, int Lq, int Lk, const void* t0,
+                                        const void* t1, const void* t2, const void* t3, float* value);
 #endif
 
 namespace frt {
@@ -82,6 +101,70 @@ struct Alibi {
                     const int rows = 16 * mt + 8 * (c >> 1), cols = 8 * jj + (c & 1);  // the element's offsets
                     const float d = base + (float)(TRANSPOSED ? rows - cols : cols - rows);  // key - query - shift
                     x(mt, jj, c) = fmaf(-slope, fabsf(d), x(mt, jj, c));
+                }
+    }
+};
+
+// A user's score_mod (FRT_SCORE_MOD; FwdParams / BwdParams::score_t0..3 its tensors): the raw score s of query i
+// and key j of query head h becomes f(scale s, ...) / scale, before the mask (a hidden pair's value is never read:
+// masks assign, and the backward zeroes P and dS there by selection, not by a product). The positions are clamped
+// to the sequence's last (they are never negative, and a tile that holds rows or keys has Lq, Lk >= 1), as
+// mask_mod's are, so that a tile's rows and columns past its ends read the tensors where the expression reads them
+// for a pair inside it. (Clamped at 0 as well, the head_dim 128 causal dK / dV kernel spilled 32 bytes with a
+// bias-table expression, NVRTC 12.9.) The backward takes P from f's value and multiplies dS by f'.
+struct ScoreMod {
+    float scale = 0.f, inv = 0.f;  // softmax_scale (from scale_log2, the same in both passes) and 1 / it
+    int b = 0, h = 0, Lq = 1, Lk = 1;
+    const void* t[4] = {};
+    ScoreMod() = default;
+    template <class P, class Vis>
+    FRT_DEVICE ScoreMod(const P& p, int b_, int h_, const Vis& vis)
+        : scale(p.scale_log2 * (1.f / kLog2e)), inv(1.f / (p.scale_log2 * (1.f / kLog2e))), b(b_), h(h_),
+          Lq(vis.Lq), Lk(vis.Lk) {
+        t[0] = p.score_t0, t[1] = p.score_t1, t[2] = p.score_t2, t[3] = p.score_t3;
+    }
+    // This modification for query head h_ (the backward's key-parallel kernels visit several).
+    FRT_DEVICE ScoreMod head(int h_) const {
+        ScoreMod m = *this;
+        m.h = h_;
+        return m;
+    }
+
+    // The modified raw score of pair (i, j).
+    FRT_DEVICE float value(float s, int i, int j) const {
+#if FRT_SCORE_MOD
+        i = min(i, Lq - 1), j = min(j, Lk - 1);
+        return flashrt_score_mod(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3]) * inv;
+#else
+        return s;
+#endif
+    }
+    // ... and in g the derivative of the scaled score it gives in the scaled score (dS's factor). (A template, so
+    // that the forward kernels, whose sources define no derivative, never instantiate it.)
+    template <int = 0>
+    FRT_DEVICE float value_grad(float s, int i, int j, float& g) const {
+#if FRT_SCORE_MOD
+        i = min(i, Lq - 1), j = min(j, Lk - 1);
+        float f;
+        g = flashrt_score_mod_grad(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3], &f);
+        return f * inv;
+#else
+        g = 1.f;
+        return s;
+#endif
+    }
+
+    // x(mt, jj, c) (a float&) of MT m-tiles by N8 n-groups at `at` replaced by value() (TRANSPOSED: rows are keys).
+    template <int MT, int N8, bool TRANSPOSED = false, class Elem>
+    FRT_DEVICE void apply(Fragments at, const Elem& x) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int jj = 0; jj < N8; ++jj)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int r = at.row(mt, c), k = at.col(jj, c);
+                    x(mt, jj, c) = TRANSPOSED ? value(x(mt, jj, c), k, r) : value(x(mt, jj, c), r, k);
                 }
     }
 };

@@ -95,6 +95,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const auto& vis = tile.vis;
     const int it_begin = tile.it_begin, it_end = tile.it_end;
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
+    const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, b, 0, vis) : ScoreMod();  // (the head: each pair's)
 
     const u32 sK = smem_u32(smem), sV = sK + BN * LD;
     const u32 sQdO = sK + T::SMEM_KV;  // stage s: Q at + s*STAGE, dO right after Q
@@ -166,18 +167,21 @@ __device__ void bwd_dkdv(const BwdParams& p) {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int qc = at.col(nt, c);  // the query column within the tile
-                    float x = s[mt][nt][c], grad = 1.f;  // grad: the softcap's derivative (score_mod.cuh)
+                    float x = s[mt][nt][c], grad = 1.f;  // grad: the modification's derivative (score_mod.cuh)
                     if constexpr (FRT_SOFTCAP) {
                         const float th = cap.tanh_of(x);
                         x = cap.cap * th, grad = 1.f - th * th;
                     }
+                    if constexpr (FRT_SCORE_MOD)  // (positions in the sequence: S^T's rows are keys)
+                        x = smod.head(pa.h).value_grad(x, m0 + qc, n0 + at.row(mt, c), grad);
                     float pr = fast_exp2(fmaf(x, p.scale_log2, -s_lse2[qc]));
                     if (need_mask) {
                         if (!at.visible<true>(mt, nt, c, [&](int q, int k) { return tile.visible(m0 + q, n0 + k, pa.h); }))
                             pr = 0.f;
                     }
                     s[mt][nt][c] = pr;
-                    dp[mt][nt][c] = (FRT_SOFTCAP ? pr * grad : pr) * (dp[mt][nt][c] - s_delta[qc]);
+                    if constexpr (FRT_SCORE_MOD) grad = pr > 0.f ? grad : 0.f;  // (any f' where P is 0)
+                    dp[mt][nt][c] = (FRT_SOFTCAP || FRT_SCORE_MOD ? pr * grad : pr) * (dp[mt][nt][c] - s_delta[qc]);
                 }
         acc_to_smem<T::BF16, MT1, NT1>(p_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, s, 1.f, lane);
         acc_to_smem<T::BF16, MT1, NT1>(ds_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, dp, 1.f, lane);

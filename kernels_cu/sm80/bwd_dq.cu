@@ -47,6 +47,7 @@ __device__ void bwd_dq(const BwdParams& p) {
     float lse2[MT][2], delta[MT][2];
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
     const Alibi alibi = FRT_ALIBI ? Alibi(p, b, h, tile.vis.shift) : Alibi();
+    const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, b, h, tile.vis) : ScoreMod();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -89,12 +90,14 @@ __device__ void bwd_dq(const BwdParams& p) {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int hh = c >> 1;
-                    float x = s[mt][nt][c], grad = 1.f;  // grad: the softcap's derivative (score_mod.cuh)
+                    float x = s[mt][nt][c], grad = 1.f;  // grad: the modification's derivative (score_mod.cuh)
                     if constexpr (FRT_SOFTCAP) {
                         const float th = cap.tanh_of(x);
                         x = cap.cap * th, grad = 1.f - th * th;
                     }
+                    if constexpr (FRT_SCORE_MOD) x = smod.value_grad(x, at.row(mt, c), at.col(nt, c), grad);
                     float pr = fast_exp2(fmaf(x, p.scale_log2, -lse2[mt][hh]));
+                    if constexpr (FRT_SCORE_MOD) pr = pr > 0.f ? pr * grad : 0.f;  // (any f' where P is 0)
                     if (!MOD_PASS && need_mask) {
                         if (!at.visible<false>(mt, nt, c, test)) pr = 0.f;
                     }

@@ -47,6 +47,7 @@ __device__ void fwd(const FwdParams& p) {
     float row_max[MT][2], row_sum[MT][2];
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
     const Alibi alibi = FRT_ALIBI ? Alibi(p, tile.b, tile.h, tile.vis.shift) : Alibi();
+    const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, tile.b, tile.h, tile.vis) : ScoreMod();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -90,6 +91,9 @@ __device__ void fwd(const FwdParams& p) {
         if constexpr (FRT_ALIBI)
             alibi.add<MT, NT_S>(Fragments{tile.m0 + wrow + g, n0 + 2 * t},
                                 [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; });
+        if constexpr (FRT_SCORE_MOD)
+            smod.apply<MT, NT_S>(Fragments{tile.m0 + wrow + g, n0 + 2 * t},
+                                 [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; });
         if (tile.needs_mask(it, j))
             mask_fragments<MT, NT_S>(Fragments{tile.m0 + wrow + g, n0 + 2 * t}, -FRT_INF,
                                      [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; },

@@ -84,6 +84,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     // (with id masks these come from shared memory; PIPELINED keeps wgmmas in flight across pairs)
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
+    const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, b, 0, tile.vis) : ScoreMod();  // (the head: each pair's)
 
     const i64 krow0 = tile.vis.k_row0 + n0;
     load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, tid);
@@ -153,20 +154,31 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             float4* xch = reinterpret_cast<float4*>(smem + (sXch - smem_base)) + wtid;
             u32 a[BM / 16][4];
             if (wg == 0) {
-                if constexpr (FRT_ALIBI) {
+                if constexpr (FRT_SCORE_MOD) {  // warpgroup 1 gets P^T f', the factor of dS^T
                     const auto pr = tile.pair(p, it);
-                    add_alibi<BM>(x, p, tile, pr.h, pr.m, key_base, t);
-                }
-                probabilities<BM>(x, s_lse2, p.scale_log2, hidden, t, cap);
+                    float pg[BM / 2];
+                    mod_probabilities<BM>(x, s_lse2, p.scale_log2, hidden, smod.head(pr.h), key_base, pr.m * BM, t,
+                                          [&](int i, float v) { pg[i] = v; });
 #pragma unroll
-                for (int q = 0; q < BM / 8; ++q)
-                    xch[q * 128] = make_float4(x[4 * q], x[4 * q + 1], x[4 * q + 2], x[4 * q + 3]);
+                    for (int q = 0; q < BM / 8; ++q)
+                        xch[q * 128] = make_float4(pg[4 * q], pg[4 * q + 1], pg[4 * q + 2], pg[4 * q + 3]);
+                } else {
+                    if constexpr (FRT_ALIBI) {
+                        const auto pr = tile.pair(p, it);
+                        add_alibi<BM>(x, p, tile, pr.h, pr.m, key_base, t);
+                    }
+                    probabilities<BM>(x, s_lse2, p.scale_log2, hidden, t, cap);
+#pragma unroll
+                    for (int q = 0; q < BM / 8; ++q)
+                        xch[q * 128] = make_float4(x[4 * q], x[4 * q + 1], x[4 * q + 2], x[4 * q + 3]);
+                }
                 bar_arrive<3, 256>();  // P^T -> warpgroup 1
 #pragma unroll
                 for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(x, kk, a[kk]);
             } else {
                 bar_wait<3, 256>();
-                // dS^T = P^T o (dP^T - delta[query]), with P^T in fp32 (and the softcap's derivative: ds_from_dp).
+                // dS^T = P^T o (dP^T - delta[query]), with P^T in fp32 (and the softcap's derivative: ds_from_dp;
+                // FRT_SCORE_MOD: warpgroup 0 sent P^T f').
 #pragma unroll
                 for (int q = 0; q < BM / 8; ++q) {
                     float4 pt = xch[q * 128];
@@ -203,14 +215,22 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             const auto pr = tile.pair(p, it);
             const u32 hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0u;
 
-            wgmma_wait<2>();  // S^T is complete (the previous dV / dK and dP^T may not be)
-            fence_operand(s);
-            add_alibi<BM>(s, p, tile, pr.h, pr.m, key_base, t);
-            probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
-            wgmma_wait<0>();
-            fence_operand(dp);
-            fence_acc_and_frags(acc, pa, dsa);  // the previous pair's wgmmas are done with them
-            ds_from_dp<BM>(dp, s, s_delta, t, s_lse2, cap);
+            if constexpr (FRT_SCORE_MOD) {  // (P^T and dS^T at once: mod_ds)
+                wgmma_wait<0>();
+                fence_operand(s);
+                fence_operand(dp);
+                fence_acc_and_frags(acc, pa, dsa);  // the previous pair's wgmmas are done with them
+                mod_ds<BM>(s, dp, s_lse2, s_delta, p.scale_log2, hidden, smod.head(pr.h), key_base, pr.m * BM, t);
+            } else {
+                wgmma_wait<2>();  // S^T is complete (the previous dV / dK and dP^T may not be)
+                fence_operand(s);
+                add_alibi<BM>(s, p, tile, pr.h, pr.m, key_base, t);
+                probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
+                wgmma_wait<0>();
+                fence_operand(dp);
+                fence_acc_and_frags(acc, pa, dsa);  // the previous pair's wgmmas are done with them
+                ds_from_dp<BM>(dp, s, s_delta, t, s_lse2, cap);
+            }
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {
                 acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
@@ -233,10 +253,15 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)
             fence_operand(s);
-            add_alibi<BM>(s, p, tile, pr.h, pr.m, key_base, t);
-            probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
+            if constexpr (FRT_SCORE_MOD) {  // (P^T packed, P^T f' left in s: mod_probabilities_packed)
+                mod_probabilities_packed<BM, T::BF16>(s, pa, s_lse2, p.scale_log2, hidden, smod.head(pr.h), key_base,
+                                                      pr.m * BM, t);
+            } else {
+                add_alibi<BM>(s, p, tile, pr.h, pr.m, key_base, t);
+                probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
 #pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
+                for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
+            }
             // dV += P^T dO now, under dS^T's arithmetic (fused: 1.03-1.05x, docs/perf-notes.md: Backward: fused wgmma)
             wgmma_fence();
             wgmma_rs_mn<D, BM, T::BF16>(acc[1], pa, sdO);

@@ -164,6 +164,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     row_stats<D, T::BF16>(p, tile, 64 * wg + row_wg, t, lse2, delta);
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
     const Alibi alibi = FRT_ALIBI ? Alibi(p, tile.b, h, tile.vis.shift) : Alibi();
+    const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, tile.b, h, tile.vis) : ScoreMod();
 
     float dq[D / 2];
 #pragma unroll
@@ -227,13 +228,19 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
         fence_operand(s);
         if constexpr (FRT_ALIBI)
             alibi.add<1, BN / 8>(Fragments{row_base, n0 + 2 * t}, [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
-        // P = exp2(S * scale_log2 - lse2[row]), 0 where the mask hides the pair. With FRT_SOFTCAP, S capped
-        // first and P times the cap's derivative (P is only read for dS here).
+        // P = exp2(S * scale_log2 - lse2[row]), 0 where the mask hides the pair. With FRT_SOFTCAP (FRT_SCORE_MOD),
+        // S capped (modified) first and P times the derivative (P is only read for dS here).
 #pragma unroll
         for (int jj = 0; jj < BN / 8; ++jj)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                if constexpr (FRT_SOFTCAP) {
+                if constexpr (FRT_SCORE_MOD) {
+                    float grad;
+                    const float x = smod.value_grad(s[4 * jj + c], row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1),
+                                                    grad);
+                    const float pr = fast_exp2(fmaf(x, p.scale_log2, -lse2[c >> 1]));
+                    s[4 * jj + c] = pr > 0.f ? pr * grad : 0.f;  // (any f' where P is 0)
+                } else if constexpr (FRT_SOFTCAP) {
                     const float th = cap.tanh_of(s[4 * jj + c]);
                     s[4 * jj + c] = fast_exp2(fmaf(cap.cap * th, p.scale_log2, -lse2[c >> 1])) * (1.f - th * th);
                 } else {

@@ -161,6 +161,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     const int wtid = tid & 127, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     const int b = tile.b, hk = tile.hk, n0 = tile.n0;
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
+    const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, tile.b, 0, tile.vis) : ScoreMod();  // (the head: each pair's)
     const float* stat_base = reinterpret_cast<const float*>(smem + (sStat - smem_base));
     // This warpgroup's 64 keys: rows 64 wg.. of every column block of the K and V tiles; accumulator layouts as in
     // bwd_dkdv_sm90.cu (S^T / dP^T element [4 j + 2 hh + e]: key 16 w + g + 8 hh, query 8 j + 2 t + e).
@@ -203,11 +204,20 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         wgmma_commit();
         wgmma_wait<1>();  // S^T is complete
         fence_operand(sc);
-        add_alibi<BM>(sc, p, tile, pr.h, pr.m, key_base, t);
-        probabilities<BM>(sc, s_lse2, p.scale_log2, hidden, t, cap);
+        // (FRT_SCORE_MOD: P^T packed here and P^T f' left in sc for ds_from_dp: mod_probabilities_packed)
+        static_assert(!(FRT_SCORE_MOD && T::WIDE), "bwd_fused_sm90: score_mod variants have 64-query tiles");
+        if constexpr (FRT_SCORE_MOD) {
+            mod_probabilities_packed<BM, T::BF16>(sc, pa, s_lse2, p.scale_log2, hidden, smod.head(pr.h), key_base,
+                                                  pr.m * BM, t);
+        } else {
+            add_alibi<BM>(sc, p, tile, pr.h, pr.m, key_base, t);
+            probabilities<BM>(sc, s_lse2, p.scale_log2, hidden, t, cap);
+        }
         auto pack_p = [&] {
+            if constexpr (!FRT_SCORE_MOD) {
 #pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(sc, kk, pa[kk]);
+                for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(sc, kk, pa[kk]);
+            }
         };
         auto mma_dv = [&] {  // dV += P^T dO
             wgmma_fence();

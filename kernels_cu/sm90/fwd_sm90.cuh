@@ -25,6 +25,7 @@ struct FwdRows {
     u32 pa[BN / 16][4];
     Softcap cap;   // FRT_SOFTCAP: set by the kernel (score_mod.cuh)
     Alibi alibi;  // FRT_ALIBI: set by the kernel
+    ScoreMod smod;  // FRT_SCORE_MOD: set by the kernel
 
     FRT_DEVICE FwdRows() {
 #pragma unroll
@@ -155,7 +156,8 @@ struct FwdRows {
 
     // The score modifications (score_mod.cuh) on the key groups jj < JHI of key tile n0.. (row_base: the thread's
     // first row), before any mask. FRT_SOFTCAP: the scores become tanh(s / cap) (online folds the cap into the scale:
-    // Softcap::scale_of); FRT_ALIBI: each gains its pair's bias. Every caller of online runs it first.
+    // Softcap::scale_of); FRT_ALIBI: each gains its pair's bias; FRT_SCORE_MOD: each becomes the user's expression's
+    // value. Every caller of online runs it first.
     template <int JHI = BN / 8>
     FRT_DEVICE void mod_scores(int row_base, int n0, int t) {
         if constexpr (FRT_SOFTCAP) {
@@ -164,6 +166,8 @@ struct FwdRows {
         }
         if constexpr (FRT_ALIBI)
             alibi.add<1, JHI>(Fragments{row_base, n0 + 2 * t}, [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
+        if constexpr (FRT_SCORE_MOD)
+            smod.apply<1, JHI>(Fragments{row_base, n0 + 2 * t}, [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
     }
 
     // The online softmax of the scores in s, the key groups jj < JHI (s becomes P, unnormalised; alpha the rescale

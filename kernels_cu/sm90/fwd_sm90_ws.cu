@@ -243,6 +243,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         FwdRows<D, BN, T::BF16, true> r;
         if constexpr (FRT_SOFTCAP) r.cap = Softcap(p.softcap, p.scale_log2);
         if constexpr (FRT_ALIBI) r.alibi = Alibi(p, tile.b, tile.h, tile.vis.shift);
+        if constexpr (FRT_SCORE_MOD) r.smod = ScoreMod(p, tile.b, tile.h, tile.vis);
         // Key tile it: S = Q K^T of it and O += P V of it - 1 issued, S complete; returns the tile (j) for the softmax.
         auto key_step = [&](int it) {
             const int j = key_tile(tile, it);

@@ -1,0 +1,97 @@
+// Forward-mode dual numbers: the automatic derivative of a score_mod expression (score_mod.cuh; flashrt/spec.py:
+// score_mod_source evaluates the expression once more with s a Dual when no score_mod_grad is given).
+//
+// A Dual carries a value and its derivative in s. Constants convert to a Dual of derivative 0; the arithmetic and
+// comparison operators and the math functions below are found by argument-dependent lookup wherever an argument is
+// a Dual, so that the user's expression reads the same as over a float. There is no conversion back to float: an
+// expression that casts s, or calls a function not overloaded here, does not compile (the error asks for
+// score_mod_grad) rather than give a derivative that silently misses a term.
+#pragma once
+
+namespace flashrt_dual {
+
+struct Dual {
+    float v, d;  // value, derivative in s
+    __device__ __forceinline__ Dual(float x = 0.f) : v(x), d(0.f) {}  // (a constant: also from int, double, bool)
+    __device__ __forceinline__ Dual(float x, float dx) : v(x), d(dx) {}
+};
+
+#define FRT_DUAL __device__ __forceinline__ Dual
+FRT_DUAL operator+(Dual a) { return a; }
+FRT_DUAL operator-(Dual a) { return Dual(-a.v, -a.d); }
+FRT_DUAL operator+(Dual a, Dual b) { return Dual(a.v + b.v, a.d + b.d); }
+FRT_DUAL operator-(Dual a, Dual b) { return Dual(a.v - b.v, a.d - b.d); }
+FRT_DUAL operator*(Dual a, Dual b) { return Dual(a.v * b.v, a.d * b.v + a.v * b.d); }
+FRT_DUAL operator/(Dual a, Dual b) { return Dual(a.v / b.v, (a.d * b.v - a.v * b.d) / (b.v * b.v)); }
+#define FRT_DUAL_COMPARE(op) \
+    __device__ __forceinline__ bool operator op(Dual a, Dual b) { return a.v op b.v; }
+FRT_DUAL_COMPARE(<)
+FRT_DUAL_COMPARE(<=)
+FRT_DUAL_COMPARE(>)
+FRT_DUAL_COMPARE(>=)
+FRT_DUAL_COMPARE(==)
+FRT_DUAL_COMPARE(!=)
+#undef FRT_DUAL_COMPARE
+
+// f(a) with f'(a) = df (evaluated by the caller at a.v).
+__device__ __forceinline__ Dual chain(float f, float df, Dual a) { return Dual(f, df * a.d); }
+
+// Each function under its float, double and CUDA names (an expression written for floats calls tanhf or tanh alike).
+#define FRT_DUAL_UNARY(name, value, slope) \
+    FRT_DUAL name(Dual a) { const float x = a.v, f = (value); return chain(f, (slope), a); }
+#define FRT_DUAL_UNARY2(fname, dname, value, slope) \
+    FRT_DUAL_UNARY(fname, value, slope)            \
+    FRT_DUAL_UNARY(dname, value, slope)
+FRT_DUAL_UNARY2(tanhf, tanh, ::tanhf(x), 1.f - f * f)
+FRT_DUAL_UNARY2(expf, exp, ::expf(x), f)
+FRT_DUAL_UNARY(__expf, ::__expf(x), f)
+FRT_DUAL_UNARY2(exp2f, exp2, ::exp2f(x), f * 0.6931471805599453f)
+FRT_DUAL_UNARY2(expm1f, expm1, ::expm1f(x), f + 1.f)
+FRT_DUAL_UNARY2(logf, log, ::logf(x), 1.f / x)
+FRT_DUAL_UNARY(__logf, ::__logf(x), 1.f / x)
+FRT_DUAL_UNARY2(log2f, log2, ::log2f(x), 1.4426950408889634f / x)
+FRT_DUAL_UNARY2(log10f, log10, ::log10f(x), 0.4342944819032518f / x)
+FRT_DUAL_UNARY2(log1pf, log1p, ::log1pf(x), 1.f / (1.f + x))
+FRT_DUAL_UNARY2(sqrtf, sqrt, ::sqrtf(x), 0.5f / f)
+FRT_DUAL_UNARY(rsqrtf, ::rsqrtf(x), -0.5f * f * f * f)
+FRT_DUAL_UNARY2(fabsf, fabs, ::fabsf(x), x < 0.f ? -1.f : 1.f)
+FRT_DUAL_UNARY(abs, ::fabsf(x), x < 0.f ? -1.f : 1.f)
+FRT_DUAL_UNARY2(sinf, sin, ::sinf(x), ::cosf(x))
+FRT_DUAL_UNARY2(cosf, cos, ::cosf(x), -::sinf(x))
+FRT_DUAL_UNARY2(atanf, atan, ::atanf(x), 1.f / (1.f + x * x))
+FRT_DUAL_UNARY2(sinhf, sinh, ::sinhf(x), ::coshf(x))
+FRT_DUAL_UNARY2(coshf, cosh, ::coshf(x), ::sinhf(x))
+FRT_DUAL_UNARY2(erff, erf, ::erff(x), 1.1283791670955126f * ::expf(-x * x))
+FRT_DUAL_UNARY2(floorf, floor, ::floorf(x), 0.f)
+FRT_DUAL_UNARY2(ceilf, ceil, ::ceilf(x), 0.f)
+FRT_DUAL_UNARY2(roundf, round, ::roundf(x), 0.f)
+#undef FRT_DUAL_UNARY2
+#undef FRT_DUAL_UNARY
+
+// The larger / smaller argument, with its derivative (ties: the first).
+#define FRT_DUAL_PICK(name, op) \
+    FRT_DUAL name(Dual a, Dual b) { return a.v op b.v || a.v == b.v ? a : b; }
+FRT_DUAL_PICK(fmaxf, >)
+FRT_DUAL_PICK(fmax, >)
+FRT_DUAL_PICK(max, >)
+FRT_DUAL_PICK(fminf, <)
+FRT_DUAL_PICK(fmin, <)
+FRT_DUAL_PICK(min, <)
+#undef FRT_DUAL_PICK
+
+// a^b: a constant exponent differentiates without log a (a <= 0 allowed).
+#define FRT_DUAL_POW(name)                                                                   \
+    FRT_DUAL name(Dual a, Dual b) {                                                          \
+        const float f = ::powf(a.v, b.v);                                                    \
+        const float da = a.d == 0.f ? 0.f : b.v * ::powf(a.v, b.v - 1.f) * a.d;              \
+        return Dual(f, b.d == 0.f ? da : da + f * ::logf(a.v) * b.d);                        \
+    }
+FRT_DUAL_POW(powf)
+FRT_DUAL_POW(pow)
+#undef FRT_DUAL_POW
+__device__ __forceinline__ Dual fmaf(Dual a, Dual b, Dual c) { return a * b + c; }
+__device__ __forceinline__ Dual fma(Dual a, Dual b, Dual c) { return a * b + c; }
+__device__ __forceinline__ Dual __fdividef(Dual a, Dual b) { return a / b; }
+#undef FRT_DUAL
+
+}  // namespace flashrt_dual
