@@ -28,8 +28,8 @@ ARRAY_ARGS = ("seqlens_q", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "block_i
 # The params field (params.py) that carries each array's pointer.
 ARRAY_FIELDS = dict(zip(ARRAY_ARGS, ("seqlens_q", "seqlens_k", "cu_q", "cu_k", "block_q", "block_k", "seg_q", "seg_k")))
 _ARRAY_FIELD_SET = frozenset(ARRAY_FIELDS.values())
-ARGS = ARRAY_ARGS + ("window", "max_seqlen_q", "max_seqlen_k", "mask_mod", "mask_tensors", "score_mod", "score_mod_grad",
-                     "score_tensors")
+ARGS = ARRAY_ARGS + ("window", "max_seqlen_q", "max_seqlen_k", "mask_mod", "mask_tensors", "score_mod",
+                     "score_mod_grad", "score_tensors")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 
 

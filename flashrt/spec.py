@@ -388,7 +388,8 @@ SCORE_END_FILE = "flashrt_score_mod_end"
 def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> str:
     """The definitions of kernels_cu/attention/score_mod.cuh's flashrt_score_mod (and with_grad its derivative,
     flashrt_score_mod_grad: `grad` over float s, or with grad == "" the expression over dual numbers, dual.cuh)
-    around a user's expressions, at global scope as mask_mod_source writes mask_mod's."""
+    around a user's expressions, in namespace flashrt_expr (dual.cuh: the fast tanh, exp and log it sees), after the
+    kernel source as mask_mod_source writes mask_mod's."""
     args = ("int b, int h, int q, int k, int Lq, int Lk, const void* t0, const void* t1, const void* t2, "
             "const void* t3")
     names = "".join(f"    const {ctype}* const {n} = static_cast<const {ctype}*>(t{i});\n"
@@ -397,15 +398,15 @@ def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> s
     def wrapped(text: str, file: str) -> str:
         return f'#line 1 "{file}"\n{text}\n#line 1 "{SCORE_END_FILE}"\n'
 
-    out = (f"FRT_DEVICE float flashrt_score_mod(float s, {args}) {{\n{names}"
+    out = (f"namespace flashrt_expr {{\nFRT_DEVICE float flashrt_score_mod(float s, {args}) {{\n{names}"
            f"    return static_cast<float>(\n{wrapped(expr, SCORE_FILE)}    );\n}}\n")
     if not with_grad:
-        return out
+        return out + "}\n"
     if grad:
         return out + (f"FRT_DEVICE float flashrt_score_mod_grad(float s, {args}, float* flashrt_value) {{\n"
                       f"    *flashrt_value = flashrt_score_mod(s, b, h, q, k, Lq, Lk, t0, t1, t2, t3);\n{names}"
-                      f"    return static_cast<float>(\n{wrapped(grad, SCORE_GRAD_FILE)}    );\n}}\n")
+                      f"    return static_cast<float>(\n{wrapped(grad, SCORE_GRAD_FILE)}    );\n}}\n}}\n")
     return out + (f"FRT_DEVICE float flashrt_score_mod_grad(float flashrt_s, {args}, float* flashrt_value) {{\n"
                   f"{names}    const flashrt_dual::Dual s(flashrt_s, 1.f);\n"
                   f"    const flashrt_dual::Dual flashrt_r = flashrt_dual::Dual(\n{wrapped(expr, SCORE_DUAL_FILE)}"
-                  f"    );\n    *flashrt_value = flashrt_r.v;\n    return flashrt_r.d;\n}}\n")
+                  f"    );\n    *flashrt_value = flashrt_r.v;\n    return flashrt_r.d;\n}}\n}}\n")

@@ -50,8 +50,8 @@ _SM90_MASK_LIMITS = {
 
 
 # Score-modification variants (softcap, ALiBi, score_mod) not chosen: family -> head_dims above which its kernel
-# with one is not used: the wgmma fused backward at head_dim 128, neither timed nor tested on a GPU with them (its former
-# 8-warp form spilled there; the warp-specialised one compiles with the plain variant's 24-28 bytes of producer
+# with one is not used: the wgmma fused backward at head_dim 128, neither timed nor tested on a GPU with them (its
+# former 8-warp form spilled there; the warp-specialised one compiles with the plain variant's 24-28 bytes of producer
 # spills); the split pair runs instead.
 _SCORE_MOD_MAX_HEAD_DIM = {"bwd_fused_sm90": 64}
 

@@ -1,5 +1,12 @@
-// Forward-mode dual numbers: the automatic derivative of a score_mod expression (score_mod.cuh; flashrt/spec.py:
-// score_mod_source evaluates the expression once more with s a Dual when no score_mod_grad is given).
+// A score_mod expression's environment (score_mod.cuh; flashrt/spec.py: score_mod_source defines the user's functions
+// in namespace flashrt_expr), and forward-mode dual numbers for its automatic derivative (score_mod_source evaluates
+// the expression once more with s a Dual when no score_mod_grad is given).
+//
+// In the expression, tanh, exp, exp2, log and log2 of a float are the hardware's approximations (one MUFU op each:
+// tanh.approx as the built-in softcap's, relative error <= 2^-10.99; ex2 / lg2.approx, ~2^-22), hiding CUDA's accurate
+// ones for the expression only (the accurate tanhf cost a capped score 2.2-3.2x the built-in softcap's forward, H200;
+// docs/perf-notes.md: score_mod). The dual numbers evaluate the same functions, so that the backward's scores are
+// bitwise the forward's.
 //
 // A Dual carries a value and its derivative in s. Constants convert to a Dual of derivative 0; the arithmetic and
 // comparison operators and the math functions below are found by argument-dependent lookup wherever an argument is
@@ -7,6 +14,31 @@
 // expression that casts s, or calls a function not overloaded here, does not compile (the error asks for
 // score_mod_grad) rather than give a derivative that silently misses a term.
 #pragma once
+
+namespace flashrt_expr {
+__device__ __forceinline__ float tanhf(float x) {
+    float r;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float exp2f(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float log2f(float x) {
+    float r;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float expf(float x) { return exp2f(x * 1.4426950408889634f); }
+__device__ __forceinline__ float logf(float x) { return log2f(x) * 0.6931471805599453f; }
+__device__ __forceinline__ float tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ float exp(float x) { return expf(x); }
+__device__ __forceinline__ float exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ float log(float x) { return logf(x); }
+__device__ __forceinline__ float log2(float x) { return log2f(x); }
+}  // namespace flashrt_expr
 
 namespace flashrt_dual {
 
@@ -42,14 +74,14 @@ __device__ __forceinline__ Dual chain(float f, float df, Dual a) { return Dual(f
 #define FRT_DUAL_UNARY2(fname, dname, value, slope) \
     FRT_DUAL_UNARY(fname, value, slope)            \
     FRT_DUAL_UNARY(dname, value, slope)
-FRT_DUAL_UNARY2(tanhf, tanh, ::tanhf(x), 1.f - f * f)
-FRT_DUAL_UNARY2(expf, exp, ::expf(x), f)
+FRT_DUAL_UNARY2(tanhf, tanh, flashrt_expr::tanhf(x), 1.f - f * f)
+FRT_DUAL_UNARY2(expf, exp, flashrt_expr::expf(x), f)
 FRT_DUAL_UNARY(__expf, ::__expf(x), f)
-FRT_DUAL_UNARY2(exp2f, exp2, ::exp2f(x), f * 0.6931471805599453f)
+FRT_DUAL_UNARY2(exp2f, exp2, flashrt_expr::exp2f(x), f * 0.6931471805599453f)
 FRT_DUAL_UNARY2(expm1f, expm1, ::expm1f(x), f + 1.f)
-FRT_DUAL_UNARY2(logf, log, ::logf(x), 1.f / x)
+FRT_DUAL_UNARY2(logf, log, flashrt_expr::logf(x), 1.f / x)
 FRT_DUAL_UNARY(__logf, ::__logf(x), 1.f / x)
-FRT_DUAL_UNARY2(log2f, log2, ::log2f(x), 1.4426950408889634f / x)
+FRT_DUAL_UNARY2(log2f, log2, flashrt_expr::log2f(x), 1.4426950408889634f / x)
 FRT_DUAL_UNARY2(log10f, log10, ::log10f(x), 0.4342944819032518f / x)
 FRT_DUAL_UNARY2(log1pf, log1p, ::log1pf(x), 1.f / (1.f + x))
 FRT_DUAL_UNARY2(sqrtf, sqrt, ::sqrtf(x), 0.5f / f)

@@ -34,11 +34,14 @@
 // positions in the sequence, the sequence's lengths and up to four tensors (float or int, as the user's names
 // declare them), and its derivative in s (the value in *value as well): the user's score_mod_grad, or the expression
 // once more over dual numbers (dual.cuh). flashrt/spec.py (score_mod_source) writes their definitions after the
-// kernel source, at global scope, as it does mask_mod's; the forward kernels call only the first.
+// kernel source, in the expression's environment (dual.cuh: namespace flashrt_expr); the forward kernels call only
+// the first.
+namespace flashrt_expr {
 FRT_DEVICE float flashrt_score_mod(float s, int b, int h, int q, int k, int Lq, int Lk, const void* t0, const void* t1,
                                    const void* t2, const void* t3);
 FRT_DEVICE float flashrt_score_mod_grad(float s, int b, int h, int q, int k, int Lq, int Lk, const void* t0,
                                         const void* t1, const void* t2, const void* t3, float* value);
+}  // namespace flashrt_expr
 #endif
 
 namespace frt {
@@ -134,7 +137,7 @@ struct ScoreMod {
     FRT_DEVICE float value(float s, int i, int j) const {
 #if FRT_SCORE_MOD
         i = min(i, Lq - 1), j = min(j, Lk - 1);
-        return flashrt_score_mod(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3]) * inv;
+        return flashrt_expr::flashrt_score_mod(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3]) * inv;
 #else
         return s;
 #endif
@@ -146,7 +149,7 @@ struct ScoreMod {
 #if FRT_SCORE_MOD
         i = min(i, Lq - 1), j = min(j, Lk - 1);
         float f;
-        g = flashrt_score_mod_grad(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3], &f);
+        g = flashrt_expr::flashrt_score_mod_grad(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3], &f);
         return f * inv;
 #else
         g = 1.f;
