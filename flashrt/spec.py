@@ -345,7 +345,10 @@ class KernelSpec:
             defines["FRT_MAP_SPLIT"] = self.map_split
         if self.family in ("bwd_dkdv", "bwd_fused"):
             defines.update(zip(("FRT_GEMM_WM1", "FRT_GEMM_WM2", "FRT_GEMM_WM3"), self.gemm_warps))
-        return [*NVRTC_OPTIONS, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in defines.items())]
+        # (a score_mod's divisions approximate, 2 ulp: an IEEE division per score cost more than the exponential;
+        # the kernels divide nowhere else per score. kernels_cu/attention/dual.cuh: its other fast functions)
+        fast = ["--prec-div=false"] if self.score_mod else []
+        return [*NVRTC_OPTIONS, *fast, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in defines.items())]
 
     def translation_unit(self) -> str:
         return (f'#include "{self.source_file}"\n' + params.static_asserts(FAMILIES[self.family][1])

@@ -109,23 +109,26 @@ struct Alibi {
 };
 
 // A user's score_mod (FRT_SCORE_MOD; FwdParams / BwdParams::score_t0..3 its tensors): the raw score s of query i
-// and key j of query head h becomes f(scale s, ...) / scale, before the mask (a hidden pair's value is never read:
+// and key j of query head h becomes f(scale s, ...), a scaled score (the exponentials take it times log2 e:
+// exp_scale), before the mask (a hidden pair's value is never read:
 // masks assign, and the backward zeroes P and dS there by selection, not by a product). The positions are clamped
 // to the sequence's last (they are never negative, and a tile that holds rows or keys has Lq, Lk >= 1), as
 // mask_mod's are, so that a tile's rows and columns past its ends read the tensors where the expression reads them
 // for a pair inside it. (Clamped at 0 as well, the head_dim 128 causal dK / dV kernel spilled 32 bytes with a
 // bias-table expression, NVRTC 12.9.) The backward takes P from f's value and multiplies dS by f'.
 struct ScoreMod {
-    float scale = 0.f, inv = 0.f;  // softmax_scale (from scale_log2, the same in both passes) and 1 / it
+    float scale = 0.f;  // softmax_scale (from scale_log2, the same in both passes)
     int b = 0, h = 0, Lq = 1, Lk = 1;
     const void* t[4] = {};
     ScoreMod() = default;
     template <class P, class Vis>
     FRT_DEVICE ScoreMod(const P& p, int b_, int h_, const Vis& vis)
-        : scale(p.scale_log2 * (1.f / kLog2e)), inv(1.f / (p.scale_log2 * (1.f / kLog2e))), b(b_), h(h_),
-          Lq(vis.Lq), Lk(vis.Lk) {
+        : scale(p.scale_log2 * (1.f / kLog2e)), b(b_), h(h_), Lq(vis.Lq), Lk(vis.Lk) {
         t[0] = p.score_t0, t[1] = p.score_t1, t[2] = p.score_t2, t[3] = p.score_t3;
     }
+    // The factor of a score in the base-2 exponentials (scale_log2 of a raw score; log2 e of a modified one, which
+    // is scaled already: one multiply per score fewer than a raw value).
+    FRT_DEVICE static float exp_scale(float scale_log2) { return FRT_SCORE_MOD ? kLog2e : scale_log2; }
     // This modification for query head h_ (the backward's key-parallel kernels visit several).
     FRT_DEVICE ScoreMod head(int h_) const {
         ScoreMod m = *this;
@@ -133,11 +136,11 @@ struct ScoreMod {
         return m;
     }
 
-    // The modified raw score of pair (i, j).
+    // The modified score of pair (i, j) (scaled: exp_scale).
     FRT_DEVICE float value(float s, int i, int j) const {
 #if FRT_SCORE_MOD
         i = min(i, Lq - 1), j = min(j, Lk - 1);
-        return flashrt_expr::flashrt_score_mod(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3]) * inv;
+        return flashrt_expr::flashrt_score_mod(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3]);
 #else
         return s;
 #endif
@@ -150,7 +153,7 @@ struct ScoreMod {
         i = min(i, Lq - 1), j = min(j, Lk - 1);
         float f;
         g = flashrt_expr::flashrt_score_mod_grad(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3], &f);
-        return f * inv;
+        return f;
 #else
         g = 1.f;
         return s;

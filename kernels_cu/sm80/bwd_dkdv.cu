@@ -174,7 +174,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                     }
                     if constexpr (FRT_SCORE_MOD)  // (positions in the sequence: S^T's rows are keys)
                         x = smod.head(pa.h).value_grad(x, m0 + qc, n0 + at.row(mt, c), grad);
-                    float pr = fast_exp2(fmaf(x, p.scale_log2, -s_lse2[qc]));
+                    float pr = fast_exp2(fmaf(x, ScoreMod::exp_scale(p.scale_log2), -s_lse2[qc]));
                     if (need_mask) {
                         if (!at.visible<true>(mt, nt, c, [&](int q, int k) { return tile.visible(m0 + q, n0 + k, pa.h); }))
                             pr = 0.f;

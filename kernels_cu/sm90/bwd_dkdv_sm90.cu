@@ -157,7 +157,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 if constexpr (FRT_SCORE_MOD) {  // warpgroup 1 gets P^T f', the factor of dS^T
                     const auto pr = tile.pair(p, it);
                     float pg[BM / 2];
-                    mod_probabilities<BM>(x, s_lse2, p.scale_log2, hidden, smod.head(pr.h), key_base, pr.m * BM, t,
+                    mod_probabilities<BM>(x, s_lse2, hidden, smod.head(pr.h), key_base, pr.m * BM, t,
                                           [&](int i, float v) { pg[i] = v; });
 #pragma unroll
                     for (int q = 0; q < BM / 8; ++q)
@@ -220,7 +220,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 fence_operand(s);
                 fence_operand(dp);
                 fence_acc_and_frags(acc, pa, dsa);  // the previous pair's wgmmas are done with them
-                mod_ds<BM>(s, dp, s_lse2, s_delta, p.scale_log2, hidden, smod.head(pr.h), key_base, pr.m * BM, t);
+                mod_ds<BM>(s, dp, s_lse2, s_delta, hidden, smod.head(pr.h), key_base, pr.m * BM, t);
             } else {
                 wgmma_wait<2>();  // S^T is complete (the previous dV / dK and dP^T may not be)
                 fence_operand(s);
@@ -254,7 +254,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)
             fence_operand(s);
             if constexpr (FRT_SCORE_MOD) {  // (P^T packed, P^T f' left in s: mod_probabilities_packed)
-                mod_probabilities_packed<BM, T::BF16>(s, pa, s_lse2, p.scale_log2, hidden, smod.head(pr.h), key_base,
+                mod_probabilities_packed<BM, T::BF16>(s, pa, s_lse2, hidden, smod.head(pr.h), key_base,
                                                       pr.m * BM, t);
             } else {
                 add_alibi<BM>(s, p, tile, pr.h, pr.m, key_base, t);

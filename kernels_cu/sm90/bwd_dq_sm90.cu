@@ -238,7 +238,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
                     float grad;
                     const float x = smod.value_grad(s[4 * jj + c], row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1),
                                                     grad);
-                    const float pr = fast_exp2(fmaf(x, p.scale_log2, -lse2[c >> 1]));
+                    const float pr = fast_exp2(fmaf(x, kLog2e, -lse2[c >> 1]));  // (ScoreMod::exp_scale)
                     s[4 * jj + c] = pr > 0.f ? pr * grad : 0.f;  // (any f' where P is 0)
                 } else if constexpr (FRT_SOFTCAP) {
                     const float th = cap.tanh_of(s[4 * jj + c]);

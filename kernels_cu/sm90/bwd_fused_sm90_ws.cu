@@ -55,8 +55,9 @@ struct FusedWsTraits {
     static constexpr int PRODUCER_REGS = (168 * 384 - 2 * 128 * CONSUMER_REGS) / 128;
     static constexpr bool INTERVALS = MASK != 0 || D <= 64;  // as bwd_dkdv_sm90.cu's
     static constexpr bool ORDERED = !(MASK & (MASK_SEGMENTS | MASK_MOD));  // (flashrt/masks.py: ordered_dq_ok)
-    // K and V rows as the A operands of S^T and dP^T (bwd_dkdv_sm90.cu); not with 128-query tiles (the registers)
-    static constexpr bool KV_REGS = D == 64 && !WIDE;
+    // K and V rows as the A operands of S^T and dP^T (bwd_dkdv_sm90.cu); not with 128-query tiles (the registers),
+    // nor with a score_mod (beside its expression's registers they spilled 4-16 bytes, NVRTC 12.9)
+    static constexpr bool KV_REGS = D == 64 && !WIDE && !FRT_SCORE_MOD;
     static constexpr int STAGES = D == 64 && !WIDE ? 4 : 2;  // (spec.py's smem formula: the same)
     // dQ per consumer warpgroup: half its columns (64-query tiles) or its 64 rows (128-query tiles)
     static constexpr int DQ_N = WIDE ? D : D / 2;
@@ -207,7 +208,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         // (FRT_SCORE_MOD: P^T packed here and P^T f' left in sc for ds_from_dp: mod_probabilities_packed)
         static_assert(!(FRT_SCORE_MOD && T::WIDE), "bwd_fused_sm90: score_mod variants have 64-query tiles");
         if constexpr (FRT_SCORE_MOD) {
-            mod_probabilities_packed<BM, T::BF16>(sc, pa, s_lse2, p.scale_log2, hidden, smod.head(pr.h), key_base,
+            mod_probabilities_packed<BM, T::BF16>(sc, pa, s_lse2, hidden, smod.head(pr.h), key_base,
                                                   pr.m * BM, t);
         } else {
             add_alibi<BM>(sc, p, tile, pr.h, pr.m, key_base, t);

@@ -136,13 +136,13 @@ FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float sca
         if (hidden >> i & 1) s[i] = 0.f;
 }
 
-// FRT_SCORE_MOD: P^T = exp2(f(S^T) * scale_log2 - lse2[query]) on the accumulator fragment (f: the user's score_mod,
+// FRT_SCORE_MOD: P^T = exp2(f(S^T) log2 e - lse2[query]) on the accumulator fragment (f: the user's score_mod,
 // mod for the pair's query head; key_base: the thread's first key, q0 the tile's first query, positions in the
 // sequence), 0 where `hidden` says so, and pg(i, P^T f') for each element i, 0 where P^T is (any f' there): the
 // factor of dS^T, which the caller takes at once (mod_ds) or hands on (bwd_dkdv_sm90.cu's ROLES).
 template <int BM, class PG>
-FRT_DEVICE void mod_probabilities(float (&s)[BM / 2], const float* s_lse2, float scale_log2, HiddenWord<BM> hidden,
-                                  const ScoreMod& mod, int key_base, int q0, int t, const PG& pg) {
+FRT_DEVICE void mod_probabilities(float (&s)[BM / 2], const float* s_lse2, HiddenWord<BM> hidden, const ScoreMod& mod,
+                                  int key_base, int q0, int t, const PG& pg) {
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
         const float2 l = *reinterpret_cast<const float2*>(s_lse2 + 8 * j + 2 * t);
@@ -153,7 +153,7 @@ FRT_DEVICE void mod_probabilities(float (&s)[BM / 2], const float* s_lse2, float
                 const int i = 4 * j + 2 * hh + e;
                 float grad;
                 const float x = mod.value_grad(s[i], q0 + 8 * j + 2 * t + e, key_base + 8 * hh, grad);
-                const float pr = (hidden >> i & 1) ? 0.f : fast_exp2(fmaf(x, scale_log2, -(e ? l.y : l.x)));
+                const float pr = (hidden >> i & 1) ? 0.f : fast_exp2(fmaf(x, kLog2e, -(e ? l.y : l.x)));  // (exp_scale)
                 s[i] = pr;
                 pg(i, pr > 0.f ? pr * grad : 0.f);
             }
@@ -166,10 +166,9 @@ FRT_DEVICE void mod_probabilities(float (&s)[BM / 2], const float* s_lse2, float
 // complete and mod_ds instead, the head_dim 128 causal dK / dV kernel spilled 16-32 bytes, NVRTC 12.9.)
 template <int BM, bool BF16>
 FRT_DEVICE void mod_probabilities_packed(float (&s)[BM / 2], u32 (&pa)[BM / 16][4], const float* s_lse2,
-                                         float scale_log2, HiddenWord<BM> hidden, const ScoreMod& mod, int key_base,
-                                         int q0, int t) {
+                                         HiddenWord<BM> hidden, const ScoreMod& mod, int key_base, int q0, int t) {
     float pair[2];
-    mod_probabilities<BM>(s, s_lse2, scale_log2, hidden, mod, key_base, q0, t, [&](int i, float pg) {
+    mod_probabilities<BM>(s, s_lse2, hidden, mod, key_base, q0, t, [&](int i, float pg) {
         pair[i & 1] = s[i];  // (P^T, which mod_probabilities set)
         s[i] = pg;
         if (i & 1) pa[i >> 3][(i >> 1) & 3] = Elem<BF16>::pack(pair[0], pair[1]);
@@ -180,8 +179,8 @@ FRT_DEVICE void mod_probabilities_packed(float (&s)[BM / 2], u32 (&pa)[BM / 16][
 // once (the pipelined head_dim 64 kernel, whose A fragments hold the previous pair's until its wgmmas are done).
 template <int BM>
 FRT_DEVICE void mod_ds(float (&s)[BM / 2], float (&dp)[BM / 2], const float* s_lse2, const float* s_delta,
-                       float scale_log2, HiddenWord<BM> hidden, const ScoreMod& mod, int key_base, int q0, int t) {
-    mod_probabilities<BM>(s, s_lse2, scale_log2, hidden, mod, key_base, q0, t, [&](int i, float pg) {
+                       HiddenWord<BM> hidden, const ScoreMod& mod, int key_base, int q0, int t) {
+    mod_probabilities<BM>(s, s_lse2, hidden, mod, key_base, q0, t, [&](int i, float pg) {
         dp[i] = pg * (dp[i] - s_delta[8 * (i >> 2) + 2 * t + (i & 1)]);
     });
 }

@@ -176,7 +176,7 @@ struct FwdRows {
     FRT_DEVICE void online(float scale_log2) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            alpha[hh] = online_row<JHI>(row_max[hh], row_sum[hh], cap.scale_of(scale_log2),
+            alpha[hh] = online_row<JHI>(row_max[hh], row_sum[hh], ScoreMod::exp_scale(cap.scale_of(scale_log2)),
                                         [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; });
 #pragma unroll
             for (int jj = JHI; jj < BN / 8; ++jj) s[4 * jj + 2 * hh] = s[4 * jj + 2 * hh + 1] = 0.f;
