@@ -244,12 +244,14 @@ _SCORE_MOD_PREFERENCES = {
     # (128-query tiles at head_dim 64 spill 16-96 bytes with softcap, 0-8 with ALiBi: not measured against 64)
     "bwd_fused_sm90": [(128, [(64, 128, 12)])],
 }
-# Tilings of a user's score_mod (spec.KernelSpec.score_mod), family -> (lo, hi, tilings) for lo < head_dim <= hi,
-# ahead of every table above (the long-rows one aside: not taken with a score_mod). Chosen by spills of the compile
-# proof's expressions (tests/test_compile.py: a capped score, an ALiBi-like one over a slopes tensor, a relative-bias
-# table read per element; NVRTC 12.9) where the softcap / ALiBi tilings spill: the mma.sync forward at head_dim 64
-# with four warps (116-120 bytes, bias table), the warp-specialised forward with 80- or 128-key tiles above head_dim
-# 64 (12-56 bytes), the wgmma dQ at two blocks per SM (128-200 bytes).
+# Tilings of a user's score_mod that reads tensors (spec.KernelSpec.score_mod), family -> (lo, hi, tilings) for
+# lo < head_dim <= hi, ahead of every table above (the long-rows one aside: not taken with a score_mod). Chosen by
+# spills of the compile proof's expressions (tests/test_compile.py: a capped score, an ALiBi-like one over a slopes
+# tensor, a relative-bias table read per element; NVRTC 12.9) where the softcap / ALiBi tilings spill, each time with
+# an expression that reads a tensor: the mma.sync forward at head_dim 64 with four warps (116-120 bytes, bias table),
+# the warp-specialised forward with 80- or 128-key tiles above head_dim 64 (12-56 bytes), the wgmma dQ at two blocks
+# per SM (128-200 bytes). An expression of s and the positions alone keeps the softcap tilings (the 64-key ones cost
+# a capped score's head_dim 128 forward 1.14-1.30x the built-in softcap's time, against 0.95-1.14x at 64, H200).
 _USER_MOD_PREFERENCES = {
     "fwd": [(0, 64, [(128, 64, 8)])],
     "fwd_sm90_ws": [(64, 256, [(128, 64, 12)])],
@@ -352,7 +354,7 @@ def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
         table = _MOD_PREFERENCES.get(family, table)
     if softcap or alibi or score_mod:
         table = _SCORE_MOD_PREFERENCES.get(family, table)
-    if score_mod:
+    if score_mod and score_mod[2]:  # (it reads tensors)
         table = [(256, prefs) for lo, hi, prefs in _USER_MOD_PREFERENCES.get(family, ()) if lo < head_dim <= hi] + table
     for max_d, prefs in table:
         if head_dim <= max_d:
