@@ -127,6 +127,10 @@ def flex_cases(q, k, v, do, causal, mods, slopes, bias):
     """FlexAttention's forward and forward+backward per modification (the same function as flashrt's s:*; its
     built-in twins: softcap as s:cap, ALiBi as s:alibi); sinks are left out (n/a)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    # (each function, mask and requires_grad is a compile of its own: past dynamo's default limit of 8, Flex falls
+    # back to its unfused eager form)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
     flex = torch.compile(flex_attention)
     B, S, H, D = q.shape
     qt, kt, vt, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
