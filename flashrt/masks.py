@@ -261,7 +261,8 @@ def _check_score_mod(expr, grad, tensors) -> tuple[str, str]:
             what = ("a CUDA float expression, the new scaled score" if name == "score_mod" else
                     "a CUDA float expression, the derivative of score_mod in s (or None: derived automatically)")
             raise ValueError(f"{name} must be {what}, over float s (softmax_scale * q.k), int "
-                             f"{', '.join(MOD_VARIABLES)} and the names of score_tensors, such as "
+                             f"{', '.join(MOD_VARIABLES)}, float qf, kf (q and k as floats) and the names of "
+                             f"score_tensors, such as "
                              f"\"30.f * tanhf(s / 30.f)\"; got {value!r}")
         if value.rstrip().endswith("\\"):
             raise ValueError(f"{name} must not end in a backslash (it would continue onto flashrt's next line): "
@@ -291,7 +292,8 @@ def score_mod_error(score: tuple, log: str) -> ValueError:
              for ln in log.rstrip().splitlines()
              if not ln.rstrip().endswith('.cu".') and "error detected" not in ln and "errors detected" not in ln]
     text = "\n  ".join(ln for ln in lines if ln.strip())
-    names = ", ".join(("float s",) + MOD_VARIABLES + tuple(f"const {t}* {n}" for n, t in tensors))
+    names = ", ".join(("float s",) + MOD_VARIABLES + ("float qf", "float kf")
+                      + tuple(f"const {t}* {n}" for n, t in tensors))
     mine = (SCORE_FILE + "(", SCORE_GRAD_FILE + "(")
     if SCORE_DUAL_FILE in log and not any(ln.startswith(mine) for ln in lines):
         return ValueError(f"score_mod's automatic derivative does not compile: the expression is differentiated by "

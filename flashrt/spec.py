@@ -84,9 +84,10 @@ FWD_WS_NO_MASKS = (MASK_BITS["block_ids"] | MASK_BITS["mod"], MASK_BITS["segment
 # What a mask_mod expression sees besides its tensors (kernels_cu/attention/mask.cuh: flashrt_mask_mod).
 MOD_VARIABLES = ("b", "h", "q", "k", "Lq", "Lk")
 MAX_MOD_TENSORS = 4
-# What a score_mod expression sees besides its tensors (score_mod.cuh: flashrt_score_mod): the scaled score first;
-# its tensors' element types (KernelSpec.score_mod).
-SCORE_VARIABLES = ("s",) + MOD_VARIABLES
+# What a score_mod expression sees besides its tensors (score_mod.cuh: flashrt_score_mod): the scaled score first,
+# then mask_mod's, then q and k as floats (cheaper than converting them per score); its tensors' element types
+# (KernelSpec.score_mod).
+SCORE_VARIABLES = ("s",) + MOD_VARIABLES + ("qf", "kf")
 SCORE_TENSOR_TYPES = ("float", "int")
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
 HEAD_DIMS = tuple(range(8, 257, 8))
@@ -393,8 +394,8 @@ def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> s
     flashrt_score_mod_grad: `grad` over float s, or with grad == "" the expression over dual numbers, dual.cuh)
     around a user's expressions, in namespace flashrt_expr (dual.cuh: the fast tanh, exp and log it sees), after the
     kernel source as mask_mod_source writes mask_mod's."""
-    args = ("int b, int h, int q, int k, int Lq, int Lk, const void* t0, const void* t1, const void* t2, "
-            "const void* t3")
+    args = ("int b, int h, int q, int k, int Lq, int Lk, float qf, float kf, const void* t0, const void* t1, "
+            "const void* t2, const void* t3")
     names = "".join(f"    const {ctype}* const {n} = static_cast<const {ctype}*>(t{i});\n"
                     for i, (n, ctype) in enumerate(tensors))
 
@@ -407,7 +408,7 @@ def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> s
         return out + "}\n"
     if grad:
         return out + (f"FRT_DEVICE float flashrt_score_mod_grad(float s, {args}, float* flashrt_value) {{\n"
-                      f"    *flashrt_value = flashrt_score_mod(s, b, h, q, k, Lq, Lk, t0, t1, t2, t3);\n{names}"
+                      f"    *flashrt_value = flashrt_score_mod(s, b, h, q, k, Lq, Lk, qf, kf, t0, t1, t2, t3);\n{names}"
                       f"    return static_cast<float>(\n{wrapped(grad, SCORE_GRAD_FILE)}    );\n}}\n}}\n")
     return out + (f"FRT_DEVICE float flashrt_score_mod_grad(float flashrt_s, {args}, float* flashrt_value) {{\n"
                   f"{names}    const flashrt_dual::Dual s(flashrt_s, 1.f);\n"

@@ -31,16 +31,16 @@
 #if FRT_SCORE_MOD
 #include "attention/dual.cuh"
 // The user's expression f over the scaled score s (softmax_scale q . k), the batch entry, query head, query and key
-// positions in the sequence, the sequence's lengths and up to four tensors (float or int, as the user's names
+// positions in the sequence, the sequence's lengths, the positions as floats (qf, kf) and up to four tensors (float or int, as the user's names
 // declare them), and its derivative in s (the value in *value as well): the user's score_mod_grad, or the expression
 // once more over dual numbers (dual.cuh). flashrt/spec.py (score_mod_source) writes their definitions after the
 // kernel source, in the expression's environment (dual.cuh: namespace flashrt_expr); the forward kernels call only
 // the first.
 namespace flashrt_expr {
-FRT_DEVICE float flashrt_score_mod(float s, int b, int h, int q, int k, int Lq, int Lk, const void* t0, const void* t1,
-                                   const void* t2, const void* t3);
-FRT_DEVICE float flashrt_score_mod_grad(float s, int b, int h, int q, int k, int Lq, int Lk, const void* t0,
-                                        const void* t1, const void* t2, const void* t3, float* value);
+FRT_DEVICE float flashrt_score_mod(float s, int b, int h, int q, int k, int Lq, int Lk, float qf, float kf,
+                                   const void* t0, const void* t1, const void* t2, const void* t3);
+FRT_DEVICE float flashrt_score_mod_grad(float s, int b, int h, int q, int k, int Lq, int Lk, float qf, float kf,
+                                        const void* t0, const void* t1, const void* t2, const void* t3, float* value);
 }  // namespace flashrt_expr
 #endif
 
@@ -136,23 +136,40 @@ struct ScoreMod {
         return m;
     }
 
-    // The modified score of pair (i, j) (scaled: exp_scale).
-    FRT_DEVICE float value(float s, int i, int j) const {
+    // Element (mt, jj, c) of the fragments at `at` (mask.cuh: Fragments; TRANSPOSED: rows are keys): its query and
+    // key positions, clamped, as ints and as floats. The floats come from one conversion of the fragments' first row
+    // and column and exact offsets (an int-to-float conversion per score runs at the exponential's rate: an ALiBi-like
+    // expression of (float)k took 1.16-1.53x the built-in ALiBi's forward, H200; docs/perf-notes.md: score_mod).
+    template <bool TRANSPOSED>
+    FRT_DEVICE void positions(Fragments at, int mt, int jj, int c, int& i, int& j, float& fi, float& fj) const {
+        const int dr = 16 * mt + 8 * (c >> 1), dc = 8 * jj + (c & 1);
+        const int r = at.row0 + dr, col = at.col0 + dc;
+        const float rf = (float)at.row0 + (float)dr, cf = (float)at.col0 + (float)dc;
+        i = min(TRANSPOSED ? col : r, Lq - 1), j = min(TRANSPOSED ? r : col, Lk - 1);
+        fi = fminf(TRANSPOSED ? cf : rf, (float)(Lq - 1)), fj = fminf(TRANSPOSED ? rf : cf, (float)(Lk - 1));
+    }
+
+    // The modified score of element (mt, jj, c) (scaled: exp_scale).
+    template <bool TRANSPOSED = false>
+    FRT_DEVICE float value(float s, Fragments at, int mt, int jj, int c) const {
 #if FRT_SCORE_MOD
-        i = min(i, Lq - 1), j = min(j, Lk - 1);
-        return flashrt_expr::flashrt_score_mod(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3]);
+        int i, j;
+        float fi, fj;
+        positions<TRANSPOSED>(at, mt, jj, c, i, j, fi, fj);
+        return flashrt_expr::flashrt_score_mod(s * scale, b, h, i, j, Lq, Lk, fi, fj, t[0], t[1], t[2], t[3]);
 #else
         return s;
 #endif
     }
-    // ... and in g the derivative of the scaled score it gives in the scaled score (dS's factor). (A template, so
-    // that the forward kernels, whose sources define no derivative, never instantiate it.)
-    template <int = 0>
-    FRT_DEVICE float value_grad(float s, int i, int j, float& g) const {
+    // ... and in g its derivative in the scaled score (dS's factor). (A template, so that the forward kernels, whose
+    // sources define no derivative, never instantiate it.)
+    template <bool TRANSPOSED = false>
+    FRT_DEVICE float value_grad(float s, Fragments at, int mt, int jj, int c, float& g) const {
 #if FRT_SCORE_MOD
-        i = min(i, Lq - 1), j = min(j, Lk - 1);
-        float f;
-        g = flashrt_expr::flashrt_score_mod_grad(s * scale, b, h, i, j, Lq, Lk, t[0], t[1], t[2], t[3], &f);
+        int i, j;
+        float fi, fj, f;
+        positions<TRANSPOSED>(at, mt, jj, c, i, j, fi, fj);
+        g = flashrt_expr::flashrt_score_mod_grad(s * scale, b, h, i, j, Lq, Lk, fi, fj, t[0], t[1], t[2], t[3], &f);
         return f;
 #else
         g = 1.f;
@@ -168,10 +185,7 @@ struct ScoreMod {
 #pragma unroll
             for (int jj = 0; jj < N8; ++jj)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int r = at.row(mt, c), k = at.col(jj, c);
-                    x(mt, jj, c) = TRANSPOSED ? value(x(mt, jj, c), k, r) : value(x(mt, jj, c), r, k);
-                }
+                for (int c = 0; c < 4; ++c) x(mt, jj, c) = value<TRANSPOSED>(x(mt, jj, c), at, mt, jj, c);
     }
 };
 

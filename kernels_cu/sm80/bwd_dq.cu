@@ -95,7 +95,7 @@ __device__ void bwd_dq(const BwdParams& p) {
                         const float th = cap.tanh_of(x);
                         x = cap.cap * th, grad = 1.f - th * th;
                     }
-                    if constexpr (FRT_SCORE_MOD) x = smod.value_grad(x, at.row(mt, c), at.col(nt, c), grad);
+                    if constexpr (FRT_SCORE_MOD) x = smod.value_grad(x, at, mt, nt, c, grad);
                     float pr = fast_exp2(fmaf(x, ScoreMod::exp_scale(p.scale_log2), -lse2[mt][hh]));
                     if constexpr (FRT_SCORE_MOD) pr = pr > 0.f ? pr * grad : 0.f;  // (any f' where P is 0)
                     if (!MOD_PASS && need_mask) {

@@ -236,8 +236,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             for (int c = 0; c < 4; ++c) {
                 if constexpr (FRT_SCORE_MOD) {
                     float grad;
-                    const float x = smod.value_grad(s[4 * jj + c], row_base + 8 * (c >> 1), n0 + 8 * jj + 2 * t + (c & 1),
-                                                    grad);
+                    const float x = smod.value_grad(s[4 * jj + c], Fragments{row_base, n0 + 2 * t}, 0, jj, c, grad);
                     const float pr = fast_exp2(fmaf(x, kLog2e, -lse2[c >> 1]));  // (ScoreMod::exp_scale)
                     s[4 * jj + c] = pr > 0.f ? pr * grad : 0.f;  // (any f' where P is 0)
                 } else if constexpr (FRT_SOFTCAP) {

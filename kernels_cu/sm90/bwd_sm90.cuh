@@ -152,7 +152,7 @@ FRT_DEVICE void mod_probabilities(float (&s)[BM / 2], const float* s_lse2, Hidde
             for (int e = 0; e < 2; ++e) {
                 const int i = 4 * j + 2 * hh + e;
                 float grad;
-                const float x = mod.value_grad(s[i], q0 + 8 * j + 2 * t + e, key_base + 8 * hh, grad);
+                const float x = mod.value_grad<true>(s[i], Fragments{key_base, q0 + 2 * t}, 0, j, 2 * hh + e, grad);
                 const float pr = (hidden >> i & 1) ? 0.f : fast_exp2(fmaf(x, kLog2e, -(e ? l.y : l.x)));  // (exp_scale)
                 s[i] = pr;
                 pg(i, pr > 0.f ? pr * grad : 0.f);

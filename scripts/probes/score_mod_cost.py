@@ -66,7 +66,7 @@ def main():
             mods = {"plain": {}, "sinks": {"sinks": torch.randn(H, device="cuda")}, "softcap": {"softcap": 30.0},
                     "alibi": {"alibi_slopes": slopes},
                     "s:cap": {"score_mod": "30.f * tanhf(s * (1.f / 30.f))"},
-                    "s:alibi": {"score_mod": "s - slopes[h] * fabsf((float)k - (float)q - (float)(Lk - Lq))",
+                    "s:alibi": {"score_mod": "s - slopes[h] * fabsf(kf - qf - (float)(Lk - Lq))",
                                 "score_tensors": {"slopes": slopes}},
                     "s:rel": {"score_mod": f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]",
                               "score_tensors": {"bias": bias}}}
