@@ -30,11 +30,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, im
 
     A torch custom op with an autograd formula: works under torch.compile(fullgraph=True),
     CUDA graphs, activation checkpointing and autocast. Takes flashrt.forward's mask
-    arguments (window, seqlens_*, cu_seqlens_*, block_ids_*, segment_ids_*). For torch's
+    arguments (window, seqlens_*, cu_seqlens_*, block_ids_*, segment_ids_*, mask_mod). For torch's
     SDPA layout and signature, see flashrt.torch.scaled_dot_product_attention. softcap: scores capped to
     softcap * tanh(score / softcap); alibi_slopes: (H,) or (B, H) ALiBi slopes (flashrt.forward) of any floating
     dtype, not differentiable (pass alibi_slopes.detach()); sinks: (H,) attention-sink logits (flashrt.forward), a
-    differentiable tensor of any floating dtype.
+    differentiable tensor of any floating dtype. score_mod="..." (a CUDA float expression over s, the scaled score,
+    and b, h, q, k, Lq, Lk), score_mod_grad (its derivative in s; default: derived automatically) and score_tensors
+    (at most 4 float32 / int32 tensors it reads, not differentiable: pass them .detach()), as flashrt.forward takes
+    them; not with softcap or alibi_slopes.
     """
     try:
         from .torch_ops import attention as _attention

@@ -127,13 +127,19 @@ def _check_score_mod(m: masks.Masking, softcap: float, alibi: bool) -> None:
 
 def _compiled_score_mod(m: masks.Masking, dev, specs) -> None:
     """A score_mod call's kernels compiled before its plan is made, so that an expression NVRTC rejects raises
-    masks.score_mod_error (the fault marked in the user's text), not the kernel's compile error."""
+    masks.score_mod_error (the fault marked in the user's text; a mask_mod's fault, masks.mask_mod_error), not the
+    kernel's compile error."""
+    from .spec import MOD_FILE, SCORE_DUAL_FILE, SCORE_FILE, SCORE_GRAD_FILE
     for spec in specs:
         if spec.score_mod:
             try:
                 launch.function(spec, dev)
             except nvrtc.CompileError as exc:
-                raise masks.score_mod_error(m.score_mod, exc.log) from None
+                if any(f + "(" in exc.log for f in (SCORE_FILE, SCORE_GRAD_FILE, SCORE_DUAL_FILE)):
+                    raise masks.score_mod_error(m.score_mod, exc.log) from None
+                if m.mask_mod and MOD_FILE + "(" in exc.log:
+                    raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
+                raise
 
 
 def _check_softcap(softcap) -> float:
@@ -293,6 +299,13 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, softca
     every row's softmax denominator and adds no value (gpt-oss). lse includes it; a row that sees no key then gets
     out = 0 and lse = its head's sink (padding rows past seqlens_q too; packed varlen rows outside every sequence
     keep lse -inf). Pass the same sinks to backward, which returns their gradient.
+    score_mod: a CUDA float expression, the new scaled score, over float s (softmax_scale * q.k), int b, h, q, k, Lq,
+    Lk (as mask_mod's), float qf, kf (q and k as floats, cheaper than converting them per score) and the names of
+    score_tensors={"name": float32 or int32 device array} (at most 4, contiguous, read as const float* / const int*),
+    such as "s - slopes[h] * fabsf(kf - qf)"; applied before the masks. score_mod_grad: its derivative in s (default:
+    derived automatically, the expression evaluated over dual numbers). In the expression tanh, exp, exp2, log and log2
+    of a float are the hardware's approximations and divisions approximate (write s * (1.f / c) for s / c). Not with
+    softcap or alibi_slopes; pass the same to backward (the tensors get no gradient).
     """
     masks.check_names(mask_args, "forward")
     mode = masks.validate_mode(validate)

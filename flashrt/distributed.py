@@ -509,12 +509,19 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigza
     H must be a multiple of the world size; with fewer KV heads than ranks, each KV head is repeated to one
     per rank (Hkv must divide the world size, or be a multiple of it). Mask arguments (window, segment_ids_q/k,
     block ids, causal="top_left", ...) describe the whole sequence, as flashrt.attention takes them, the same
-    on every rank; a mask_mod expression may not name the head (h): each rank holds its own head group.
+    on every rank; a mask_mod or score_mod expression may not name the head (h): each rank holds its own head
+    group (the expressions' q and k are positions in the whole sequence).
     Differentiable and traceable by torch.compile (torch's functional all-to-all).
     check: all-gather every rank's shapes first and raise on every rank on a mismatch (one host synchronisation;
     skipped under torch.compile and while a CUDA graph is captured).
     """
     masks.check_names(mask_args, "ulysses_attention")
+    for name in ("mask_mod", "score_mod", "score_mod_grad"):
+        expr = mask_args.get(name)
+        if isinstance(expr, str) and "h" in masks._IDENTIFIER.findall(expr):
+            raise ValueError(f"ulysses_attention cannot take a {name} that names the head (h): each rank attends "
+                             f"with its own group of heads, numbered from 0 (neither ring_attention nor "
+                             f"ulysses_attention takes a per-head {name} yet)")
     ring.check_layout(layout)
     g = _group(group)
     world = dist.get_world_size(g)
@@ -528,10 +535,6 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigza
                          f"multiple of them; use ring_attention")
     if layout == "zigzag" and n % 2:
         raise ValueError(f"the zigzag layout needs an even number of tokens per rank (2 chunks each), got {n}")
-    mod = mask_args.get("mask_mod")
-    if mod and "h" in masks._IDENTIFIER.findall(mod):
-        raise ValueError("ulysses_attention cannot take a mask_mod that names the head (h): each rank attends "
-                         "with its own group of heads; use ring_attention")
     if check and not torch.compiler.is_compiling() and not _capturing():
         _agree(g, q.device, [*q.shape, *k.shape, *v.shape, _dtype_code(q), _dtype_code(k), _dtype_code(v),
                              masks.CAUSAL_MODES.index(causal), ring.LAYOUTS.index(layout)],

@@ -58,24 +58,18 @@ def visible(B, Sq, Sk, *, causal=False, align="bottom_right", window=(-1, -1), s
     return keep
 
 
-def alibi_bias(B, Sq, Sk, slopes, *, align="bottom_right", seqlens_q=None, seqlens_k=None, cu_seqlens_q=None,
-               cu_seqlens_k=None, xp=None):
-    """ALiBi's additive bias (B, H, Sq, Sk) in float64 (flashrt.forward's alibi_slopes), for attention's `bias`.
+def positions(B, Sq, Sk, *, seqlens_q=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, xp=None):
+    """(b, i, j, Lq, Lk) of every (query, key) pair, as broadcasting integer arrays: the sequence, the query and key
+    positions in it and its lengths, as a score_mod expression and ALiBi see them.
 
-    Query i and key j of batch entry b gain -slopes[b, h] * |j - i - shift|, with `visible`'s shift (causal or not):
-    seqlens_k[b] - seqlens_q[b] (default: Sk - Sq) when aligned "bottom_right", 0 when "top_left". slopes: (H,) or
-    (B, H).
-    Packed varlen (cu_seqlens_q/k, the (B + 1,) offsets of flashrt.forward): the packed rows as one batch entry (B = 1,
-    Sq = total_q, Sk = total_k), slopes (H,) or (sequences, H); i and j count from their sequence's start, the shift
-    and slopes are those of query i's sequence (pairs across sequences get a value too: `visible` with segment ids
-    hides them).
+    Batched: b (B,1,1,1), i (1,1,Sq,1), j (1,1,1,Sk), Lq and Lk (B,1,1,1): seqlens_q[b] and seqlens_k[b] (default:
+    the whole extents Sq, Sk).
+    Packed varlen (cu_seqlens_q/k, the (n + 1,) offsets of flashrt.forward): the packed rows as one batch entry (B = 1,
+    Sq = total_q, Sk = total_k); b, i, Lq, Lk (1,1,Sq,1) and j (1,1,Sq,Sk) are those of query i's sequence: i and j
+    count from its start (pairs across sequences get positions too: `visible` with segment ids hides them).
     """
     import numpy
     xp = xp or numpy
-    if align not in ("bottom_right", "top_left"):
-        raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
-    slopes = xp.asarray(slopes, dtype=xp.float64)
-    H = slopes.shape[-1]
     i = xp.arange(Sq).reshape(1, 1, Sq, 1)
     j = xp.arange(Sk).reshape(1, 1, 1, Sk)
     if cu_seqlens_q is not None:
@@ -85,19 +79,43 @@ def alibi_bias(B, Sq, Sk, slopes, *, align="bottom_right", seqlens_q=None, seqle
         n = cu_q.shape[0] - 1
         seq = xp.clip(xp.searchsorted(cu_q, xp.arange(Sq), side="right") - 1, 0, n - 1)  # query i's sequence
         lq, lk = (cu_q[1:] - cu_q[:-1])[seq], (cu_k[1:] - cu_k[:-1])[seq]
-        shift = (lk - lq if align == "bottom_right" else xp.zeros_like(lq)).reshape(1, 1, Sq, 1)
-        i, j = i - cu_q[seq].reshape(1, 1, Sq, 1), j - cu_k[seq].reshape(1, 1, Sq, 1)
-        slope = (slopes if slopes.ndim == 1 else slopes[seq]).reshape(-1, H).T.reshape(1, H, -1, 1)
+        row = (1, 1, Sq, 1)
+        return (seq.reshape(row), i - cu_q[seq].reshape(row), j - cu_k[seq].reshape(row), lq.reshape(row),
+                lk.reshape(row))
+    lq = xp.asarray(seqlens_q if seqlens_q is not None else [Sq] * B).reshape(B, 1, 1, 1)
+    lk = xp.asarray(seqlens_k if seqlens_k is not None else [Sk] * B).reshape(B, 1, 1, 1)
+    return xp.arange(B).reshape(B, 1, 1, 1), i, j, lq, lk
+
+
+def alibi_bias(B, Sq, Sk, slopes, *, align="bottom_right", seqlens_q=None, seqlens_k=None, cu_seqlens_q=None,
+               cu_seqlens_k=None, xp=None):
+    """ALiBi's additive bias (B, H, Sq, Sk) in float64 (flashrt.forward's alibi_slopes), for attention's `bias`.
+
+    Query i and key j of batch entry b gain -slopes[b, h] * |j - i - shift|, with `visible`'s shift (causal or not):
+    seqlens_k[b] - seqlens_q[b] (default: Sk - Sq) when aligned "bottom_right", 0 when "top_left". slopes: (H,) or
+    (B, H).
+    Packed varlen (cu_seqlens_q/k, the (B + 1,) offsets of flashrt.forward): the packed rows as one batch entry (B = 1,
+    Sq = total_q, Sk = total_k), slopes (H,) or (sequences, H); i and j count from their sequence's start, the shift
+    and slopes are those of query i's sequence (`positions`).
+    """
+    import numpy
+    xp = xp or numpy
+    if align not in ("bottom_right", "top_left"):
+        raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
+    slopes = xp.asarray(slopes, dtype=xp.float64)
+    H = slopes.shape[-1]
+    b, i, j, lq, lk = positions(B, Sq, Sk, seqlens_q=seqlens_q, seqlens_k=seqlens_k, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, xp=xp)
+    shift = lk - lq if align == "bottom_right" else xp.zeros_like(lk)
+    if cu_seqlens_q is not None:  # the slopes of query i's sequence b
+        slope = (slopes if slopes.ndim == 1 else slopes[b.reshape(-1)]).reshape(-1, H).T.reshape(1, H, -1, 1)
     else:
-        lq = xp.asarray(seqlens_q if seqlens_q is not None else [Sq] * B).reshape(B, 1, 1, 1)
-        lk = xp.asarray(seqlens_k if seqlens_k is not None else [Sk] * B).reshape(B, 1, 1, 1)
-        shift = lk - lq if align == "bottom_right" else xp.zeros_like(lk)
         slope = slopes.reshape(-1, H, 1, 1)
     return -slope * xp.abs(j - i - shift)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None, sinks=None, softcap=None,
-              alibi_slopes=None, bias=None):
+              alibi_slopes=None, bias=None, score_mod=None, score_mod_grad=None, score_positions=None):
     """Returns (out, lse) and, when dout is given, (out, lse, dq, dk, dv) (and dsinks with sinks); all float64.
 
     mask: optional bool array broadcastable to (B, H, Sq, Sk) (see `visible`), applied on
@@ -108,6 +126,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     becomes x - slope[b, h] * |j - i - (Sk - Sq)| (alibi_bias with its defaults: the whole extents, bottom-right, as
     `causal`). For other lengths (seqlens, packed varlen) or causal="top_left", pass alibi_bias(...) as `bias`.
     bias: optional float array broadcastable to (B, H, Sq, Sk), added to the scaled scores (after softcap).
+    score_mod: optional Python form of a score_mod expression, called once with broadcasting arrays: s, the float64
+    (B, H, Sq, Sk) scaled scores, then b, h (1,H,1,1), i, j, Lq, Lk as `positions` gives them; its value replaces s
+    before the mask (and before `bias` is added). Not with softcap or alibi_slopes (as flashrt: write them into the
+    expression). The positions are clamped into the sequence (i <= Lq - 1, j <= Lk - 1, as the kernels clamp them,
+    and >= 0), so a table it indexes is never read outside a sequence's pairs. score_mod_grad: the same form of its
+    derivative in s, which dS is multiplied by; None: a float64 central difference of score_mod.
+    score_positions: the (b, i, j, Lq, Lk) that score_mod sees, positions(...) with the call's lengths (default:
+    positions(B, Sq, Sk), the whole extents); pass positions(..., seqlens_q=...) or positions(..., cu_seqlens_q=...)
+    for padding or packed sequences.
     """
     xp = _xp(q)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
@@ -123,6 +150,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
         s, cap_grad = softcap * th, 1.0 - th * th
     if alibi_slopes is not None:
         s = s + alibi_bias(B, Sq, Sk, alibi_slopes, xp=xp)
+    mod_grad = 1.0
+    if score_mod is not None:
+        if softcap is not None or alibi_slopes is not None:
+            raise ValueError("score_mod with softcap or alibi_slopes is not supported (nor by flashrt): write them "
+                             "into the expression")
+        s, mod_grad = _score_mod(s, score_mod, score_mod_grad, score_positions or positions(B, Sq, Sk, xp=xp), xp)
     if bias is not None:
         s = s + xp.asarray(bias, dtype=xp.float64)
     keep = xp.ones((Sq, Sk), dtype=bool)
@@ -131,6 +164,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     if mask is not None:
         keep = keep & xp.asarray(mask, dtype=bool)
     s = xp.where(keep, s, -xp.inf)
+    if score_mod is not None:  # (a hidden pair's derivative is never used, whatever it is: NaN included)
+        mod_grad = xp.where(keep, mod_grad, 0.0)
     m = s.max(axis=-1, keepdims=True) if Sk else xp.full(s.shape[:-1] + (1,), -xp.inf)
     sink = None if sinks is None else xp.asarray(sinks, dtype=xp.float64).reshape(1, H, 1, 1)
     if sink is not None:
@@ -150,7 +185,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     dv = xp.einsum("bhqk,bqhd->bkhd", p, do)
     dp = xp.einsum("bqhd,bkhd->bhqk", do, ve)
     delta = (p * dp).sum(axis=-1, keepdims=True)  # = rowsum(dout * out)
-    ds = p * (dp - delta) * cap_grad
+    ds = p * (dp - delta) * cap_grad * mod_grad
     dq = xp.einsum("bhqk,bkhd->bqhd", ds, ke) * scale
     dk = xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale
     fold = lambda g: g.reshape(B, Sk, Hkv, group, D).sum(axis=3)  # noqa: E731  (sum over the GQA group)
@@ -158,6 +193,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
         return out, lse, dq, fold(dk), fold(dv)
     p_sink = xp.exp(sink[..., 0] - lse)  # (B, H, Sq): the sink's probability in each row
     return out, lse, dq, fold(dk), fold(dv), -(p_sink * delta[..., 0]).sum(axis=(0, 2))
+
+
+def _score_mod(s, f, df, at, xp):
+    """(f(s, ...), its derivative in s) at each pair's positions `at` (positions(...)), clamped into the sequence;
+    the derivative is df's, or with df None a central difference of f in float64, its step relative to |s|."""
+    b, i, j, lq, lk = at
+    i, j = xp.maximum(0, xp.minimum(i, lq - 1)), xp.maximum(0, xp.minimum(j, lk - 1))
+    h = xp.arange(s.shape[1]).reshape(1, -1, 1, 1)
+
+    def call(g, x):
+        return xp.broadcast_to(xp.asarray(g(x, b, h, i, j, lq, lk), dtype=xp.float64), s.shape)
+
+    if df is not None:
+        return call(f, s), call(df, s)
+    step = 1e-5 * xp.maximum(1.0, xp.abs(s))
+    return call(f, s), (call(f, s + step) - call(f, s - step)) / (2 * step)
 
 
 def rel_error(x, ref) -> float:

@@ -172,8 +172,9 @@ class KernelSpec:
                 raise ValueError(f"{self.family} has no score_mod variant")
             if self.softcap or self.alibi:
                 raise ValueError("score_mod with softcap or alibi: write them into the expression")
-            expr, grad, tensors = self.score_mod
-            if not (isinstance(expr, str) and expr and isinstance(grad, str) and isinstance(tensors, tuple)
+            shaped = isinstance(self.score_mod, tuple) and len(self.score_mod) == 3
+            expr, grad, tensors = self.score_mod if shaped else (None, None, None)
+            if not (shaped and isinstance(expr, str) and expr and isinstance(grad, str) and isinstance(tensors, tuple)
                     and len(tensors) <= MAX_MOD_TENSORS
                     and all(isinstance(t, tuple) and len(t) == 2 and t[1] in SCORE_TENSOR_TYPES for t in tensors)):
                 raise ValueError(f"score_mod must be (expression, derivative or '', ((name, type), ...) with at most "

@@ -32,18 +32,23 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 # The mask arguments travel through the ops as a list of optional tensors (masks.ARRAY_ARGS order,
-# then mask_mod's tensors), the window, the varlen maximum lengths, and mask_mod's expression and
-# comma-separated tensor names ("" when none: op schemas take no list of strings); `causal` as
-# "none" | "bottom_right" | "top_left".
+# then mask_mod's tensors, then score_mod's), the window, the varlen maximum lengths, mask_mod's expression
+# and comma-separated tensor names, and score_mod's expression, derivative and tensor names ("" when none:
+# op schemas take no list of strings, nor a dict); `causal` as "none" | "bottom_right" | "top_left".
 _CAUSAL = {False: "none", True: "bottom_right", "bottom_right": "bottom_right", "top_left": "top_left"}
 
 
-def _mask_kwargs(causal: str, window, max_seqlen_q, max_seqlen_k, tensors, mask_mod: str, mod_names: str) -> dict:
+def _mask_kwargs(causal: str, window, max_seqlen_q, max_seqlen_k, tensors, mask_mod: str, mod_names: str,
+                 score_mod: str, score_mod_grad: str, score_names: str) -> dict:
     n = len(masks.ARRAY_ARGS)
     kw = {name: t for name, t in zip(masks.ARRAY_ARGS, tensors[:n]) if t is not None}
+    mod = mod_names.split(",") if mod_names else []
     if mask_mod or mod_names:
         kw["mask_mod"] = mask_mod or None
-        kw["mask_tensors"] = dict(zip(mod_names.split(","), tensors[n:])) if mod_names else {}
+        kw["mask_tensors"] = dict(zip(mod, tensors[n:n + len(mod)]))
+    if score_mod or score_mod_grad or score_names:
+        kw["score_mod"], kw["score_mod_grad"] = score_mod or None, score_mod_grad or None
+        kw["score_tensors"] = dict(zip(score_names.split(","), tensors[n + len(mod):])) if score_names else {}
     if window is not None:
         kw["window"] = tuple(window)
     if max_seqlen_q is not None:
@@ -63,11 +68,12 @@ _VALIDATE_OF_MODE = {mode: v for v, mode in masks.VALIDATE_MODES.items()}
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax_scale: Optional[float],
          impl: str, deterministic: bool, window: Optional[list[int]], max_seqlen_q: Optional[int],
          max_seqlen_k: Optional[int], validate: int, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
-         mod_names: str, softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
-         sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+         mod_names: str, score_mod: str, score_mod_grad: str, score_names: str, softcap: Optional[float],
+         alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return api.forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                        validate=_VALIDATE_OF_MODE[validate],
-                       **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names))
+                       **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names,
+                                      score_mod, score_mod_grad, score_names))
 
 
 def _lse_shape(q, mask_tensors):
@@ -79,7 +85,7 @@ def _lse_shape(q, mask_tensors):
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
-              mask_tensors, mask_mod, mod_names, softcap, alibi_slopes, sinks):
+              mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, softcap, alibi_slopes, sinks):
     # api.forward allocates both outputs contiguous, whatever q's strides.
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
 
@@ -88,8 +94,8 @@ def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_s
 def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
          lse: torch.Tensor, causal: str, softmax_scale: Optional[float], impl: str, deterministic: bool,
          window: Optional[list[int]], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-         mask_tensors: list[Optional[torch.Tensor]], mask_mod: str, mod_names: str, softcap: Optional[float],
-         alibi_slopes: Optional[torch.Tensor],
+         mask_tensors: list[Optional[torch.Tensor]], mask_mod: str, mod_names: str, score_mod: str,
+         score_mod_grad: str, score_names: str, softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
          sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is empty (0,) without sinks (an op returns no None)."""
     # (the forward output is `o`: an argument named `out` reads as an out= variant in op schemas)
@@ -97,29 +103,31 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                          deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                          validate=False,  # (the forward validated them)
                          **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod,
-                                        mod_names))
+                                        mod_names, score_mod, score_mod_grad, score_names))
     return grads if sinks is not None else (*grads, lse.new_empty((0,)))
 
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, o, lse, causal, softmax_scale, impl, deterministic, window, max_seqlen_q,
-              max_seqlen_k, mask_tensors, mask_mod, mod_names, softcap, alibi_slopes, sinks):
+              max_seqlen_k, mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, softcap,
+              alibi_slopes, sinks):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             lse.new_empty((0,) if sinks is None else sinks.shape))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, _, tensors, mask_mod,
-     mod_names, softcap, alibi_slopes, sinks) = inputs
+     mod_names, score_mod, score_mod_grad, score_names, softcap, alibi_slopes, sinks) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, *tensors)
     ctx.options = (causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k)
-    ctx.mod = (mask_mod, mod_names, softcap)
+    ctx.mod = (mask_mod, mod_names, score_mod, score_mod_grad, score_names, softcap)
     # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
     ctx.mark_non_differentiable(lse)
 
 
-_NO_GRADS = (None,) * 13  # the forward op's arguments between v and sinks (alibi_slopes' too: the slopes take none)
+# the forward op's arguments between v and sinks (alibi_slopes' and the mask and score tensors' too: they take none)
+_NO_GRADS = (None,) * 16
 
 
 def _backward(ctx, dout, _dlse):
@@ -179,9 +187,9 @@ class _Eager(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         causal, softmax_scale, impl, deterministic, _, mask, softcap, alibi_slopes = ctx.call
         if (mask or alibi_slopes is not None) and _versions(mask, alibi_slopes) != ctx.versions:
-            raise RuntimeError("a mask tensor or alibi_slopes given to flashrt attention was modified in place after "
-                               "the forward; the backward needs the values the forward used (pass a copy, or modify a "
-                               "clone)")
+            raise RuntimeError("a mask tensor, score tensor or alibi_slopes given to flashrt attention was modified "
+                               "in place after the forward; the backward needs the values the forward used (pass a "
+                               "copy, or modify a clone)")
         grads = api.backward(_kernel_ready(dout), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                              impl=impl, deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes,
                              sinks=sinks, validate=False, **mask)  # (the forward validated the masks)
@@ -189,7 +197,8 @@ class _Eager(torch.autograd.Function):
 
 
 def _versions(mask: dict, alibi_slopes=None) -> tuple:
-    """The in-place version counters of a call's mask tensors (the arrays and mask_tensors' values) and slopes."""
+    """The in-place version counters of a call's mask tensors (the arrays, mask_tensors' and score_tensors' values)
+    and slopes."""
     found = [] if alibi_slopes is None else [alibi_slopes._version]
     for a in mask.values():
         if isinstance(a, torch.Tensor):
@@ -211,11 +220,16 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     alibi_slopes: (H,) or (B, H) ALiBi slopes (flashrt.forward), computed in fp32 whatever their floating dtype; not
     differentiable (one that requires grad is refused: pass alibi_slopes.detach()).
     sinks: (H,) attention-sink logits (flashrt.forward), computed in fp32 whatever their dtype; differentiable.
+    score_mod, score_mod_grad, score_tensors: a CUDA expression that replaces each scaled score (flashrt.forward),
+    its derivative (optional: derived automatically), and the float32 / int32 tensors it reads, which take no
+    gradient (one that requires grad is refused while grad mode is on: pass it .detach()).
     lse is returned without a gradient.
     """
     api._check_impl(impl)  # here, not first in the backward pass
     if mask_args:
         masks.check_names(mask_args, "attention")
+        if isinstance(mask_args.get("score_tensors"), dict):
+            _check_score_tensors(mask_args["score_tensors"])
     if causal not in _CAUSAL or isinstance(causal, (int, float)) and not isinstance(causal, bool):
         raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
@@ -244,6 +258,18 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     return (out, lse) if return_lse else out
 
 
+def _check_score_tensors(tensors: dict) -> None:
+    """No score tensor that autograd would expect a gradient of: flashrt computes none, and a loss through one must
+    fail, not silently miss a term."""
+    if not torch.is_grad_enabled():
+        return
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise ValueError(f"score_tensors[{name!r}] requires grad, and flashrt.attention computes no gradient of "
+                             f"score_mod's tensors yet: pass {name}.detach() (the tensor as a constant), or compute "
+                             f"its gradient elsewhere")
+
+
 def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, alibi_slopes=None,
            sinks=None):
     return _Eager.apply(q, k, v, sinks, (causal, scale, impl, bool(deterministic), validate, mask_args, softcap,
@@ -257,10 +283,15 @@ def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, so
     mask_mod, mod_tensors = mask_args.get("mask_mod"), mask_args.get("mask_tensors") or {}
     if mask_mod is not None or mod_tensors:  # checked here: the op carries "" for "no expression"
         mask_mod, _ = masks._check_mask_mod(mask_mod, mod_tensors)
-    tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS] + list(mod_tensors.values())
+    score_mod, score_grad = mask_args.get("score_mod"), mask_args.get("score_mod_grad")
+    score_tensors = mask_args.get("score_tensors") or {}
+    if score_mod is not None or score_grad is not None or score_tensors:  # (as mask_mod: "" for none)
+        score_mod, score_grad = masks._check_score_mod(score_mod, score_grad, score_tensors)
+    tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS] + list(mod_tensors.values()) + list(score_tensors.values())
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
             mask_args.get("max_seqlen_k"), masks.validate_mode(validate), tensors, mask_mod or "",
-            ",".join(mod_tensors), softcap, alibi_slopes, sinks)
+            ",".join(mod_tensors), score_mod or "", score_grad or "", ",".join(score_tensors), softcap, alibi_slopes,
+            sinks)
     return torch.ops.flashrt.fwd.default(*args)
 
 

@@ -32,7 +32,8 @@ CASES = [
 
 
 def score_mod_cases():
-    """Attention sinks (softmax.cuh: add_sink), softcap and ALiBi (score_mod.cuh; (H,) and (B, H) slopes): sm_80 and
+    """Attention sinks (softmax.cuh: add_sink), softcap, ALiBi (score_mod.cuh; (H,) and (B, H) slopes) and score_mod
+    expressions (a bias table read per pair, padding lengths; one with sinks and an automatic derivative): sm_80 and
     sm_90a kernels, split and fused backward, rows that see no key, the sinks' gradient."""
     for B, Sq, Sk, H, Hkv, D, causal in ((1, 70, 45, 4, 2, 64, True), (1, 130, 200, 2, 1, 128, False),
                                          (1, 33, 97, 2, 2, 256, True), (2, 40, 40, 2, 1, 72, True)):
@@ -40,8 +41,13 @@ def score_mod_cases():
                        for s, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H)))
         sinks = torch.randn(H, device="cuda")
         slopes = torch.rand(B, H, device="cuda")
+        bias = torch.randn(H, Sq + Sk - 1, device="cuda")
+        lengths = dict(seqlens_q=torch.tensor([Sq - 7] * B, device="cuda", dtype=torch.int32),
+                       seqlens_k=torch.tensor([Sk - 5] * B, device="cuda", dtype=torch.int32))
+        rel = dict(score_mod=f"s + bias[h * {Sq + Sk - 1} + k - q + {Sq - 1}]", score_tensors={"bias": bias})
         for kw in (dict(sinks=sinks), dict(softcap=5.0), dict(softcap=5.0, sinks=sinks), dict(alibi_slopes=slopes[0]),
-                   dict(alibi_slopes=slopes, sinks=sinks)):
+                   dict(alibi_slopes=slopes, sinks=sinks), rel, dict(rel, **lengths),
+                   dict(score_mod="s > 0.f ? s : 0.25f * s", sinks=sinks)):
             out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
             for impl in ("split", "fused"):
                 flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, **kw)

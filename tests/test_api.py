@@ -224,6 +224,109 @@ def test_mask_mod_compile_error_shows_the_expression():
     assert lines[at + 1].strip() == expr and lines[at + 2].index("^") == lines[at + 1].index("kk")
 
 
+# score_mod: what is checked before NVRTC sees the expression (its tensors: descriptors stand in for arrays).
+@pytest.fixture
+def described(monkeypatch):
+    """interop.describe passes an Array descriptor through: tensor checks run on the CPU."""
+    from flashrt import interop
+    real = interop.describe
+    monkeypatch.setattr(interop, "describe", lambda x, name: x if isinstance(x, Array) else real(x, name))
+
+
+@pytest.mark.parametrize("kw,error,pattern", [
+    (dict(score_mod=""), ValueError, r"score_mod must be a CUDA float expression, the new scaled score, over float "
+                                     r"s \(softmax_scale \* q\.k\), int b, h, q, k, Lq, Lk, float qf, kf \(q and k "
+                                     r"as floats\) and the names of score_tensors"),
+    (dict(score_mod="  "), ValueError, r"score_mod must be a CUDA float expression"),
+    (dict(score_mod=3.0), ValueError, r"score_mod must be a CUDA float expression.*got 3\.0"),
+    (dict(score_mod_grad="1.f"), ValueError, r"score_mod must be a CUDA float expression.*got None"),
+    (dict(score_tensors={"bias": None}), ValueError, r"score_mod must be a CUDA float expression"),
+    (dict(score_mod="s", score_mod_grad=""), ValueError, r"score_mod_grad must be a CUDA float expression, the "
+                                                         r"derivative of score_mod in s \(or None"),
+    (dict(score_mod="s", score_mod_grad=1), ValueError, r"score_mod_grad must be"),
+    (dict(score_mod="s * 2.f \\"), ValueError, r"score_mod must not end in a backslash"),
+    (dict(score_mod="s", score_mod_grad="1.f \\ "), ValueError, r"score_mod_grad must not end in a backslash"),
+    (dict(score_mod="s", score_tensors=["bias"]), TypeError, r"score_tensors must be a dict"),
+    (dict(score_mod="s", score_tensors={f"a{i}": None for i in range(5)}), ValueError, r"at most 4 arrays, got 5"),
+    (dict(score_mod="s", score_tensors={"t0": None}), ValueError, r"score_tensors key 't0'"),
+    (dict(score_mod="s", score_tensors={"2x": None}), ValueError, r"score_tensors key '2x'"),
+    (dict(score_mod="s", score_tensors={"float": None}), ValueError, r"key 'float' must be a C identifier other than "
+                                                                     r"a C\+\+ keyword, s, b, h, q, k, Lq, Lk, qf, kf, t0-t3"),
+    (dict(score_mod="s", score_tensors={"flashrt_s": None}), ValueError, r"key 'flashrt_s'"),
+] + [(dict(score_mod="s", score_tensors={name: None}), ValueError, f"score_tensors key '{name}' must be a C identifier")
+     for name in ("s", "b", "h", "q", "k", "Lq", "Lk")])
+def test_bad_score_mod_is_named(kw, error, pattern):
+    with pytest.raises(error, match=pattern):
+        masks.Masking.parse(arr(Q), arr(KV), **kw)
+
+
+@pytest.mark.parametrize("tensor,error,pattern", [
+    (arr((8,), dtype="float64"), TypeError, r"score_tensors\['t'\] must be float32 \(read as const float\*\) or int32 "
+                                            r"\(const int\*\), got float64"),
+    (arr((8,), dtype="int64"), TypeError, r"must be float32 .* got int64"),
+    (arr((8,), dtype="bf16"), TypeError, r"must be float32 .* got bf16"),
+    (arr((4, 8), strides=(16, 1), dtype="float32"), ValueError,
+     r"score_tensors\['t'\] must be contiguous, got strides \(16, 1\); pass score_tensors\['t'\]\.contiguous\(\)"),
+    (arr((4, 8), strides=(1, 4), dtype="int32"), ValueError, r"must be contiguous"),
+    (arr((8,), dtype="float32", device=1), ValueError, r"score_tensors\['t'\] must be a torch array on cuda:0 like q, "
+                                                       r"got torch on cuda:1"),
+    (arr((8,), dtype="float32", device=-1), ValueError, r"got torch on the host"),
+    (arr((8,), dtype="float32", lib="cupy"), ValueError, r"must be a torch array on cuda:0 like q, got cupy"),
+])
+def test_bad_score_tensor_is_named(described, tensor, error, pattern):
+    with pytest.raises(error, match=pattern):
+        masks.Masking.parse(arr(Q), arr(KV), score_mod="s + t[k]", score_tensors={"t": tensor})
+
+
+def test_score_mod_reaches_the_kernels_with_its_tensors_types(described):
+    m = masks.Masking.parse(arr(Q), arr(KV), causal=True)
+    assert m.score_mod == ()
+    bias = arr((8, 143), ptr=0x20000, dtype="float32")
+    ids = arr((2, 1, 1), strides=(1, 7, 3), ptr=0x30000, dtype="int32")
+    m = masks.Masking.parse(arr(Q), arr(KV), score_mod=" s + bias[h * 143 + k - q + 71] * ids[b] ",
+                            score_tensors={"bias": bias, "ids": ids}, mask_mod="k <= q")
+    assert m.score_mod == ("s + bias[h * 143 + k - q + 71] * ids[b]", "", (("bias", "float"), ("ids", "int")))
+    assert (m.fields["score_t0"], m.fields["score_t1"]) == (0x20000, 0x30000)  # (size-1 axes: any stride)
+    assert m.mask_mod == "k <= q" and m.mod_tensors == ()  # (mask_mod's own, apart)
+    m = masks.Masking.parse(arr(Q), arr(KV), score_mod="s * s", score_mod_grad=" 2.f * s ")
+    assert m.score_mod == ("s * s", "2.f * s", ()) and "score_t0" not in m.fields
+    for softcap, alibi in ((30.0, False), (0.0, True)):
+        with pytest.raises(ValueError, match=r"score_mod with softcap or alibi_slopes is not supported: write the cap "
+                                             r"or the bias into the expression"):
+            api._check_score_mod(m, softcap, alibi)
+    api._check_score_mod(m, 0.0, False)
+
+
+def test_score_mod_compile_errors_show_the_expression():
+    """NVRTC's message about the user's text, with its caret; where only the automatic derivative (dual numbers)
+    fails, the error asks for score_mod_grad."""
+    from flashrt import cache, nvrtc, tiles
+
+    def message(family, score):
+        spec = tiles.tiling(family, 64, "bf16", False, "sm_80", 160 * 1024, score_mod=score)
+        with pytest.raises(nvrtc.CompileError) as info:
+            nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options(), cache.kernel_sources())
+        return str(masks.score_mod_error(score, info.value.log))
+
+    def caret_under(msg, where, text, word):
+        lines = msg.splitlines()
+        at = next(i for i, ln in enumerate(lines) if where in ln)
+        assert lines[at + 1].strip() == text and lines[at + 2].index("^") == lines[at + 1].index(word), msg
+
+    msg = message("fwd", ("s + bias[k] * kk", "", (("bias", "float"),)))
+    assert msg.startswith("score_mod does not compile as a CUDA float expression over float s, b, h, q, k, Lq, Lk, "
+                          "float qf, float kf, const float* bias:")
+    caret_under(msg, 'score_mod(1): error: identifier "kk" is undefined', "s + bias[k] * kk", "kk")
+    assert msg.endswith("(the expression: 's + bias[k] * kk')")
+    msg = message("bwd_dq", ("s * s", "2.f * s + zz", ()))  # the derivative's fault, named as such
+    caret_under(msg, 'score_mod_grad(1): error: identifier "zz" is undefined', "2.f * s + zz", "zz")
+    assert msg.endswith("(the expression: 's * s', its derivative: '2.f * s + zz')")
+    for expr, word in (("(float)s * 2.f", "s"), ("s + erfcf(s)", "s)")):  # a cast of s; a function dual.cuh lacks
+        msg = message("bwd_dkdv", (expr, "", ()))
+        assert msg.startswith("score_mod's automatic derivative does not compile") and 'score_mod_grad="..."' in msg
+        caret_under(msg, "score_mod (its automatic derivative)(1): error:", expr, word)
+
+
 # Without torch: the torch entry points say which extra to install.
 NEEDS_TORCH = (r'needs torch, which is not installed: pip install "flashrt\[torch\]" '
                r'\(from a flashrt checkout: pip install "\.\[torch\]"\)')

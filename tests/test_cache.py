@@ -451,6 +451,25 @@ def test_spec_fields_round_trip_and_mask_mod_entries_are_not_stale():
             cache.spec_from_fields(bad)
 
 
+def test_spec_fields_round_trip_a_score_mod():
+    """KernelSpec.score_mod (expression, derivative, ((name, type), ...)) through JSON (nested lists) and back, the
+    same variant and key."""
+    from flashrt import tiles
+    score = ("s + bias[h * 255 + k - q + 127] * on[b]", "1.f", (("bias", "float"), ("on", "int")))
+    for family in ("fwd", "bwd_dkdv"):
+        spec = tiles.tiling(family, 64, "bf16", True, "sm_80", 166912, 16, "doc[q] == doc[k]", ("doc",),
+                            score_mod=score)
+        fields = json.loads(json.dumps(cache.spec_fields(spec)))
+        assert fields["score_mod"] == [score[0], "1.f", [["bias", "float"], ["on", "int"]]]
+        back = cache.spec_from_fields(fields)
+        assert back == spec and back.name == spec.name and back.score_mod == score
+        assert not cache.is_stale({"spec": fields, "key": cache.entry_key(spec)})
+        assert cache.spec_from_fields(dict(fields, score_mod=[])).score_mod == ()  # (a plain variant's field)
+    for bad in ([score[0], "", [["bias", "double"]]], [score[0], 3, []], ["", "", []]):
+        with pytest.raises(ValueError, match="score_mod must be"):
+            cache.spec_from_fields(dict(fields, score_mod=bad))
+
+
 def test_clear_counts_entries_apart_from_their_locks(cache_dir):
     cache.lookup(SPEC)
     cache.lookup(OTHER)

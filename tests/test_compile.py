@@ -17,7 +17,7 @@ import pytest
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
 from flashrt.spec import (ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL,
-                          SOFTCAP_FAMILIES, KernelSpec)
+                          SCORE_MOD_FAMILIES, SOFTCAP_FAMILIES, KernelSpec)
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 192, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -50,7 +50,8 @@ def _variants():
     # built-in feature and alone, and their classifiers (kernels_cu/helpers/mask_classify.cu).
     for family in set(FAMILIES) - set(ELEMENTWISE) - set(NO_INPUTS) - set(PACKED_ROWS):
         for d in (64, 128, 256):
-            for mask in (m for m in (sum(MASK_BITS.values()), MASK_BITS["mod"]) if tiles.applies(family, d, "sm_90a", m)):
+            for mask in (m for m in (sum(MASK_BITS.values()), MASK_BITS["mod"])
+                         if tiles.applies(family, d, "sm_90a", m)):
                 spec = tiles.tiling(family, d, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, MOD_EXPR, ("doc",))
                 out.update([spec, tiles.classifier_spec(spec, "mask_map"),
                             tiles.classifier_spec(spec, "mask_rows" if family in QUERY_PARALLEL else "mask_cols")])
@@ -76,6 +77,18 @@ def _variants():
         for arch in ARCHS:
             for d in (72, 128, 256):
                 out.update(tiles.decode_variants(d, "bf16", arch, SMEM_OPTIN[int(arch[3:5])], **mod))
+    # a user's score_mod (score_mod.cuh: ScoreMod; in the backward's kernels its automatic derivative, dual.cuh) in
+    # every family that takes one, at the tilings tiles.tiling picks for it: each of SCORE_MODS at head_dim 64 (every
+    # family has a variant there), one at 128 and 256: the relative-bias table (a tensor read per element) at 128, the
+    # capped score (tanhf and its derivative) at 256, where it takes the most registers of the three (NVRTC 12.9)
+    for arch in ARCHS:
+        for family in SCORE_MOD_FAMILIES:
+            for d in (64, 128, 256):
+                for score in SCORE_MODS.values() if d == 64 else (SCORE_MODS["rel" if d == 128 else "cap"],):
+                    if tiles.applies(family, d, arch, score_mod=score):
+                        for causal in (False, True):
+                            out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])],
+                                                 score_mod=score))
     # tilings for long query sequences (tiles.long_rows): plain, lengths, softcap, ALiBi
     for d in (64, 128, 256):
         for causal in (False, True):
@@ -87,6 +100,13 @@ def _variants():
 
 
 MOD_EXPR = "doc[b * Lq + q] == doc[b * Lk + k] || (h & 1) == 0 || k < 8"
+# score_mod expressions (spec.KernelSpec.score_mod): a capped score, an ALiBi-like bias over a slopes tensor, and a
+# relative-position bias table (H, 8191) read per element
+SCORE_MODS = {
+    "cap": ("30.f * tanhf(s / 30.f)", "", ()),
+    "alibi": ("s - slopes[h] * fabsf((float)(k - q))", "", (("slopes", "float"),)),
+    "rel": ("s + bias[h * 8191 + k - q + 4095]", "", (("bias", "float"),)),
+}
 
 
 def _compile_verbose(spec: KernelSpec, fresh: bool = False) -> tuple[bytes, str]:

@@ -11,6 +11,8 @@ import pytest
 import flashrt
 from flashrt import reference
 
+from test_gpu import f64, poison  # noqa: F401  (fixture)
+
 pytestmark = pytest.mark.gpu
 
 
@@ -301,3 +303,260 @@ def test_sinks_errors_are_clear(torch):
         flashrt.backward(do, q, k, v, out, lse, sinks=sinks[:2])
     with pytest.raises(ValueError, match="sinks must be a floating-point tensor"):
         flashrt.attention(q, k, v, sinks=torch.zeros(4, dtype=torch.int32, device="cuda"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# score_mod: a user's CUDA expression over the scaled score (and its derivative), against the float64 reference with
+# the expression's Python form (reference.attention's score_mod, over reference.positions' arrays).
+
+def _score_mods(cupy, name, H, S, seed):
+    """name -> (flashrt kwargs, reference kwargs): the expression, its tensors (CuPy, like the inputs), its Python
+    form (s, b, h, i, j, Lq, Lk: broadcasting CuPy arrays) and, where given, its derivative. S bounds every position."""
+    rng = cupy.random.default_rng(seed)
+    if name == "cap":  # the built-in softcap, written out (test_score_mod_matches_the_built_ins compares them)
+        return (dict(score_mod=f"{SOFTCAP}f * tanhf(s / {SOFTCAP}f)"),
+                dict(score_mod=lambda s, b, h, i, j, Lq, Lk: SOFTCAP * cupy.tanh(s / SOFTCAP)))
+    if name == "alibi":  # ALiBi as the built-in aligns it (bottom-right), reading a float32 slopes tensor
+        slopes = (2.0 ** (-8.0 * cupy.arange(1, H + 1) / H) * (0.5 + rng.random(H))).astype(cupy.float32)
+        per_head = slopes.astype(cupy.float64)
+        return (dict(score_mod="s - slopes[h] * fabsf((float)(k - q - (Lk - Lq)))", score_tensors={"slopes": slopes}),
+                dict(score_mod=lambda s, b, h, i, j, Lq, Lk: s - per_head[h] * abs(j - i - (Lk - Lq))))
+    if name == "rel":  # a relative-position bias table (H, 2S - 1), float32
+        bias = rng.standard_normal((H, 2 * S - 1), dtype=cupy.float32)
+        return (dict(score_mod=f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]", score_tensors={"bias": bias}),
+                dict(score_mod=lambda s, b, h, i, j, Lq, Lk: s + bias.astype(cupy.float64)[h, j - i + S - 1]))
+    if name == "int":  # int32 tensors: a per-position group and a per-head switch
+        group = rng.integers(0, 3, S, dtype=cupy.int32)
+        on = cupy.asarray([1, 0] * (H // 2), dtype=cupy.int32)
+        return (dict(score_mod="group[q] == group[k] || on[h] == 0 ? s : 0.5f * s - 1.f",
+                     score_tensors={"group": group, "on": on}),
+                dict(score_mod=lambda s, b, h, i, j, Lq, Lk: cupy.where((group[i] == group[j]) | (on[h] == 0), s,
+                                                                       0.5 * s - 1.0)))
+    if name == "grad":  # an explicit derivative
+        return (dict(score_mod="s * s / 8.f + s", score_mod_grad="s / 4.f + 1.f"),
+                dict(score_mod=lambda s, *_: s * s / 8.0 + s, score_mod_grad=lambda s, *_: s / 4.0 + 1.0))
+    if name == "leaky":  # automatic derivative (dual numbers) through a branch
+        return (dict(score_mod="s > 0.f ? s : 0.25f * s"),
+                dict(score_mod=lambda s, *_: cupy.where(s > 0, s, 0.25 * s)))
+    assert name == "square"  # automatic derivative of a product, with the batch entry in it
+    return (dict(score_mod="s * s / 8.f - 0.5f * b"), dict(score_mod=lambda s, b, *_: s * s / 8.0 - 0.5 * b))
+
+
+# (B, Sq, Sk, H, Hkv, D, causal, mask) as CASES above; one query row: flashrt.forward's decode route is not taken
+SCORE_CASES = {
+    "d64-causal": (2, 200, 300, 4, 4, 64, True, None),
+    "d128-gqa-no-key-rows": (1, 300, 100, 8, 2, 128, True, None),  # Sq > Sk causal: rows that see no key
+    "d256-full": (2, 257, 257, 8, 8, 256, False, None),
+    "d96-gqa": (1, 128, 250, 8, 2, 96, True, None),
+    "d128-window": (1, 300, 300, 8, 2, 128, False, "window"),
+    "d64-lengths": (2, 200, 260, 4, 2, 64, True, "lengths"),
+    "d64-varlen": (1, 300, 300, 4, 2, 64, True, "varlen"),
+    "d256-varlen-gqa": (1, 300, 300, 8, 2, 256, True, "varlen"),
+    "one-row": (2, 1, 513, 8, 2, 128, True, None),
+}
+# (expression, case, mma.sync kernels (FLASHRT_NO_SM90=1) on Hopper)
+SCORE_RUNS = [("cap", "d64-causal", False), ("cap", "d256-full", False), ("cap", "d96-gqa", True),
+              ("alibi", "d128-gqa-no-key-rows", False), ("alibi", "d64-lengths", False),
+              ("alibi", "d128-window", True), ("alibi", "one-row", False),
+              ("rel", "d64-causal", False), ("rel", "d64-varlen", False), ("rel", "d256-full", True),
+              ("int", "d128-window", False), ("int", "d256-varlen-gqa", False),
+              ("grad", "d128-gqa-no-key-rows", False), ("grad", "d96-gqa", False),
+              ("leaky", "d64-causal", False), ("leaky", "d64-lengths", True), ("leaky", "d256-varlen-gqa", False),
+              ("square", "d128-gqa-no-key-rows", True), ("square", "d64-varlen", False)]
+
+
+def _score_reference(cupy, q, k, v, do, causal, mask, cu, ref_kw):
+    """float64 (out, lse, dq, dk, dv), batch-shaped like q, with the expression at each pair's positions in its
+    sequence (reference.positions: padding lengths, packed sequences)."""
+    B, Sq, H, D = q.shape
+    Sk = k.shape[1]
+    m, at = None, reference.positions(B, Sq, Sk, xp=cupy)
+    if mask == "window":
+        m = reference.visible(B, Sq, Sk, window=(50, 20), xp=cupy)
+    elif mask == "lengths":
+        m = reference.visible(B, Sq, Sk, causal=causal, seqlens_q=LENGTHS_Q, seqlens_k=LENGTHS_K, xp=cupy)
+        at = reference.positions(B, Sq, Sk, seqlens_q=LENGTHS_Q, seqlens_k=LENGTHS_K, xp=cupy)
+        causal = False  # (the mask holds each batch entry's own causal alignment)
+    elif mask == "varlen":
+        ids = cupy.searchsorted(cu[1:], cupy.arange(Sq), side="right").astype(cupy.int32)[None]
+        m = reference.visible(B, Sq, Sk, segment_ids_q=ids, segment_ids_k=ids, xp=cupy)
+        at = reference.positions(1, Sq, Sk, cu_seqlens_q=cu, cu_seqlens_k=cu, xp=cupy)
+    return reference.attention(f64(q), f64(k), f64(v), causal=causal, dout=f64(do), mask=m, score_positions=at,
+                               **ref_kw)
+
+
+@pytest.mark.parametrize("name,case,no_sm90", SCORE_RUNS,
+                         ids=[f"{n}-{c}{'-mma' if m else ''}" for n, c, m in SCORE_RUNS])
+def test_score_mod_matches_float64_reference(torch, poison, monkeypatch, name, case, no_sm90):  # noqa: F811
+    """Forward and every backward impl (split, fused, fused ordered) with fresh inputs and poisoned (NaN) outputs."""
+    import cupy
+    if no_sm90:
+        monkeypatch.setenv("FLASHRT_NO_SM90", "1")
+    B, Sq, Sk, H, Hkv, D, causal, mask = SCORE_CASES[case]
+    seed = zlib.crc32(f"{name}-{case}".encode())
+    q, k, v, do = (cupy.from_dlpack(x) for x in _inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed)[:4])
+    kw, cu = _mask(torch, mask, Sq)
+    kw = {n: cupy.from_dlpack(x) if hasattr(x, "__dlpack__") else x for n, x in kw.items()}
+    cu = None if cu is None else cupy.from_dlpack(cu)
+    mod, ref_kw = _score_mods(cupy, name, H, max(Sq, Sk), seed)
+    packed = (lambda x: x[0]) if cu is not None else (lambda x: x)  # noqa: E731
+    out, lse = flashrt.forward(*(packed(x) for x in (q, k, v)), causal=causal, **mod, **kw)
+    grads = {(impl, det): flashrt.backward(packed(do), *(packed(x) for x in (q, k, v)), out, lse, causal=causal,
+                                           impl=impl, deterministic=det, **mod, **kw)
+             for impl, det in (("split", True), ("fused", False), ("fused", True))}
+    if cu is not None:  # packed (total, H, D) and lse (H, total): as one batch entry
+        out, lse = out[None], lse[None]
+        grads = {i: tuple(x[None] for x in g) for i, g in grads.items()}
+    ro, rlse, rdq, rdk, rdv = _score_reference(cupy, q, k, v, do, causal, mask, cu, ref_kw)
+    for what, x in (("out", out), ("lse", lse), *((f"{i} {n}", x) for i, g in grads.items()
+                                                  for n, x in zip(("dq", "dk", "dv"), g))):
+        assert not bool(cupy.isnan(f64(x)).any()), f"{what} has NaN: unwritten (poisoned) elements, or a NaN f'"
+    empty = ~cupy.isfinite(rlse)
+    assert bool((f64(lse)[empty] == -cupy.inf).all()), "rows that see no key: lse -inf"
+    assert float(cupy.abs(cupy.where(empty, 0, f64(lse) - rlse)).max()) < 2e-2, "lse"
+    assert reference.rel_error(f64(out), ro) < 2e-2, "out"
+    for impl, g in grads.items():
+        for n, x, r in zip(("dq", "dk", "dv"), g, (rdq, rdk, rdv)):
+            e = reference.rel_error(f64(x), r)
+            assert e < 2e-2, f"{impl} {n}: rel err {e:.2e}"
+
+
+def test_score_mod_matches_the_built_ins(torch):
+    """An expression equal to the built-in softcap or ALiBi gives their results, loosely: the same tanh.approx, but
+    the built-in softcap recovers its derivative from P, the expression's comes from dual numbers; ALiBi's distance
+    is a conversion per score in the expression."""
+    import cupy
+    B, Sq, Sk, H, Hkv, D = 2, 200, 260, 8, 2, 128
+    q, k, v, do, _ = _inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", 21)
+    slopes = _slopes(torch, 0, H, 21)
+    for mod, builtin in (
+            (dict(score_mod=f"{SOFTCAP}f * tanhf(s / {SOFTCAP}f)"), dict(softcap=SOFTCAP)),
+            (dict(score_mod="s - slopes[h] * fabsf((float)(k - q - (Lk - Lq)))", score_tensors={"slopes": slopes}),
+             dict(alibi_slopes=slopes))):
+        got, want = [], []
+        for kw, into in ((mod, got), (builtin, want)):
+            out, lse = flashrt.forward(q, k, v, causal=True, **kw)
+            into += [out, lse, *flashrt.backward(do, q, k, v, out, lse, causal=True, **kw)]
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            e = reference.rel_error(_f64(a), _f64(b))
+            assert e < 1e-2, f"{list(builtin)[0]} {name}: rel err {e:.2e} between the expression and the built-in"
+        assert bool(cupy.isfinite(_f64(got[1])).all())
+
+
+def test_score_mod_is_bitwise_repeatable_and_plans_follow_its_tensors(torch):
+    """deterministic=True: bitwise the same results call after call (split and fused). A reused plan reads the
+    call's own score tensors (their pointers, like the inputs'), and another expression is another kernel."""
+    B, S, H, Hkv, D = 2, 300, 8, 2, 128
+    q, k, v, do, _ = _inputs(torch, B, S, S, H, Hkv, D, "bf16", 23)
+    g = torch.Generator(device="cuda").manual_seed(23)
+    tables = [torch.randn(H, 2 * S - 1, device="cuda", generator=g) for _ in range(2)]
+
+    def run(table, expr=f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]", impl="split"):
+        kw = dict(causal=True, score_mod=expr, score_tensors={"bias": table})
+        out, lse = flashrt.forward(q, k, v, **kw)
+        return (out, lse, *flashrt.backward(do, q, k, v, out, lse, impl=impl, deterministic=True, **kw))
+
+    for impl in ("split", "fused"):
+        first = run(tables[0], impl=impl)
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(first, run(tables[0], impl=impl))), impl
+    other = run(tables[1])
+    assert not torch.equal(other[0], first[0])
+    assert all(torch.equal(a, b) for a, b in zip(run(tables[0].clone()), run(tables[0])))  # a copy: the same values
+    ref = reference.attention(*(_f64(x) for x in (q, k, v)), causal=True, dout=_f64(do),
+                              score_mod=lambda s, b, h, i, j, Lq, Lk: s + _f64(tables[1])[h, j - i + S - 1])
+    for x, r in zip((other[0], *other[2:]), (ref[0], *ref[2:])):
+        assert reference.rel_error(_f64(x), r) < 2e-2
+    halved = run(tables[0], expr=f"s + 0.5f * bias[h * {2 * S - 1} + k - q + {S - 1}]")
+    assert not torch.equal(halved[0], run(tables[0])[0])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_attention_with_score_mod_matches_reference(torch, compiled):
+    """flashrt.attention with a float32 table and an int32 tensor, eager and under torch.compile(fullgraph=True),
+    sinks beside it (their gradient too)."""
+    B, S, H, Hkv, D = 2, 256, 8, 2, 64
+    q, k, v, do, sinks = _inputs(torch, B, S, S, H, Hkv, D, "bf16", 25)
+    g = torch.Generator(device="cuda").manual_seed(25)
+    bias = torch.randn(H, 2 * S - 1, device="cuda", generator=g)
+    on = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    learned = sinks.clone().requires_grad_()
+
+    def fn(q, k, v):
+        return flashrt.attention(q, k, v, causal=True, sinks=learned, score_mod=f"s + bias[h * {2 * S - 1} + k - q + "
+                                 f"{S - 1}] * on[b]", score_tensors={"bias": bias, "on": on})
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    out = fn(*leaves)
+    out.backward(do)
+    ref = reference.attention(*(_f64(x) for x in (q, k, v)), causal=True, dout=_f64(do), sinks=_f64(sinks),
+                              score_mod=lambda s, b, h, i, j, Lq, Lk: s + _f64(bias)[h, j - i + S - 1] * _f64(on)[b])
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), (ref[0], *ref[2:5])):
+        assert reference.rel_error(_f64(x), r) < 2e-2, name
+    import cupy
+    scale = _dsinks_scale(sinks, ref[1], do, ref[0])
+    assert float((cupy.abs(_f64(learned.grad) - ref[5]) / scale).max()) < 1e-2
+
+
+def test_cuda_graph_replays_score_mod_with_its_tensors_new_contents(torch):
+    """Forward and backward with a score_mod captured into a CUDA graph: each replay reads the table's current
+    contents (a pointer, not a copy), bitwise as an eager call."""
+    B, S, H, Hkv, D = 2, 256, 8, 2, 128
+    q, k, v, do, _ = _inputs(torch, B, S, S, H, Hkv, D, "bf16", 27)
+    bias = torch.zeros(H, 2 * S - 1, device="cuda")
+    ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def step():
+        out = flashrt.attention(ql, kl, vl, causal=True, score_mod=f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]",
+                                score_tensors={"bias": bias})
+        return (out, *torch.autograd.grad(out, (ql, kl, vl), do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles and loads the kernels
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in (1, 2):
+        bias.copy_(torch.randn(bias.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        expected = step()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("out", "dq", "dk", "dv"), static, expected):
+            assert torch.equal(a, b), f"{name} of the replayed graph differs from eager"
+
+
+def test_score_mod_errors_are_clear(torch):
+    q, k, v, do, _ = _inputs(torch, 1, 64, 64, 4, 2, 64, "bf16", 29)
+    with pytest.raises(ValueError, match=r'(?s)score_mod does not compile as a CUDA float expression.*'
+                                         r'score_mod\(1\): error: identifier "kk" is undefined\n\s+s \+ kk\n\s+\^'):
+        flashrt.forward(q, k, v, score_mod="s + kk")
+    # the forward compiles no derivative: a cast of s runs there, and the backward asks for score_mod_grad
+    out, lse = flashrt.forward(q, k, v, causal=True, score_mod="(float)s * 2.f")
+    for impl in ("split", "fused"):
+        with pytest.raises(ValueError, match=r'(?s)score_mod\'s automatic derivative does not compile.*Pass '
+                                             r'score_mod_grad="\.\.\."'):
+            flashrt.backward(do, q, k, v, out, lse, causal=True, impl=impl, score_mod="(float)s * 2.f")
+    given = flashrt.backward(do, q, k, v, out, lse, causal=True, score_mod="(float)s * 2.f", score_mod_grad="2.f")
+    ref = reference.attention(*(_f64(x) for x in (q, k, v)), causal=True, dout=_f64(do),
+                              score_mod=lambda s, *_: 2 * s)
+    for x, r in zip((out, *given), (ref[0], *ref[2:])):
+        assert reference.rel_error(_f64(x), r) < 2e-2
+    bias = torch.randn(127, device="cuda")
+    with pytest.raises(ValueError, match=r"score_tensors\['bias'\] requires grad.*pass bias\.detach\(\)"):
+        flashrt.attention(q, k, v, score_mod="s + bias[k - q + 63]", score_tensors={"bias": bias.requires_grad_()})
+    for bad, error, pattern in ((bias.detach().double(), TypeError, "must be float32 .* or int32 .*, got float64"),
+                                (bias.detach().cpu(), ValueError, "must be a torch array on cuda:0 like q"),
+                                (bias.detach()[::2], ValueError, r"must be contiguous")):
+        with pytest.raises(error, match=pattern):
+            flashrt.forward(q, k, v, score_mod="s + bias[k - q + 63]", score_tensors={"bias": bad})
+    for kw in (dict(softcap=SOFTCAP), dict(alibi_slopes=_slopes(torch, 0, 4, 29))):
+        with pytest.raises(ValueError, match="score_mod with softcap or alibi_slopes is not supported"):
+            flashrt.forward(q, k, v, score_mod="s", **kw)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'score_mod'"):
+        flashrt.decode(q[:, :1], k, v, cache_seqlens=torch.full((1,), 64, dtype=torch.int32, device="cuda"),
+                       score_mod="s")

@@ -290,3 +290,113 @@ def test_alibi_with_lengths_and_packed_sequences_is_each_sequence_on_its_own():
         if got is not None:
             np.testing.assert_allclose(out[0, cu_q[s]:cu_q[s + 1]], got[0][0], atol=1e-12)
             np.testing.assert_allclose(lse[0, :, cu_q[s]:cu_q[s + 1]], got[1][0], atol=1e-12)
+
+
+def _leaky(s, b, h, i, j, Lq, Lk):
+    """A score_mod whose derivative matters: slope 1 above 0, 0.5 below, plus a per-head, per-distance term."""
+    return np.where(s > 0, s, 0.5 * s) + 0.25 * h - 0.1 * np.abs(j - i)
+
+
+def test_score_mod_replaces_the_scaled_scores_before_the_mask():
+    rng = np.random.default_rng(8)
+    q, k, v = _rand(rng, 2, 5, 4, 8), _rand(rng, 2, 7, 2, 8), _rand(rng, 2, 7, 2, 8)
+    out, lse = reference.attention(q, k, v, causal=True, softmax_scale=0.3, score_mod=_leaky)
+    for b in range(2):
+        for h in range(4):
+            for i in range(5):
+                keys = np.arange(i + 7 - 5 + 1)  # bottom-right causal
+                s = np.array([q[b, i, h] @ k[b, j, h // 2] * 0.3 for j in keys])
+                s = np.where(s > 0, s, 0.5 * s) + 0.25 * h - 0.1 * np.abs(keys - i)
+                assert lse[b, h, i] == pytest.approx(np.log(np.exp(s).sum()), abs=1e-12)
+                np.testing.assert_allclose(out[b, i, h], np.exp(s - lse[b, h, i]) @ v[b, keys, h // 2], atol=1e-12)
+    with pytest.raises(ValueError, match="score_mod with softcap or alibi_slopes"):
+        reference.attention(q, k, v, score_mod=_leaky, softcap=2.0)
+
+
+def test_score_mod_equal_to_softcap_gives_softcaps_results():
+    rng = np.random.default_rng(9)
+    q, k, v, do = (_rand(rng, 1, 6, 2, 8) * 3 for _ in range(4))
+    cap = lambda s, *_: 2.0 * np.tanh(s / 2.0)  # noqa: E731
+    cap_grad = lambda s, *_: 1.0 - np.tanh(s / 2.0) ** 2  # noqa: E731
+    want = reference.attention(q, k, v, causal=True, dout=do, softcap=2.0)
+    exact = reference.attention(q, k, v, causal=True, dout=do, score_mod=cap, score_mod_grad=cap_grad)
+    central = reference.attention(q, k, v, causal=True, dout=do, score_mod=cap)
+    for w, e, c in zip(want, exact, central):
+        np.testing.assert_allclose(e, w, rtol=0, atol=1e-13)
+        np.testing.assert_allclose(c, w, rtol=0, atol=1e-9)  # (the central difference's error, O(step^2))
+
+
+@pytest.mark.parametrize("mod", ["leaky", "square"])
+def test_score_mod_gradients_match_finite_differences(mod):
+    """dS times the derivative: the reference's central difference (score_mod_grad None) and an analytic
+    score_mod_grad agree, and both give the finite differences of the loss."""
+    rng = np.random.default_rng(10)
+    q, k, v, do = _rand(rng, 2, 4, 4, 8), _rand(rng, 2, 6, 2, 8), _rand(rng, 2, 6, 2, 8), _rand(rng, 2, 4, 4, 8)
+    f, df = {"leaky": (_leaky, lambda s, *_: np.where(s > 0, 1.0, 0.5)),
+             "square": (lambda s, *_: s * s / 8.0, lambda s, *_: s / 4.0)}[mod]
+    mask = reference.visible(2, 4, 6, window=(2, 1), seqlens_k=[6, 4])
+    analytic = reference.attention(q, k, v, dout=do, mask=mask, score_mod=f, score_mod_grad=df)
+    central = reference.attention(q, k, v, dout=do, mask=mask, score_mod=f)
+    for a, c in zip(analytic[2:], central[2:]):
+        np.testing.assert_allclose(c, a, rtol=0, atol=1e-8)
+    plain = reference.attention(q, k, v, dout=do, mask=mask)
+    assert not np.allclose(analytic[2], plain[2])
+
+    def loss(q_, k_, v_):
+        return float((reference.attention(q_, k_, v_, mask=mask, score_mod=f)[0] * do).sum())
+
+    eps = 1e-6
+    for grad, i in ((analytic[2], 0), (analytic[3], 1), (analytic[4], 2)):
+        for idx in [(0, 1, 1, 3), (1, 3, 0, 7), (1, 0, 1, 0)]:
+            args = [q.copy(), k.copy(), v.copy()]
+            args[i][idx] += eps
+            up = loss(*args)
+            args[i][idx] -= 2 * eps
+            assert abs((up - loss(*args)) / (2 * eps) - grad[idx]) < 1e-6
+
+
+def test_score_mod_positions_with_lengths_and_packed_sequences_are_each_sequences_own():
+    """With padding (seqlens) and packed varlen (cu_seqlens), score_mod sees each sequence's own index, positions and
+    lengths (positions), as that sequence alone does; positions past a sequence's end are clamped into it, so a table
+    of its length is never read outside."""
+    rng = np.random.default_rng(11)
+    lens_q, lens_k = [3, 6, 0, 5], [7, 4, 2, 5]
+    tables = [rng.standard_normal(lk) for lk in lens_k]  # a bias per key, each sequence's own table
+
+    def f(s, b, h, i, j, Lq, Lk):
+        bias = np.stack([np.pad(t, (0, 8 - len(t))) for t in tables])[b, j]  # (raises past a table's 8 entries)
+        assert (j < Lk).all() and (i < np.maximum(Lq, 1)).all()
+        return s + bias + 0.1 * (Lk - Lq) - 0.05 * i + 0.3 * b
+
+    seqs = [(_rand(rng, 1, lq, 2, 8), _rand(rng, 1, lk, 1, 8), _rand(rng, 1, lk, 1, 8), _rand(rng, 1, lq, 2, 8))
+            for lq, lk in zip(lens_q, lens_k)]
+    alone = []
+    for b, (q, k, v, do) in enumerate(seqs):
+        g = lambda s, _b, h, i, j, Lq, Lk, b=b: f(s, _b + b, h, i, j, Lq, Lk)  # noqa: E731  (its index in the batch)
+        alone.append(reference.attention(q, k, v, causal=True, dout=do, score_mod=g) if q.shape[1] else None)
+    Sq, Sk = max(lens_q), max(lens_k)
+    pad = lambda x, S: np.concatenate([x, np.zeros((1, S - x.shape[1], *x.shape[2:]))], axis=1)  # noqa: E731
+    q, k, v, do = (np.concatenate([pad(s[n], S) for s in seqs]) for n, S in ((0, Sq), (1, Sk), (2, Sk), (3, Sq)))
+    mask = reference.visible(4, Sq, Sk, causal=True, seqlens_q=lens_q, seqlens_k=lens_k)
+    at = reference.positions(4, Sq, Sk, seqlens_q=lens_q, seqlens_k=lens_k)
+    out, lse, dq, dk, dv = reference.attention(q, k, v, mask=mask, dout=do, score_mod=f, score_positions=at)
+    for b, got in enumerate(alone):
+        if got is not None:
+            for x, want in ((out[b, :lens_q[b]], got[0][0]), (lse[b, :, :lens_q[b]], got[1][0]),
+                            (dq[b, :lens_q[b]], got[2][0]), (dk[b, :lens_k[b]], got[3][0])):
+                np.testing.assert_allclose(x, want, atol=1e-9)
+    cu_q, cu_k = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+    q, k, v, do = (np.concatenate([s[n] for s in seqs], axis=1) for n in range(4))
+    ids_q, ids_k = (np.repeat(np.arange(4), lens)[None] for lens in (lens_q, lens_k))
+    keep = reference.visible(1, cu_q[-1], cu_k[-1], segment_ids_q=ids_q, segment_ids_k=ids_k)
+    for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
+        keep[0, 0, cu_q[s]:cu_q[s + 1], cu_k[s]:cu_k[s + 1]] &= j <= i + lk - lq
+    at = reference.positions(1, cu_q[-1], cu_k[-1], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out, lse, dq, dk, dv = reference.attention(q, k, v, mask=keep, dout=do, score_mod=f, score_positions=at)
+    for s, got in enumerate(alone):
+        if got is not None:
+            np.testing.assert_allclose(out[0, cu_q[s]:cu_q[s + 1]], got[0][0], atol=1e-9)
+            np.testing.assert_allclose(lse[0, :, cu_q[s]:cu_q[s + 1]], got[1][0], atol=1e-9)
+            np.testing.assert_allclose(dq[0, cu_q[s]:cu_q[s + 1]], got[2][0], atol=1e-9)
+            np.testing.assert_allclose(dk[0, cu_k[s]:cu_k[s + 1]], got[3][0], atol=1e-9)

@@ -88,6 +88,13 @@ def test_argument_errors_come_before_any_communication():
         fd.ring_attention(q, q, q, causal="top_left")
     with pytest.raises(TypeError, match="unexpected keyword argument 'return_lse'"):
         fd.ulysses_attention(q, q, q, return_lse=True)
+    # a rank's heads are numbered from 0: no expression that names h (no process group needed to say so)
+    for name, kw in (("mask_mod", dict(mask_mod="k <= q || h == 0")), ("score_mod", dict(score_mod="s + h")),
+                     ("score_mod_grad", dict(score_mod="s * s", score_mod_grad="2.f * s * (h + 1)"))):
+        with pytest.raises(ValueError, match=f"ulysses_attention cannot take a {name} that names the head"):
+            fd.ulysses_attention(q, q, q, **kw)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'score_mod'"):  # (ring attention has none)
+        fd.ring_attention(q, q, q, score_mod="s")
 
 
 @pytest.mark.parametrize("w", [1, 3])

@@ -217,8 +217,8 @@ def test_arch_for():
 
 
 _C_TYPES = {"u8*": np.uint64, "const u16*": np.uint64, "u16*": np.uint64, "const float*": np.uint64, "float*": np.uint64,
-            "int*": np.uint64, "const int*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32,
-            "TmaMap": params._MAP}
+            "int*": np.uint64, "const int*": np.uint64, "const void*": np.uint64, "i64": np.int64, "int": np.int32,
+            "float": np.float32, "TmaMap": params._MAP}
 
 
 def _header_fields(struct: str) -> list[tuple[str, type]]:
@@ -487,3 +487,76 @@ def test_combines_are_one_variant_per_dtype():
     assert names == {"flashrt_decode_combine_bf16_w8_sm_90a"}
     with pytest.raises(ValueError, match="run time"):
         KernelSpec("combine", 128, "bf16", 0, 0, 8, False, "sm_90a")
+
+
+CAP = ("30.f * tanhf(s / 30.f)", "", ())
+REL = ("s + bias[h * 8191 + k - q + 4095] * on[b]", "", (("bias", "float"), ("on", "int")))
+
+
+def test_score_mod_is_compiled_in_and_named_by_what_each_kernel_compiles():
+    """A score_mod variant's name holds a hash of the expression and its tensors' types, and of its derivative in
+    the families that compile it (spec.SCORE_GRAD_FAMILIES): one forward kernel serves every derivative."""
+    from flashrt.spec import KEY_PARALLEL, QUERY_PARALLEL, SCORE_GRAD_FAMILIES, SCORE_MOD_FAMILIES
+    assert set(SCORE_MOD_FAMILIES) == set(QUERY_PARALLEL + KEY_PARALLEL)
+    assert set(SCORE_GRAD_FAMILIES) == set(SCORE_MOD_FAMILIES) - {"fwd", "fwd_sm90", "fwd_sm90_ws"}
+    named = re.compile(r"flashrt_fwd_hd128_bf16_causal_smod[0-9a-f]{12}_m128n64w8_sm_90a")
+    assert named.fullmatch(spec(score_mod=CAP).name), spec(score_mod=CAP).name
+    assert "-DFRT_SCORE_MOD=1" in spec(score_mod=CAP).options() and "FRT_SCORE_MOD" not in " ".join(spec().options())
+    explicit = ("30.f * tanhf(s / 30.f)", "1.f - tanhf(s / 30.f) * tanhf(s / 30.f)", ())
+    as_int = (REL[0], "", (("bias", "float"), ("on", "float")))
+    for family in SCORE_MOD_FAMILIES:
+        arch = "sm_90a" if "sm90" in family else "sm_80"
+        d = 64 if tiles.applies(family, 64, arch, score_mod=CAP) else 128
+
+        def make(score):
+            return tiles.tiling(family, d, "bf16", True, arch, SMEM_OPTIN[int(arch[3:5])], score_mod=score)
+        names = {make(s).name for s in (CAP, explicit, REL, as_int)}
+        assert len(names) == (4 if family in SCORE_GRAD_FAMILIES else 3), (family, names)
+        assert make(CAP).score_mod == CAP and "_smod" in make(CAP).name
+    # the helpers and the decode kernels take none: ignored by tiling, refused by KernelSpec
+    for family in ("bwd_preprocess", "bwd_dq_convert", "bwd_dkdv_reduce", "decode_combine"):
+        assert tiles.tiling(family, 128, "bf16", True, "sm_80", SMEM_OPTIN[80], score_mod=CAP).score_mod == ()
+    with pytest.raises(ValueError, match="decode has no score_mod variant"):
+        KernelSpec("decode", 128, "bf16", 16, 64, 4, False, "sm_90a", score_mod=CAP)
+    for kw in (dict(softcap=True), dict(alibi=True)):
+        with pytest.raises(ValueError, match="score_mod with softcap or alibi: write them into the expression"):
+            spec(score_mod=CAP, **kw)
+    # a mask_mod's classifiers never compile the score_mod (one map serves every score_mod)
+    fwd = tiles.tiling("fwd", 64, "bf16", True, "sm_80", SMEM_OPTIN[80], MASK_BITS["mod"], "k <= q", score_mod=CAP)
+    assert fwd.score_mod == CAP
+    assert all(tiles.classifier_spec(fwd, f).score_mod == () for f in ("mask_map", "mask_rows"))
+
+
+@pytest.mark.parametrize("bad", [("", "", ()), ("s", None, ()), ("s", "", ("bias",)), ("s", "", (("bias", "double"),)),
+                                 ("s", "", tuple((f"t{i}x", "int") for i in range(5)))])
+def test_malformed_score_mod_fields_are_rejected(bad):
+    with pytest.raises(ValueError, match="score_mod must be"):
+        spec(score_mod=bad)
+
+
+def test_score_mod_source_defines_what_each_kernel_calls():
+    """score_mod_source: the expression between #line markers (NVRTC's messages name the user's text), its tensors as
+    typed pointers, in the expression's namespace (dual.cuh: flashrt_expr), and in the backward's kernels its
+    derivative: the user's, or the expression over dual numbers."""
+    from flashrt.spec import score_mod_source
+    fwd = score_mod_source(*REL, False)
+    value = fwd[fwd.index("FRT_DEVICE float flashrt_score_mod("):fwd.index("\n}\n") + 3]  # its definition
+    assert value.startswith("FRT_DEVICE float flashrt_score_mod(float s, int b, int h, int q, int k, int Lq, int Lk, "
+                            "float qf, float kf, const void* t0")
+    assert "const float* const bias = static_cast<const float*>(t0);" in value
+    assert "const int* const on = static_cast<const int*>(t1);" in value
+    assert f'#line 1 "score_mod"\n{REL[0]}\n#line 1 "flashrt_score_mod_end"\n' in value
+    assert fwd == "namespace flashrt_expr {\n" + value + "}\n"
+    auto = score_mod_source(*REL, True)
+    assert auto.startswith("namespace flashrt_expr {\n" + value) and auto.endswith("}\n}\n")
+    assert "const flashrt_dual::Dual s(flashrt_s, 1.f);" in auto
+    assert f'#line 1 "score_mod (its automatic derivative)"\n{REL[0]}\n' in auto
+    assert "*flashrt_value = flashrt_r.v;" in auto and "return flashrt_r.d;" in auto
+    given = score_mod_source(REL[0], "1.f", REL[2], True)
+    assert given.startswith("namespace flashrt_expr {\n" + value) and given.endswith("}\n}\n")
+    assert '#line 1 "score_mod_grad"\n1.f\n' in given and "Dual" not in given
+    assert "*flashrt_value = flashrt_score_mod(s, b, h, q, k, Lq, Lk, qf, kf, t0, t1, t2, t3);" in given
+    # each kernel's translation unit: the forward without a derivative, the backward's with one
+    for family, with_grad in (("fwd", False), ("bwd_dq", True), ("bwd_dkdv", True)):
+        unit = tiles.tiling(family, 64, "bf16", False, "sm_80", SMEM_OPTIN[80], score_mod=REL).translation_unit()
+        assert unit.endswith(score_mod_source(*REL, with_grad))

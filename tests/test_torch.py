@@ -118,6 +118,82 @@ def test_alibi_slopes_through_the_fake_impls_and_their_errors():
         flashrt.attention(q, k, k, softcap=30.0, alibi_slopes=torch.empty(8, device="meta"))
 
 
+def test_score_mod_through_the_fake_impls_and_its_errors():
+    """score_mod's strings and tensors through the ops (their tensors after mask_mod's in the op's list), the
+    autograd formula into flashrt::bwd's fake impl, and what is refused before any kernel."""
+    q = torch.empty(2, 5, 8, 64, device="meta", dtype=BF16, requires_grad=True)
+    k = torch.empty(2, 7, 2, 64, device="meta", dtype=BF16, requires_grad=True)
+    bias = torch.empty(8 * 11, device="meta")  # (H, Sq + Sk - 1) relative-position table
+    sel = torch.empty(4, dtype=torch.int32, device="meta")
+    for kw in (dict(score_mod="s + bias[h * 11 + k - q + 4]", score_tensors={"bias": bias}),
+               dict(score_mod="s * s / 8.f", score_mod_grad="s / 4.f"),
+               dict(score_mod="s + bias[h * 11 + k - q + 4] * sel[k % 4]", score_tensors={"bias": bias, "sel": sel},
+                    mask_mod="sel[q % 4] >= 0 || k <= q", mask_tensors={"sel": sel})):
+        out, lse = flashrt.attention(q, k, k, causal=True, return_lse=True, **kw)
+        assert out.shape == q.shape and lse.shape == (2, 8, 5) and out.requires_grad
+        out.backward(torch.ones_like(out))
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape
+        q.grad = k.grad = None
+    learned = torch.empty(8 * 11, device="meta", requires_grad=True)
+    with pytest.raises(ValueError, match=r"score_tensors\['bias'\] requires grad, and flashrt\.attention computes no "
+                                         r"gradient of score_mod's tensors yet: pass bias\.detach\(\)"):
+        flashrt.attention(q, k, k, score_mod="s + bias[k]", score_tensors={"bias": learned})
+    with torch.no_grad():  # (no gradient asked for: a learned table serves inference as it is)
+        flashrt.attention(q, k, k, score_mod="s + bias[k]", score_tensors={"bias": learned})
+    flashrt.attention(q, k, k, score_mod="s + bias[k]", score_tensors={"bias": learned.detach()})
+    for kw, error, pattern in (
+            (dict(score_mod=""), ValueError, r"score_mod must be a CUDA float expression, the new scaled score"),
+            (dict(score_tensors={"bias": bias}), ValueError, r"score_mod must be a CUDA float expression"),
+            (dict(score_mod="s", score_mod_grad=" "), ValueError, r"score_mod_grad must be a CUDA float expression"),
+            (dict(score_mod="s", score_tensors={"s": bias}), ValueError, r"score_tensors key 's' must be a C ident"),
+            (dict(score_mod="s", score_tensors=[bias]), TypeError, r"score_tensors must be a dict"),
+            (dict(score_fn="s"), TypeError, r"attention\(\) got an unexpected keyword argument 'score_fn'")):
+        with pytest.raises(error, match=pattern):
+            flashrt.attention(q, k, k, **kw)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["ops", "compiled"])
+def test_score_mod_reaches_forward_and_backward_through_the_ops(monkeypatch, compiled):
+    """The traced route's ops hand api.forward and api.backward the call's score_mod, derivative and tensors (split
+    from mask_mod's in the op's tensor list), as the eager route passes its mask arguments (api stands in: CPU);
+    under torch.compile(fullgraph=True) too (AOTAutograd's backend without a code generator: no compiler needed)."""
+    from flashrt import api
+    calls = []
+
+    def forward(q, k, v, **kw):
+        calls.append(kw)
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def backward(dout, q, k, v, out, lse, **kw):
+        calls.append(kw)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(api, "forward", forward)
+    monkeypatch.setattr(api, "backward", backward)
+    q, k = torch.randn(2, 5, 8, 64, requires_grad=True), torch.randn(2, 7, 2, 64, requires_grad=True)
+    doc, bias, on = torch.zeros(7, dtype=torch.int32), torch.randn(8 * 11), torch.ones(2, dtype=torch.int32)
+    for grad in (None, "1.f"):
+        calls.clear()
+
+        def fn(q, k, grad=grad):
+            return flashrt.attention(q, k, k, causal=True, mask_mod="doc[k] == 0", mask_tensors={"doc": doc},
+                                     score_mod=" s + bias[h * 11 + k - q + 4] * on[b] ", score_mod_grad=grad,
+                                     score_tensors={"bias": bias, "on": on})
+        if compiled:
+            fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        fn(q, k).sum().backward()
+        assert len(calls) == 2  # forward, then backward
+        for kw in calls:
+            assert kw["score_mod"] == "s + bias[h * 11 + k - q + 4] * on[b]" and kw["score_mod_grad"] == grad
+            assert list(kw["score_tensors"]) == ["bias", "on"] and list(kw["mask_tensors"]) == ["doc"]
+            for got, want in ((kw["score_tensors"]["bias"], bias), (kw["score_tensors"]["on"], on),
+                              (kw["mask_tensors"]["doc"], doc)):
+                assert got.data_ptr() == want.data_ptr() and got.dtype == want.dtype
+    calls.clear()
+    flashrt.attention(q, k, k, score_mod="s * 2.f")
+    assert calls[0]["score_mod"] == "s * 2.f" and calls[0]["score_tensors"] == {} and "mask_mod" not in calls[0]
+
+
 def _cpu_bhsd(Sq=4, Sk=4, H=2, Hkv=2):
     return torch.randn(1, H, Sq, 8), torch.randn(1, Hkv, Sk, 8), torch.randn(1, Hkv, Sk, 8)
 
@@ -191,7 +267,8 @@ def test_upstream_gradient_made_readable_only_when_needed():
 # GPU: the custom ops under torch's checkers and compilers
 # ---------------------------------------------------------------------------
 _NO_SCORE_MODS = (None, None, None)  # the ops' softcap, alibi_slopes and sinks
-_NO_MODS = ("", "", *_NO_SCORE_MODS)  # ... after mask_mod and its tensor names
+_NO_SCORE_MOD = ("", "", "")  # ... after score_mod, its derivative and its tensor names
+_NO_MODS = ("", "", *_NO_SCORE_MOD, *_NO_SCORE_MODS)  # ... after mask_mod and its tensor names
 # (B, Sq, Sk, H, Hkv, D, causal, softmax_scale, dtype)
 OPCHECK_CASES = [
     (2, 128, 160, 4, 4, 64, True, None, BF16),
@@ -227,11 +304,21 @@ def test_opcheck_with_masks_and_varlen():
     doc = torch.randint(0, 3, (B, S), dtype=torch.int32, device="cuda")
     mod = ("doc[b * 96 + q] == doc[b * 96 + k] || h == 1", "doc")
     torch.library.opcheck(torch.ops.flashrt.fwd.default,
-                          (*leaves(q, k, v), *options, True, tensors + [doc], *mod, *_NO_SCORE_MODS))
-    out, lse = flashrt.forward(q, k, v, window=(16, 16), seqlens_q=lengths, seqlens_k=lengths,
-                               block_ids_q=tensors[4], block_ids_k=tensors[5], mask_mod=mod[0], mask_tensors={"doc": doc})
+                          (*leaves(q, k, v), *options, True, tensors + [doc], *mod, *_NO_SCORE_MOD, *_NO_SCORE_MODS))
+    masked = dict(window=(16, 16), seqlens_q=lengths, seqlens_k=lengths, block_ids_q=tensors[4], block_ids_k=tensors[5],
+                  mask_mod=mod[0], mask_tensors={"doc": doc})
+    out, lse = flashrt.forward(q, k, v, **masked)
     torch.library.opcheck(torch.ops.flashrt.bwd.default,
-                          (do, q, k, v, out, lse, *options, tensors + [doc], *mod, *_NO_SCORE_MODS))
+                          (do, q, k, v, out, lse, *options, tensors + [doc], *mod, *_NO_SCORE_MOD, *_NO_SCORE_MODS))
+    # score_mod with a float32 table and an int32 tensor of its own, after mask_mod's (automatic derivative)
+    table = torch.randn(H * (2 * S - 1), device="cuda")
+    on = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
+    score = (f"s + table[h * {2 * S - 1} + k - q + {S - 1}] * on[b]", "", "table,on")
+    torch.library.opcheck(torch.ops.flashrt.fwd.default,
+                          (*leaves(q, k, v), *options, True, tensors + [doc, table, on], *mod, *score, *_NO_SCORE_MODS))
+    out, lse = flashrt.forward(q, k, v, **masked, score_mod=score[0], score_tensors={"table": table, "on": on})
+    torch.library.opcheck(torch.ops.flashrt.bwd.default,
+                          (do, q, k, v, out, lse, *options, tensors + [doc, table, on], *mod, *score, *_NO_SCORE_MODS))
     cu = torch.tensor([0, 30, 96], dtype=torch.int32, device="cuda")
     pq, pk, pv = (x[0] for x in (q, k, v))  # (96, H, D) packed: sequences of 30 and 66
     options = ("bottom_right", None, "auto", True, None, 66, 66)
@@ -242,7 +329,7 @@ def test_opcheck_with_masks_and_varlen():
     torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, *_NO_MODS))
     # ALiBi slopes per packed sequence (a tensor the ops take no gradient of)
     slopes = torch.rand(2, H, device="cuda")
-    alibi = ("", "", None, slopes, None)
+    alibi = ("", "", *_NO_SCORE_MOD, None, slopes, None)
     torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen, *alibi))
     out, lse = flashrt.forward(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, alibi_slopes=slopes)
     torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, *alibi))

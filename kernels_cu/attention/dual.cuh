@@ -100,9 +100,9 @@ FRT_DUAL_UNARY2(roundf, round, ::roundf(x), 0.f)
 #undef FRT_DUAL_UNARY2
 #undef FRT_DUAL_UNARY
 
-// The larger / smaller argument, with its derivative (ties: the first).
+// The larger / smaller argument, with its derivative (ties: the first; a NaN loses, as CUDA's fmaxf has it).
 #define FRT_DUAL_PICK(name, op) \
-    FRT_DUAL name(Dual a, Dual b) { return a.v op b.v || a.v == b.v ? a : b; }
+    FRT_DUAL name(Dual a, Dual b) { return a.v op b.v || a.v == b.v || b.v != b.v ? a : b; }
 FRT_DUAL_PICK(fmaxf, >)
 FRT_DUAL_PICK(fmax, >)
 FRT_DUAL_PICK(max, >)

@@ -131,7 +131,7 @@ def flex_cases(q, k, v, do, causal, mods, slopes, bias):
     # back to its unfused eager form)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
-    flex = torch.compile(flex_attention)
+    flex = torch.compile(flex_attention, dynamic=False)  # (static shapes, as for one shape alone)
     B, S, H, D = q.shape
     qt, kt, vt, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
     qg, kg, vg = (x.detach().requires_grad_() for x in (qt, kt, vt))
