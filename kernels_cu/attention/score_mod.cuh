@@ -138,8 +138,8 @@ struct ScoreMod {
 
     // Element (mt, jj, c) of the fragments at `at` (mask.cuh: Fragments; TRANSPOSED: rows are keys): its query and
     // key positions, clamped, as ints and as floats. The floats come from one conversion of the fragments' first row
-    // and column and exact offsets (an int-to-float conversion per score runs at the exponential's rate: an ALiBi-like
-    // expression of (float)k took 1.16-1.53x the built-in ALiBi's forward, H200; docs/perf-notes.md: score_mod).
+    // and column and exact offsets, not one per score (a quarter-rate op, as the exponential; an ALiBi-like expression
+    // took about the same time either way, H200: docs/perf-notes.md, score_mod).
     template <bool TRANSPOSED>
     FRT_DEVICE void positions(Fragments at, int mt, int jj, int c, int& i, int& j, float& fi, float& fj) const {
         const int dr = 16 * mt + 8 * (c >> 1), dc = 8 * jj + (c & 1);
