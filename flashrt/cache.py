@@ -192,8 +192,8 @@ def _read(path: Path, key: str, spec: KernelSpec) -> bytes | None:
         return None
 
 
-# `flashrt prewarm --masks` names of the mask features (spec.MASK_BITS; "causal" is KernelSpec.causal). mask_mod has
-# none: its expression is part of the variant, so only a manifest (FLASHRT_RECORD) prewarms it.
+# `flashrt prewarm --masks` names of the mask features (spec.MASK_BITS; "causal" is KernelSpec.causal). mask_mod (and
+# score_mod) has none: its expression is part of the variant, so only a manifest (FLASHRT_RECORD) prewarms it.
 MASK_NAMES = {"causal": 0, "lengths": MASK_BITS["lengths"], "window": MASK_BITS["window"],
               "ids": MASK_BITS["block_ids"], "segments": MASK_BITS["segments"]}
 
@@ -211,8 +211,9 @@ def prewarm_command(spec: KernelSpec) -> str:
 
 
 def miss_message(spec: KernelSpec) -> str:
-    by_kind = ("its mask_mod expression is part of the variant, so only a manifest prewarms it"
-               if spec.mask_mod else f"or fill the cache by kind: {prewarm_command(spec)}")
+    expression = "mask_mod" if spec.mask_mod else "score_mod" if spec.score_mod else ""
+    by_kind = (f"its {expression} expression is part of the variant, so only a manifest prewarms it"
+               if expression else f"or fill the cache by kind: {prewarm_command(spec)}")
     return (f"flashrt: kernel {spec.name} is not in the cache ({cache_dir()}) and FLASHRT_NO_COMPILE=1 forbids "
             f"compiling it; record a manifest with FLASHRT_RECORD=/path/manifest.json on a machine that runs the "
             f"workload, then run: flashrt prewarm --manifest /path/manifest.json --arch {spec.arch} "

@@ -1,6 +1,7 @@
 """The on-disk cubin cache and its faults: corrupt, truncated, wrong-arch and stale entries, read-only
 and full disks, locks held by hung or killed processes, 8 processes prewarming at once; no-compile mode.
 Each fault ends in a correct kernel and an intact cache, with at most one warning."""
+import dataclasses
 import errno
 import json
 import logging
@@ -413,7 +414,13 @@ def test_no_compile_miss_is_recorded_and_names_the_manifest_route(cache_dir, mon
         cache.lookup(SPEC)
     message = str(miss.value)
     assert SPEC.name in message and "FLASHRT_RECORD=" in message and "flashrt prewarm --manifest " in message
+    assert "flashrt prewarm --arch" in message  # (a plain variant: by kind as well)
     assert _manifest_names(manifest) == [SPEC.name]
+    scored = dataclasses.replace(SPEC, score_mod=("s * 0.5f", "", ()))
+    with pytest.raises(cache.CacheMiss) as miss:  # an expression's variant: the manifest route only
+        cache.lookup(scored)
+    assert "its score_mod expression is part of the variant" in str(miss.value)
+    assert "flashrt prewarm --arch" not in str(miss.value)
 
 
 def test_processes_recording_into_one_manifest(cache_dir, tmp_path):
