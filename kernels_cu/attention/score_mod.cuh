@@ -31,11 +31,11 @@
 #if FRT_SCORE_MOD
 #include "attention/dual.cuh"
 // The user's expression f over the scaled score s (softmax_scale q . k), the batch entry, query head, query and key
-// positions in the sequence, the sequence's lengths, the positions as floats (qf, kf) and up to four tensors (float or int, as the user's names
-// declare them), and its derivative in s (the value in *value as well): the user's score_mod_grad, or the expression
-// once more over dual numbers (dual.cuh). flashrt/spec.py (score_mod_source) writes their definitions after the
-// kernel source, in the expression's environment (dual.cuh: namespace flashrt_expr); the forward kernels call only
-// the first.
+// positions in the sequence, the sequence's lengths, the positions as floats (qf, kf) and up to four tensors (float
+// or int, as the user's names declare them), and its derivative in s (the value in *value as well): the user's
+// score_mod_grad, or the expression once more over dual numbers (dual.cuh). flashrt/spec.py (score_mod_source)
+// writes their definitions after the kernel source, in the expression's environment (dual.cuh: namespace
+// flashrt_expr); the forward kernels call only the first.
 namespace flashrt_expr {
 FRT_DEVICE float flashrt_score_mod(float s, int b, int h, int q, int k, int Lq, int Lk, float qf, float kf,
                                    const void* t0, const void* t1, const void* t2, const void* t3);
@@ -110,12 +110,11 @@ struct Alibi {
 
 // A user's score_mod (FRT_SCORE_MOD; FwdParams / BwdParams::score_t0..3 its tensors): the raw score s of query i
 // and key j of query head h becomes f(scale s, ...), a scaled score (the exponentials take it times log2 e:
-// exp_scale), before the mask (a hidden pair's value is never read:
-// masks assign, and the backward zeroes P and dS there by selection, not by a product). The positions are clamped
-// to the sequence's last (they are never negative, and a tile that holds rows or keys has Lq, Lk >= 1), as
-// mask_mod's are, so that a tile's rows and columns past its ends read the tensors where the expression reads them
-// for a pair inside it. (Clamped at 0 as well, the head_dim 128 causal dK / dV kernel spilled 32 bytes with a
-// bias-table expression, NVRTC 12.9.) The backward takes P from f's value and multiplies dS by f'.
+// exp_scale), before the mask (a hidden pair's value is never read: masks assign, and the backward zeroes P and dS
+// there by selection, not by a product). The positions are clamped to the sequence's last (they are never negative,
+// and a tile that holds rows or keys has Lq, Lk >= 1), as mask_mod's are, so that a tile's rows and columns past its
+// ends read the tensors where the expression reads them for a pair inside it. The backward takes P from f's value
+// and multiplies dS by f'.
 struct ScoreMod {
     float scale = 0.f;  // softmax_scale (from scale_log2, the same in both passes)
     int b = 0, h = 0, Lq = 1, Lk = 1;

@@ -172,9 +172,10 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                         const float th = cap.tanh_of(x);
                         x = cap.cap * th, grad = 1.f - th * th;
                     }
-                    if constexpr (FRT_SCORE_MOD)  // (positions in the sequence: S^T's rows are keys)
-                        x = smod.head(pa.h).value_grad<true>(x, Fragments{n0 + krow1 + g, m0 + qcol1 + 2 * t}, mt, nt, c,
-                                                             grad);
+                    if constexpr (FRT_SCORE_MOD) {  // (positions in the sequence: S^T's rows are keys)
+                        const Fragments in_seq{n0 + krow1 + g, m0 + qcol1 + 2 * t};
+                        x = smod.head(pa.h).value_grad<true>(x, in_seq, mt, nt, c, grad);
+                    }
                     float pr = fast_exp2(fmaf(x, ScoreMod::exp_scale(p.scale_log2), -s_lse2[qc]));
                     if (need_mask) {
                         if (!at.visible<true>(mt, nt, c, [&](int q, int k) { return tile.visible(m0 + q, n0 + k, pa.h); }))

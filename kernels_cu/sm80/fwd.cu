@@ -103,7 +103,8 @@ __device__ void fwd(const FwdParams& p) {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const float alpha = online_row<NT_S>(row_max[mt][hh], row_sum[mt][hh], ScoreMod::exp_scale(cap.scale_of(p.scale_log2)),
+                const float alpha = online_row<NT_S>(row_max[mt][hh], row_sum[mt][hh],
+                                                     ScoreMod::exp_scale(cap.scale_of(p.scale_log2)),
                                                      [&](int nt, int e) -> float& { return s[mt][nt][2 * hh + e]; });
 #pragma unroll
                 for (int dt = 0; dt < NT_O; ++dt) o[mt][dt][2 * hh] *= alpha, o[mt][dt][2 * hh + 1] *= alpha;

@@ -167,7 +167,8 @@ struct FwdRows {
         if constexpr (FRT_ALIBI)
             alibi.add<1, JHI>(Fragments{row_base, n0 + 2 * t}, [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
         if constexpr (FRT_SCORE_MOD)
-            smod.apply<1, JHI>(Fragments{row_base, n0 + 2 * t}, [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
+            smod.apply<1, JHI>(Fragments{row_base, n0 + 2 * t},
+                               [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
     }
 
     // The online softmax of the scores in s, the key groups jj < JHI (s becomes P, unnormalised; alpha the rescale
