@@ -16,7 +16,7 @@ import math
 import numbers
 import struct
 
-from . import _env, interop, launch, masks, nvrtc, params, tiles, tma
+from . import _env, cache, interop, launch, masks, nvrtc, params, tiles, tma
 from .interop import Array
 from .spec import ELEMENTWISE
 
@@ -125,21 +125,19 @@ def _check_score_mod(m: masks.Masking, softcap: float, alibi: bool) -> None:
                          "expression, e.g. score_mod=\"30.f * tanhf(s / 30.f)\"")
 
 
-def _compiled_score_mod(m: masks.Masking, dev, specs) -> None:
+def _compiled_score_mod(m: masks.Masking, specs) -> None:
     """A score_mod call's kernels compiled before its plan is made, so that an expression NVRTC rejects raises
     masks.score_mod_error (the fault marked in the user's text; a mask_mod's fault, masks.mask_mod_error), not the
     kernel's compile error."""
     from .spec import MOD_FILE, SCORE_DUAL_FILE, SCORE_FILE, SCORE_GRAD_FILE
-    for spec in specs:
-        if spec.score_mod:
-            try:
-                launch.function(spec, dev)
-            except nvrtc.CompileError as exc:
-                if any(f + "(" in exc.log for f in (SCORE_FILE, SCORE_GRAD_FILE, SCORE_DUAL_FILE)):
-                    raise masks.score_mod_error(m.score_mod, exc.log) from None
-                if m.mask_mod and MOD_FILE + "(" in exc.log:
-                    raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
-                raise
+    try:
+        cache.prefetch(spec for spec in specs if spec.score_mod)  # (at once: a backward has two or three)
+    except nvrtc.CompileError as exc:
+        if any(f + "(" in exc.log for f in (SCORE_FILE, SCORE_GRAD_FILE, SCORE_DUAL_FILE)):
+            raise masks.score_mod_error(m.score_mod, exc.log) from None
+        if m.mask_mod and MOD_FILE + "(" in exc.log:
+            raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
+        raise
 
 
 def _check_softcap(softcap) -> float:
@@ -352,7 +350,7 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
         return decoding.forward_plan(Q4, K4, V4, m, scale, sinks, softcap, alibi, bstride)
     dev = launch.device(Q.device)
     spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev, bool(softcap), alibi)
-    _compiled_score_mod(m, dev, [spec])
+    _compiled_score_mod(m, [spec])
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=bstride,
              **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
@@ -521,7 +519,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         families.append("bwd_dkdv_reduce")
     rowwise = m.elementwise_fields(H)
     launches = []
-    _compiled_score_mod(m, dev, [_kernel_for(family, D, Q, m, dev, bool(softcap), alibi) for family in families])
+    _compiled_score_mod(m, [_kernel_for(family, D, Q, m, dev, bool(softcap), alibi) for family in families])
     for family in families:
         spec = _kernel_for(family, D, Q, m, dev, bool(softcap), alibi)
         if family in ELEMENTWISE:

@@ -224,6 +224,22 @@ def get_cubin(spec: KernelSpec) -> bytes:
     return lookup(spec)[0]
 
 
+def prefetch(specs) -> None:
+    """Look up the cubins of `specs` (each at most once) at the same time, on threads (NVRTC and the file reads
+    release the GIL): a call that needs several new kernels waits for its slowest compile, not for their sum. The
+    first failure in the order of `specs` is raised, as looking them up one by one would raise it."""
+    todo = [s for s in dict.fromkeys(specs) if _memory.get(entry_key(s)) is None]
+    if len(todo) < 2:
+        for spec in todo:
+            lookup(spec)
+        return
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(lookup, spec) for spec in todo]
+    for f in futures:
+        f.result()
+
+
 def lookup(spec: KernelSpec) -> tuple[bytes, str]:
     """(cubin, where it came from: 'memory' | 'disk' | 'compiled')."""
     key = entry_key(spec)

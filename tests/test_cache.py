@@ -497,3 +497,30 @@ def test_exported_lists_the_usable_variants(cache_dir, monkeypatch):
     assert skipped == {"stale": 1, "unusable": 1, "other_arch": 0, "no_spec": 0}
     variants, skipped = cache.exported("sm_80")
     assert [cache.spec_from_fields(f) for f in variants] == [SPEC] and skipped["other_arch"] == 1
+
+
+def test_prefetch_looks_up_kernels_at_once_and_raises_the_first_failure_in_order(cache_dir, monkeypatch):
+    """cache.prefetch (launch.Sequence's first use, api._compiled_score_mod): every spec compiled and kept, each once,
+    on threads; a failing compile raises the first failure in the specs' order, and the others are kept."""
+    from flashrt import tiles
+    specs = [tiles.tiling("bwd_preprocess", d, "bf16", False, "sm_80", 100_000) for d in (64, 128, 256)]
+    threads, calls = set(), []
+    real = cache._compile_and_store
+
+    def counting(spec, key, path):
+        import threading
+        threads.add(threading.get_ident())
+        calls.append(spec.name)
+        return real(spec, key, path)
+    monkeypatch.setattr(cache, "_compile_and_store", counting)
+    cache.prefetch(specs + specs[:1])
+    assert sorted(calls) == sorted(s.name for s in specs) and all(cache.lookup(s)[1] == "memory" for s in specs)
+    assert len(threads) > 1
+    cache.prefetch(specs)  # all in memory: nothing compiled
+    assert len(calls) == 3
+    bad = dataclasses.replace(SPEC, score_mod=("s +", "", ()))
+    worse = dataclasses.replace(SPEC, score_mod=("s + undefined_name", "", ()))
+    good = dataclasses.replace(SPEC, score_mod=("s * 0.5f", "", ()))
+    with pytest.raises(nvrtc.CompileError) as failed:
+        cache.prefetch([good, bad, worse])
+    assert failed.value.name == bad.name and cache.lookup(good)[1] == "memory"
