@@ -263,7 +263,7 @@ def _check_score_mod(expr, grad, tensors) -> tuple[str, str]:
             raise ValueError(f"{name} must be {what}, over float s (softmax_scale * q.k), int "
                              f"{', '.join(MOD_VARIABLES)}, float qf, kf (q and k as floats) and the names of "
                              f"score_tensors, such as "
-                             f"\"30.f * tanhf(s / 30.f)\"; got {value!r}")
+                             f"\"30.f * tanhf(s * (1.f / 30.f))\"; got {value!r}")
         if value.rstrip().endswith("\\"):
             raise ValueError(f"{name} must not end in a backslash (it would continue onto flashrt's next line): "
                              f"{value!r}")

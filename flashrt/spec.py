@@ -347,8 +347,9 @@ class KernelSpec:
             defines["FRT_MAP_SPLIT"] = self.map_split
         if self.family in ("bwd_dkdv", "bwd_fused"):
             defines.update(zip(("FRT_GEMM_WM1", "FRT_GEMM_WM2", "FRT_GEMM_WM3"), self.gemm_warps))
-        # (a score_mod's divisions approximate, 2 ulp: an IEEE division per score cost more than the exponential;
-        # the kernels divide nowhere else per score. kernels_cu/attention/dual.cuh: its other fast functions)
+        # (a score_mod's divisions approximate, 2 ulp, as Triton's are: a MUFU op and a multiply, not IEEE division's
+        # longer sequence, though a capped score's time was within noise of it, H200; the kernels divide nowhere else
+        # per score. kernels_cu/attention/dual.cuh: its other fast functions)
         fast = ["--prec-div=false"] if self.score_mod else []
         return [*NVRTC_OPTIONS, *fast, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in defines.items())]
 
