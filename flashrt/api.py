@@ -133,9 +133,10 @@ def _compiled_score_mod(m: masks.Masking, specs) -> None:
     try:
         cache.prefetch(spec for spec in specs if spec.score_mod)  # (at once: a backward has two or three)
     except nvrtc.CompileError as exc:
-        if any(f + "(" in exc.log for f in (SCORE_FILE, SCORE_GRAD_FILE, SCORE_DUAL_FILE)):
+        lines = exc.log.splitlines()  # (a message starts "file(line)")
+        if any(ln.startswith((SCORE_FILE + "(", SCORE_GRAD_FILE + "(", SCORE_DUAL_FILE + "(")) for ln in lines):
             raise masks.score_mod_error(m.score_mod, exc.log) from None
-        if m.mask_mod and MOD_FILE + "(" in exc.log:
+        if m.mask_mod and any(ln.startswith(MOD_FILE + "(") for ln in lines):
             raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
         raise
 

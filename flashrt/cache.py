@@ -234,7 +234,7 @@ def prefetch(specs) -> None:
             lookup(spec)
         return
     import concurrent.futures
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 8)) as pool:
         futures = [pool.submit(lookup, spec) for spec in todo]
     for f in futures:
         f.result()

@@ -210,8 +210,13 @@ class Sequence:
         """This thread's params structs, writable (made, and the kernels loaded, on this thread's first use)."""
         mine = getattr(self._local, "mine", None)
         if mine is None:
-            # (the kernels not loaded yet compiled or read at once: cache.prefetch)
-            cache.prefetch(spec for spec, _, _ in self.launches if (spec.name, self.dev.index) not in _functions)
+            # (the kernels not loaded yet compiled or read at once: cache.prefetch; under capture function() says why
+            # none may be, first)
+            pending = [spec for spec, _, _ in self.launches if (spec.name, self.dev.index) not in _functions]
+            if pending and not _capturing(self.dev):
+                for spec in pending:
+                    check_fits(spec, self.dev)
+                cache.prefetch(pending)
             structs = [(ctypes.c_char * len(t)).from_buffer_copy(t) for t in self.templates]
             pointers = [_ONE_POINTER(ctypes.addressof(s)) for s in structs]  # kernelParams: one pointer each
             calls = [(function(spec, self.dev).ptr, grid_dims, spec, ctypes.addressof(pointers[i]),

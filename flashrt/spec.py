@@ -179,6 +179,8 @@ class KernelSpec:
                     and all(isinstance(t, tuple) and len(t) == 2 and t[1] in SCORE_TENSOR_TYPES for t in tensors)):
                 raise ValueError(f"score_mod must be (expression, derivative or '', ((name, type), ...) with at most "
                                  f"{MAX_MOD_TENSORS} tensors of types {SCORE_TENSOR_TYPES}), got {self.score_mod!r}")
+            if grad and self.family not in SCORE_GRAD_FAMILIES:  # (compiled without it: one variant, one cache key)
+                object.__setattr__(self, "score_mod", (expr, "", tensors))
         problem = self.layout_problem()
         if problem:
             raise ValueError(f"invalid tiling for {self.name}: {problem}")
@@ -200,9 +202,8 @@ class KernelSpec:
             mask += "_cap"
         if self.alibi:
             mask += "_alibi"
-        if self.score_mod:  # the expression's identity (its derivative's too where the variant takes it)
-            used = self.score_mod if self.family in SCORE_GRAD_FAMILIES else (self.score_mod[0], "", self.score_mod[2])
-            mask += "_smod" + hashlib.sha256(repr(used).encode()).hexdigest()[:12]
+        if self.score_mod:  # the expression's identity (its derivative's where the variant takes one: __post_init__)
+            mask += "_smod" + hashlib.sha256(repr(self.score_mod).encode()).hexdigest()[:12]
         what = self.family if self.family in CLASSIFY else f"{self.family}_hd{self.head_dim}_{self.dtype}"
         occupancy = f"b{self.min_blocks}" if self.min_blocks > 1 else ""
         return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}{occupancy}_{self.arch}"
@@ -348,8 +349,9 @@ class KernelSpec:
         if self.family in ("bwd_dkdv", "bwd_fused"):
             defines.update(zip(("FRT_GEMM_WM1", "FRT_GEMM_WM2", "FRT_GEMM_WM3"), self.gemm_warps))
         # (a score_mod's divisions approximate, 2 ulp, as Triton's are: a MUFU op and a multiply, not IEEE division's
-        # longer sequence, though a capped score's time was within noise of it, H200; the kernels divide nowhere else
-        # per score. kernels_cu/attention/dual.cuh: its other fast functions)
+        # longer sequence, though a capped score's time was within noise of it, H200; elsewhere the kernels divide
+        # only once per row, in the mma.sync forward's normalisation, approximate then too. kernels_cu/attention/
+        # dual.cuh: the expression's other fast functions)
         fast = ["--prec-div=false"] if self.score_mod else []
         return [*NVRTC_OPTIONS, *fast, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in defines.items())]
 
@@ -401,8 +403,8 @@ def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> s
     names = "".join(f"    const {ctype}* const {n} = static_cast<const {ctype}*>(t{i});\n"
                     for i, (n, ctype) in enumerate(tensors))
 
-    def wrapped(text: str, file: str) -> str:
-        return f'#line 1 "{file}"\n{text}\n#line 1 "{SCORE_END_FILE}"\n'
+    def wrapped(text: str, file: str) -> str:  # (parenthesised: a top-level comma is the comma operator in both forms)
+        return f'(\n#line 1 "{file}"\n{text}\n#line 1 "{SCORE_END_FILE}"\n)\n'
 
     out = (f"namespace flashrt_expr {{\nFRT_DEVICE float flashrt_score_mod(float s, {args}) {{\n{names}"
            f"    return static_cast<float>(\n{wrapped(expr, SCORE_FILE)}    );\n}}\n")

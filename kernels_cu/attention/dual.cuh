@@ -6,7 +6,8 @@
 // tanh.approx as the built-in softcap's, relative error <= 2^-10.99; ex2 / lg2.approx, ~2^-22), hiding CUDA's accurate
 // ones for the expression only (the accurate tanhf cost a capped score 2.2-3.2x the built-in softcap's forward, H200;
 // docs/perf-notes.md: score_mod). The dual numbers evaluate the same functions, so that the backward's scores are
-// bitwise the forward's.
+// the forward's, bitwise where the expression is float arithmetic (a double literal, 0.1 for 0.1f, makes the
+// forward compute in double and the dual numbers in float, ~1e-7 apart, and costs the forward FP64 ops per score).
 //
 // A Dual carries a value and its derivative in s. Constants convert to a Dual of derivative 0; the arithmetic and
 // comparison operators and the math functions below are found by argument-dependent lookup wherever an argument is
@@ -123,7 +124,13 @@ FRT_DUAL_POW(pow)
 #undef FRT_DUAL_POW
 __device__ __forceinline__ Dual fmaf(Dual a, Dual b, Dual c) { return a * b + c; }
 __device__ __forceinline__ Dual fma(Dual a, Dual b, Dual c) { return a * b + c; }
-__device__ __forceinline__ Dual __fdividef(Dual a, Dual b) { return a / b; }
+__device__ __forceinline__ Dual __fdividef(Dual a, Dual b) {
+    return Dual(::__fdividef(a.v, b.v), (a.d * b.v - a.v * b.d) / (b.v * b.v));
+}
+// a^n for an int n, as CUDA's pow(float, int) computes it (the forward's value, bitwise).
+__device__ __forceinline__ Dual pow(Dual a, int n) {
+    return Dual(::pow(a.v, n), n == 0 ? 0.f : (float)n * ::pow(a.v, n - 1) * a.d);
+}
 #undef FRT_DUAL
 
 }  // namespace flashrt_dual
