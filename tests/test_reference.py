@@ -226,14 +226,18 @@ def test_alibi_matches_a_loop_and_its_gradients_finite_differences(Sq, Sk, causa
         return float((reference.attention(q_, k_, v_, causal=causal, softmax_scale=0.3,
                                           alibi_slopes=slopes)[0] * do).sum())
 
-    eps = 1e-6
     for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
         idx = (1, x.shape[1] - 1, 1, 3)
-        args = [q.copy(), k.copy(), v.copy()]
-        args[i][idx] += eps
-        up = loss(*args)
-        args[i][idx] -= 2 * eps
-        assert abs((up - loss(*args)) / (2 * eps) - grad[idx]) < 1e-6
+        assert abs(_central_difference(loss, (q, k, v), i, idx) - grad[idx]) < 1e-6
+
+
+def _central_difference(loss, inputs, i, idx, eps=1e-6):
+    """d loss / d inputs[i][idx] by a central difference (copies of the inputs)."""
+    args = [x.copy() for x in inputs]
+    args[i][idx] += eps
+    up = loss(*args)
+    args[i][idx] -= 2 * eps
+    return (up - loss(*args)) / (2 * eps)
 
 
 def test_alibi_slopes_zero_change_nothing_and_per_head_slopes_broadcast():
@@ -345,14 +349,9 @@ def test_score_mod_gradients_match_finite_differences(mod):
     def loss(q_, k_, v_):
         return float((reference.attention(q_, k_, v_, mask=mask, score_mod=f)[0] * do).sum())
 
-    eps = 1e-6
     for grad, i in ((analytic[2], 0), (analytic[3], 1), (analytic[4], 2)):
         for idx in [(0, 1, 1, 3), (1, 3, 0, 7), (1, 0, 1, 0)]:
-            args = [q.copy(), k.copy(), v.copy()]
-            args[i][idx] += eps
-            up = loss(*args)
-            args[i][idx] -= 2 * eps
-            assert abs((up - loss(*args)) / (2 * eps) - grad[idx]) < 1e-6
+            assert abs(_central_difference(loss, (q, k, v), i, idx) - grad[idx]) < 1e-6
 
 
 def test_score_mod_positions_with_lengths_and_packed_sequences_are_each_sequences_own():

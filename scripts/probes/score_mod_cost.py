@@ -151,14 +151,20 @@ def flex_cases(q, k, v, do, causal, mods, slopes, bias):
 
         def fb(fn=fn):
             torch.autograd.grad(flex(qg, kg, vg, score_mod=fn, block_mask=block), (qg, kg, vg), dot)
-        for pas, f in (("flex fwd", fwd), ("flex fwd+bwd", fb)):
-            try:
-                f()
-                torch.cuda.synchronize()
-                cases[(pas, m)] = f
-            except Exception as e:  # (reported as n/a in the table)
-                print(f"Flex {pas} {m}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        add_if_runs(cases, "flex", m, fwd, fb)
     return cases
+
+
+def add_if_runs(cases, peer, m, fwd, fb):
+    """cases[(f"{peer} fwd" | f"{peer} fwd+bwd", m)] = each of fwd, fb that runs once; one that raises is left out
+    (n/a in the table) and said on stderr."""
+    for pas, fn in ((f"{peer} fwd", fwd), (f"{peer} fwd+bwd", fb)):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            cases[(pas, m)] = fn
+        except Exception as e:
+            print(f"{pas} {m}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
 
 
 def fa4_cases(fa4, q, k, v, do, causal, mods):
@@ -177,14 +183,9 @@ def fa4_cases(fa4, q, k, v, do, causal, mods):
         def fb(fkw=fkw):
             r = fa4(qg, kg, vg, causal=causal, **fkw)
             torch.autograd.grad(r[0] if isinstance(r, tuple) else r, (qg, kg, vg), do)
-        for pas, fn in (("fa4 fwd", fwd), ("fa4 fwd+bwd", fb)):
-            try:
-                fn()
-                torch.cuda.synchronize()
-                cases[(pas, m)] = fn
-            except Exception as e:  # (reported as n/a in the table)
-                print(f"FA4 {pas} {m}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        add_if_runs(cases, "fa4", m, fwd, fb)
     return cases
+
 
 if __name__ == "__main__":
     main()
