@@ -488,7 +488,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     if impl == "auto":
         fused_bm = _kernel_for(fused_family, D, Q, m, dev, bool(softcap), alibi).block_m
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90",
-                                   fused_family == "bwd_fused_sm90", bool(m.causal), m.Sq, m.bits, fused_bm)
+                                   fused_family == "bwd_fused_sm90", bool(m.causal), m.Sq, m.bits, fused_bm,
+                                   bool(softcap or alibi or m.score_mod))
     main = _kernel_for(fused_family if impl == "fused" else dkdv_family, D, Q, m, dev, bool(softcap), alibi)
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else tiles.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)

@@ -49,23 +49,23 @@ _SM90_MASK_LIMITS = {
 }
 
 
-# Score-modification variants (softcap, ALiBi, score_mod) not chosen: family -> head_dims above which its kernel
-# with one is not used: the wgmma fused backward at head_dim 128, neither timed nor tested on a GPU with them (its
-# former 8-warp form spilled there; the warp-specialised one compiles with the plain variant's 24-28 bytes of producer
-# spills); the split pair runs instead.
-_SCORE_MOD_MAX_HEAD_DIM = {"bwd_fused_sm90": 64}
+# Masks the wgmma kernels are not chosen for with a score modification (softcap, ALiBi, score_mod), as
+# _SM90_MASK_LIMITS: the warp-specialised fused backward at head_dim 128 takes no id masks with one (ALiBi with segment
+# ids and lengths spilled 76 bytes, over SPILL_ALLOWANCE; NVRTC 12.9), which backward_impl never sends to it anyway.
+_SCORE_MOD_MASK_LIMITS = {
+    "bwd_fused_sm90": ((64, 128, MASK_BITS["block_ids"]), (64, 128, MASK_BITS["segments"])),
+}
 
 
 def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool = False, alibi: bool = False,
             score_mod: tuple = ()) -> bool:
     """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS) (and softcap, ALiBi or a score_mod);
     wgmma families: sm_90a, spec.SM90_HEAD_DIMS (the head_dims they have a variant at, which KernelSpec checks),
-    _SM90_MASK_LIMITS, _SCORE_MOD_MAX_HEAD_DIM."""
-    if (softcap or alibi or score_mod) and head_dim > _SCORE_MOD_MAX_HEAD_DIM.get(family, 256):
-        return False
+    _SM90_MASK_LIMITS, _SCORE_MOD_MASK_LIMITS."""
     if family not in SM90_HEAD_DIMS:
         return True
-    rules = _SM90_MASK_LIMITS.get(family, ())
+    rules = _SM90_MASK_LIMITS.get(family, ()) + (_SCORE_MOD_MASK_LIMITS.get(family, ())
+                                                 if softcap or alibi or score_mod else ())
     return (arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family]
             and not any(lo < head_dim <= hi and mask & bits == bits for lo, hi, bits in rules))
 
@@ -99,7 +99,7 @@ def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> 
 def fused_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, softcap: bool = False,
                  alibi: bool = False, score_mod: tuple = ()) -> str:
     """The fused backward's kernel family: the wgmma one (bwd_fused_sm90, head_dim 64 / 128) on Hopper where it fits
-    (and has a softcap / ALiBi / score_mod variant: _SCORE_MOD_MAX_HEAD_DIM), else the mma.sync one
+    (and has a variant for the mask with a softcap / ALiBi / score_mod: _SCORE_MOD_MASK_LIMITS), else the mma.sync one
     (FLASHRT_NO_SM90=1: always)."""
     sm90 = (applies("bwd_fused_sm90", head_dim, arch, mask, softcap, alibi, score_mod)
             and _sm90_fits("bwd_fused_sm90", head_dim, arch, smem_limit, _env.no_sm90(), mask))
@@ -131,17 +131,24 @@ FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (12
                       (64, 128, True, True): 8192,
                       (64, 64, False, False): 0, (64, 64, False, True): 4096, (64, 64, True, False): 16384,
                       (64, 64, True, True): 16384}
+# ... with a score modification (softcap, ALiBi, score_mod), where the split pair computes it twice (P in both kernels)
+# and the fused kernel once: entries that differ from FUSED_WGMMA_MIN_SQ's. H200, flashrt.backward alone, the same
+# shapes, softcap, ALiBi and the three score_mod expressions of scripts/probes/bwd_mods_impl.py (docs/perf-notes.md:
+# Backward: impl choice and determinism): fused / split at head_dim 64 (64-query tiles) unordered causal 0.81-0.99x at
+# 1k, ordered 0.88-1.07x at 1k and 0.79-1.00x at 4k; at 128 as without one (ordered causal at 1k 0.95-1.15x).
+FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096, (64, 64, True, True): 4096}
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
                   fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0,
-                  fused_block_m: int = 64) -> str:
+                  fused_block_m: int = 64, modified: bool = False) -> str:
     """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
 
     `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
     (fused_family). Then split, but fused from the query length FUSED_WGMMA_MIN_SQ gives per (head_dim, the fused
     kernel's query tile `fused_block_m`, deterministic, causal) on (`seqlen_q`; GQA alike: 1.08-1.35x the split pair
-    at 32/8 and 16/2, H200) and with no id or mask_mod masks (`mask`, MASK_BITS: not measured).
+    at 32/8 and 16/2, H200), or FUSED_WGMMA_MIN_SQ_MODIFIED with a score modification (`modified`), and with no id or
+    mask_mod masks (`mask`, MASK_BITS: not measured).
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -154,7 +161,10 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
     """
     if wgmma_split:
         plain = not mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"] | MASK_BITS["mod"])
-        least = FUSED_WGMMA_MIN_SQ.get((head_dim, fused_block_m, bool(deterministic), bool(causal)))
+        key = (head_dim, fused_block_m, bool(deterministic), bool(causal))
+        least = FUSED_WGMMA_MIN_SQ.get(key)
+        if modified:
+            least = FUSED_WGMMA_MIN_SQ_MODIFIED.get(key, least)
         if (fused_wgmma and plain and least is not None and seqlen_q >= least
                 and (ordered_ok or not deterministic)):
             return "fused"

@@ -290,10 +290,9 @@ def test_softcap_and_alibi_add_their_variants(tmp_path):
     added = set(mods.stdout.split()) - base
     assert not list(tmp_path.rglob("*.cubin")), "--list compiled something"
     assert all(("_cap_" in n) != ("_alibi_" in n) for n in added), added  # one or the other, never both
-    # every family that computes scores, causal and not (the wgmma fused backward has neither at head_dim 128:
-    # tiles._SCORE_MOD_MAX_HEAD_DIM), both at the same tilings (tiles._SCORE_MOD_PREFERENCES); decode's three
-    # packed-row tilings (not causal: its mask is a run-time argument)
-    families = set(SOFTCAP_FAMILIES) - {"bwd_fused_sm90"}
+    # every family that computes scores, causal and not, both at the same tilings (tiles._SCORE_MOD_PREFERENCES);
+    # decode's three packed-row tilings (not causal: its mask is a run-time argument)
+    families = set(SOFTCAP_FAMILIES)
     for tag in ("_cap_", "_alibi_"):
         names = {n for n in added if tag in n}
         assert {n.split("_hd128")[0].removeprefix("flashrt_") for n in names} == families

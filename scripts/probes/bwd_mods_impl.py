@@ -1,0 +1,75 @@
+"""The backward with a score modification, split pair against the fused kernel, ordered (deterministic) and not:
+flashrt.backward alone (out and lse from one forward), bf16, B*S = 16k tokens, H*D = 2048, causal and not; medians
+of CUDA-event times over interleaved rounds after a warm-up. Prints ms of the split pair and fused / split per
+modification (plain, softcap 30, ALiBi, and the score_mod expressions of scripts/probes/score_mod_cost.py), the
+input to tiles.backward_impl's choice with a modification.
+
+    python3 scripts/probes/bwd_mods_impl.py [--rounds 5] [--seqlens 1024,4096,16384] [--head-dims 128]
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+import flashrt  # noqa: E402
+from flashrt import launch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from score_mod_cost import timed  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seqlens", default="1024,4096,16384")
+    ap.add_argument("--head-dims", default="128")
+    a = ap.parse_args()
+    rows = []
+    for D in map(int, a.head_dims.split(",")):
+        for S in map(int, a.seqlens.split(",")):
+            B, H = 16384 // S, 2048 // D
+            q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+            bias = torch.randn(H, 2 * S - 1, device="cuda")
+            mods = {"plain": {}, "softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": slopes},
+                    "s:cap": {"score_mod": "30.f * tanhf(s * (1.f / 30.f))"},
+                    "s:alibi": {"score_mod": "s - slopes[h] * fabsf(kf - qf - (float)(Lk - Lq))",
+                                "score_tensors": {"slopes": slopes}},
+                    "s:rel": {"score_mod": f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]",
+                              "score_tensors": {"bias": bias}}}
+            for causal in (False, True):
+                fwd = {m: flashrt.forward(q, k, v, causal=causal, **kw) for m, kw in mods.items()}
+                cases = {}
+                for m, kw in mods.items():
+                    for det in (False, True):
+                        for impl in ("split", "fused"):
+                            def run(m=m, kw=kw, det=det, impl=impl):
+                                flashrt.backward(do, q, k, v, *fwd[m], causal=causal, impl=impl, deterministic=det,
+                                                 **kw)
+                            cases[(m, det, impl)] = run
+                for fn in cases.values():
+                    for _ in range(3):
+                        fn()
+                times = {n: [] for n in cases}
+                for _ in range(a.rounds):
+                    for n, fn in cases.items():
+                        times[n].append(timed(fn))
+                rows.append((D, S, causal, {n: statistics.median(t) for n, t in times.items()}, list(mods)))
+    print(f"{torch.cuda.get_device_name()}, bf16, B*S = 16k, H*D = 2048, flashrt.backward alone, medians of "
+          f"{a.rounds} interleaved rounds; per modification and determinism: split ms, fused / split\n")
+    _, _, _, _, names = rows[0]
+    head = ["D", "S", "causal"] + [f"{m} {'det' if det else 'nondet'}" for det in (False, True) for m in names]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for D, S, causal, t, names in rows:
+        cells = [f"{t[(m, det, 'split')]:.3f} / {t[(m, det, 'fused')] / t[(m, det, 'split')]:.3f}x"
+                 for det in (False, True) for m in names]
+        print(f"| {D} | {S} | {causal} | " + " | ".join(cells) + " |")
+    print("\nbackward kernels loaded:", ", ".join(sorted({n for n, _ in launch._functions if "_bwd_" in n})))
+
+
+if __name__ == "__main__":
+    main()
