@@ -132,11 +132,13 @@ FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (12
                       (64, 64, False, False): 0, (64, 64, False, True): 4096, (64, 64, True, False): 16384,
                       (64, 64, True, True): 16384}
 # ... with a score modification (softcap, ALiBi, score_mod), where the split pair computes it twice (P in both kernels)
-# and the fused kernel once: entries that differ from FUSED_WGMMA_MIN_SQ's. H200, flashrt.backward alone, the same
-# shapes, softcap, ALiBi and the three score_mod expressions of scripts/probes/bwd_mods_impl.py (docs/perf-notes.md:
-# Backward: impl choice and determinism): fused / split at head_dim 64 (64-query tiles) unordered causal 0.81-0.99x at
-# 1k, ordered 0.88-1.07x at 1k and 0.79-1.00x at 4k; at 128 as without one (ordered causal at 1k 0.95-1.15x).
-FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096, (64, 64, True, True): 4096}
+# and the fused kernel once: entries that differ from FUSED_WGMMA_MIN_SQ's. flashrt.backward alone, the same shapes,
+# softcap, ALiBi and the three score_mod expressions of scripts/probes/bwd_mods_impl.py (docs/perf-notes.md: Backward:
+# impl choice and determinism), fused / split at head_dim 64 (64-query tiles), H200 and H100: unordered causal
+# 0.81-0.99x / 0.86-1.02x at 1k; ordered 0.88-1.07x / 0.91-1.11x at 1k, 0.79-0.95x at 4k on both; ordered causal at
+# 4k 0.79-1.00x / 0.92-1.23x (ALiBi 1.23x on the H100: left at 16k, 0.71-0.88x). At 128 as without one (ordered causal
+# at 1k 0.95-1.15x / 1.22-1.50x, fused from 4k: 0.70-0.83x / 0.77-1.00x).
+FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096}
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,

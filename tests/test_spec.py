@@ -371,8 +371,8 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
         assert tiles.backward_impl(d, det, True, True, True, causal, sq, 0, bm, modified=True) == "fused"
         if sq:
             assert tiles.backward_impl(d, det, True, True, True, causal, sq - 1, 0, bm, modified=True) == "split"
-    assert tiles.backward_impl(64, True, True, True, True, True, 4096, 0, 64, modified=True) == "fused"
-    assert tiles.backward_impl(64, True, True, True, True, True, 4096, 0, 64) == "split"
+    assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 64, modified=True) == "fused"
+    assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 64) == "split"
     assert tiles.backward_impl(128, True, False, True, True, False, 1 << 14) == "split"  # dQ adds not orderable
     assert tiles.backward_impl(128, False, False, True, True, False, 1 << 14) == "fused"
     assert tiles.backward_impl(128, False, True, True, True, False, 1 << 14, MASK_BITS["segments"]) == "split"
