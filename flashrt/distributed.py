@@ -501,7 +501,8 @@ def _sequence_to_heads(x, g, world: int, layout: str):
 
 def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigzag",
                       softmax_scale: Optional[float] = None, impl: str = "auto", deterministic: bool = True,
-                      check: bool = True, **mask_args):
+                      softcap: Optional[float] = None, alibi_slopes: Optional[torch.Tensor] = None,
+                      sinks: Optional[torch.Tensor] = None, check: bool = True, **mask_args):
     """Attention over a sequence sharded across the ranks of `group` by all-to-all (DeepSpeed-Ulysses):
     q, k, v are this rank's shard (as ring_attention takes them); four all-to-alls trade it for every token
     of H/world heads, flashrt.attention runs there, and the output comes back as this rank's rows.
@@ -510,7 +511,10 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigza
     per rank (Hkv must divide the world size, or be a multiple of it). Mask arguments (window, segment_ids_q/k,
     block ids, causal="top_left", ...) describe the whole sequence, as flashrt.attention takes them, the same
     on every rank; a mask_mod or score_mod expression may not name the head (h): each rank holds its own head
-    group (the expressions' q and k are positions in the whole sequence).
+    group (the expressions' q and k are positions in the whole sequence). softcap, alibi_slopes ((H,) or (B, H)) and
+    sinks ((H,), differentiable) as flashrt.attention takes them, for all H heads and the same on every rank: each
+    rank uses its head group's slopes and sinks, so that a rank's sinks gradient is its heads' (zero elsewhere) and
+    the sum over the ranks is the whole gradient, as ring_attention's.
     Differentiable and traceable by torch.compile (torch's functional all-to-all).
     check: all-gather every rank's shapes first and raise on every rank on a mismatch (one host synchronisation;
     skipped under torch.compile and while a CUDA graph is captured).
@@ -539,9 +543,21 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigza
         _agree(g, q.device, [*q.shape, *k.shape, *v.shape, _dtype_code(q), _dtype_code(k), _dtype_code(v),
                              masks.CAUSAL_MODES.index(causal), ring.LAYOUTS.index(layout)],
                "q, k, v shapes (4 each), their dtypes, causal, layout", "ulysses_attention")
+    h0, h1 = dist.get_rank(g) * (H // world), (dist.get_rank(g) + 1) * (H // world)  # this rank's head group
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,):
+            raise ValueError(f"sinks must have shape ({H},) (one logit per query head, every rank's), got "
+                             f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+        sinks = sinks[h0:h1]
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape not in ((H,), (B, H)):
+            raise ValueError(f"alibi_slopes must have shape ({H},) or ({B}, {H}) (every rank's query heads), got "
+                             f"{tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else alibi_slopes}")
+        alibi_slopes = alibi_slopes[..., h0:h1]
     if Hkv < world:
         k, v = (t.repeat_interleave(world // Hkv, dim=2) for t in (k, v))
     q, k, v = (_heads_to_sequence(t, g, world, layout) for t in (q, k, v))
     out = torch_ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, impl=impl,
-                              deterministic=deterministic, **mask_args)
+                              deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                              **mask_args)
     return _sequence_to_heads(out, g, world, layout)

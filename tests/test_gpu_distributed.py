@@ -241,6 +241,25 @@ def _ulysses(rank):
             got = fd.unshard_sequence(got, layout=layout)
             err = float((got.double() - want.double()).norm() / want.double().norm())
             assert err < 1e-2, (cases[i], name, err)
+    # softcap, ALiBi and sinks: each rank's head group takes its slopes and sinks; the sinks' gradient summed over
+    # the ranks is the single GPU's
+    q, k, v, dout = _inputs(2, 1024, 8, 2, 128, seed=47)
+    g = torch.Generator(device="cuda").manual_seed(48)
+    slopes = torch.rand(2, 8, device="cuda", generator=g)
+    for kw in (dict(sinks=True, alibi_slopes=slopes, causal=True), dict(softcap=5.0, sinks=True)):
+        sinks = torch.randn(8, device="cuda", generator=g).requires_grad_()
+        kw = dict(kw, sinks=sinks)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        single = flashrt.attention(*whole, **kw)
+        single_grads = torch.autograd.grad(single, [*whole, sinks], dout)
+        local = [fd.shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        out = fd.ulysses_attention(*local, **kw)
+        grads = list(torch.autograd.grad(out, [*local, sinks], fd.shard_sequence(dout)))
+        torch.distributed.all_reduce(grads[3])
+        for name, got, want in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (single, *single_grads)):
+            got = got if name == "dsinks" else fd.unshard_sequence(got)
+            err = float((got.double() - want.double()).norm() / want.double().norm())
+            assert err < 1e-2, (kw.keys(), name, err)
     q, k, v, _ = _inputs(1, 256, 3, 3, 64, seed=1)
     with pytest.raises(ValueError, match="multiple of the ranks"):
         fd.ulysses_attention(q, k, v)

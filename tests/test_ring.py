@@ -147,6 +147,79 @@ def test_ulysses_all_to_all_round_trip_on_cpu(world, tmp_path):
     mp.spawn(_all_to_all_round_trip, args=(str(tmp_path / "rendezvous"), world), nprocs=world)
 
 
+def _float64_attention(q, k, v, *, causal=False, softmax_scale=None, impl="auto", deterministic=True, softcap=None,
+                       alibi_slopes=None, sinks=None):
+    """flashrt.attention's contract with softcap, ALiBi (bottom-right, as causal) and sinks, in float64 torch
+    autograd on the CPU: the stand-in for torch_ops.attention in ulysses_attention's CPU test."""
+    import torch
+    B, Sq, H, D = q.shape
+    group = H // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2)) * (softmax_scale or D ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i, j = torch.arange(Sq)[:, None], torch.arange(k.shape[1])[None]
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.double().expand(B, H)[..., None, None] * (j - i - (k.shape[1] - Sq)).abs()
+    if causal:
+        s = s.masked_fill(j > i + k.shape[1] - Sq, -torch.inf)
+    if sinks is not None:  # one more column with no value
+        s = torch.cat([s, sinks.double().view(1, H, 1, 1).expand(B, H, Sq, 1)], -1)
+    p = torch.softmax(s, -1)[..., :k.shape[1]]
+    return torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, 2))
+
+
+def _ulysses_mods_on_cpu(rank, path, world, layout):
+    import torch
+    import torch.distributed as dist
+    import flashrt.distributed as fd
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    fd.torch_ops.attention = _float64_attention  # (this process only)
+    try:
+        B, S, H, Hkv, D = 2, 8 * world, 2 * world, world, 4
+        g = torch.Generator().manual_seed(3)
+        q, k, v, dout = (torch.randn(B, S, h, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv, H))
+        slopes = torch.rand(B, H, generator=g, dtype=torch.float64)
+        for kw in (dict(sinks=True), dict(sinks=True, alibi_slopes=slopes, causal=True), dict(softcap=2.0),
+                   dict(alibi_slopes=slopes[0], causal=True)):
+            sinks = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_() if kw.get("sinks") else None
+            kw = dict(kw, sinks=sinks)
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            want = _float64_attention(*whole, **kw)
+            want_grads = torch.autograd.grad(want, [*whole, *([sinks] if sinks is not None else [])], dout)
+            local = [fd.shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+            out = fd.ulysses_attention(*local, layout=layout, **kw)
+            got = torch.autograd.grad(out, [*local, *([sinks] if sinks is not None else [])],
+                                      fd.shard_sequence(dout, layout=layout))
+            assert torch.allclose(out, fd.shard_sequence(want, layout=layout)), kw
+            for name, a, b in zip(("dq", "dk", "dv"), got[:3], want_grads[:3]):
+                assert torch.allclose(a, fd.shard_sequence(b, layout=layout)), (kw, name)
+            if sinks is not None:  # this rank's heads only; the sum over the ranks is the whole gradient
+                h = H // world
+                mine = torch.zeros(H, dtype=torch.float64)
+                mine[rank * h:(rank + 1) * h] = want_grads[3][rank * h:(rank + 1) * h]
+                assert torch.allclose(got[3], mine), kw
+                total = got[3].clone()
+                dist.all_reduce(total)
+                assert torch.allclose(total, want_grads[3]), kw
+        with pytest.raises(ValueError, match=rf"sinks must have shape \({H},\)"):
+            fd.ulysses_attention(*local, sinks=torch.zeros(H // world))
+        with pytest.raises(ValueError, match=rf"alibi_slopes must have shape \({H},\) or \({B}, {H}\)"):
+            fd.ulysses_attention(*local, alibi_slopes=torch.zeros(H + 1))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (4, "contiguous")])
+def test_ulysses_with_sinks_alibi_and_softcap_on_cpu(world, layout, tmp_path):
+    """ulysses_attention's softcap, ALiBi slopes and sinks over gloo, a float64 autograd stand-in for the kernels:
+    each rank's head group takes its slopes and sinks; out and the q/k/v gradients match attention over the whole
+    sequence, and a rank's sinks gradient is its heads' (their sum over the ranks, the whole one)."""
+    pytest.importorskip("torch")
+    mp = pytest.importorskip("torch.multiprocessing")
+    pytest.importorskip("flashrt.distributed")
+    mp.spawn(_ulysses_mods_on_cpu, args=(str(tmp_path / "rendezvous"), world, layout), nprocs=world)
+
+
 class _Float64Attention:
     """flashrt.forward / backward's contract in float64 torch on the CPU (exact up to rounding), standing in for
     the kernels so that the ring's schedule, merges and gradient routing can be checked over gloo."""
