@@ -129,12 +129,13 @@ def _compiled_score_mod(m: masks.Masking, specs) -> None:
     """A score_mod call's kernels compiled before its plan is made, so that an expression NVRTC rejects raises
     masks.score_mod_error (the fault marked in the user's text; a mask_mod's fault, masks.mask_mod_error), not the
     kernel's compile error."""
-    from .spec import MOD_FILE, SCORE_DUAL_FILE, SCORE_FILE, SCORE_GRAD_FILE
+    from .spec import MOD_FILE, SCORE_DUAL_FILE, SCORE_FILE, SCORE_GRAD_FILE, SCORE_TGRAD_FILE
     try:
         cache.prefetch(spec for spec in specs if spec.score_mod)  # (at once: a backward has two or three)
     except nvrtc.CompileError as exc:
         lines = exc.log.splitlines()  # (a message starts "file(line)")
-        if any(ln.startswith((SCORE_FILE + "(", SCORE_GRAD_FILE + "(", SCORE_DUAL_FILE + "(")) for ln in lines):
+        if any(ln.startswith((SCORE_FILE + "(", SCORE_GRAD_FILE + "(", SCORE_DUAL_FILE + "(", SCORE_TGRAD_FILE + "("))
+               for ln in lines):
             raise masks.score_mod_error(m.score_mod, exc.log) from None
         if m.mask_mod and any(ln.startswith(MOD_FILE + "(") for ln in lines):
             raise masks.mask_mod_error(m.mask_mod, m.mod_tensors, exc.log) from None
@@ -398,7 +399,7 @@ def _check_impl(impl: str) -> None:
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | None = None, impl: str = "auto",
              deterministic: bool = True, softcap: float | None = None, alibi_slopes=None, sinks=None, validate=True,
-             **mask_args):
+             score_grads: dict | None = None, **mask_args):
     """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v), and with
     `sinks` (the forward's) their gradient too: (dq, dk, dv, dsinks), dsinks (H,) fp32.
 
@@ -410,8 +411,15 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     impl="auto": the faster of the two for this shape (tiles.backward_impl).
     With deterministic=True (the default) dq, dk and dv are bitwise identical for
     identical inputs, run after run and process after process, for every impl.
+    score_grads={name: array}: the gradients of score_mod's float32 tensors (score_tensors[name]) are added into
+    these fp32 arrays, contiguous and shaped like the tensors (zero them first for the gradient alone): a pass of the
+    dQ kernel evaluates the expression's derivative in every element it reads and adds by atomics, in no fixed
+    order, so it needs deterministic=False.
     """
     masks.check_names(mask_args, "backward")
+    if score_grads:
+        _check_score_grads(score_grads, mask_args, deterministic)
+        mask_args = dict(mask_args, score_grads=score_grads)  # (a plan's pointers: _mask_arrays)
     mode = masks.validate_mode(validate)
     if sinks is not None:
         Q = interop.describe(q, "q")
@@ -426,6 +434,30 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     if sinks is None:
         return result[0], result[1], result[2]  # (the scratch arrays follow)
     return result[0], result[1], result[2], _sink_grad(sinks, lse, result[3] if len(result) > 3 else None)
+
+
+def _check_score_grads(score_grads, mask_args: dict, deterministic) -> None:
+    """score_grads names float tensors of score_tensors, each with an fp32 array of its shape, on its device."""
+    tensors = mask_args.get("score_tensors") or {}
+    if not isinstance(score_grads, dict) or not isinstance(tensors, dict):
+        raise ValueError(f"score_grads must be a dict {{name: fp32 array}} for tensors of score_tensors, got "
+                         f"{type(score_grads).__name__}")
+    if deterministic:
+        raise ValueError("score_grads are added by atomics in no fixed order: pass deterministic=False (dq, dk and "
+                         "dv keep their impl's determinism; the tensors' gradients vary in their last bits)")
+    for name, g in score_grads.items():
+        if name not in tensors:
+            raise ValueError(f"score_grads[{name!r}]: no such score tensor (score_tensors: {', '.join(tensors)})")
+        T = interop.describe(tensors[name], f"score_tensors[{name!r}]")
+        G = interop.describe(g, f"score_grads[{name!r}]")
+        if T.dtype != "float32":
+            raise ValueError(f"score_grads[{name!r}]: score_tensors[{name!r}] is {T.dtype}; only float32 tensors take "
+                             f"a gradient")
+        if G.dtype != "float32" or G.shape != T.shape:
+            raise ValueError(f"score_grads[{name!r}] must be a float32 array of score_tensors[{name!r}]'s shape "
+                             f"{tuple(T.shape)}, got {G.dtype} {tuple(G.shape)}")
+        interop.check_beside(G, T, f"score_grads[{name!r}]")
+        interop.check_contiguous(G, f"score_grads[{name!r}]")
 
 
 def _sink_grad(sinks, lse, scratch):
@@ -457,6 +489,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
                    mask_args: dict, softcap: float = 0.0, alibi: bool = False) -> "_Plan":
     _check_impl(impl)
     dout, q, k, v, out, lse = tensors[:6]
+    score_grads, arrays = mask_args.get("score_grads"), _mask_arrays(mask_args)  # (the plan's pointer fields)
+    mask_args = {n: a for n, a in mask_args.items() if n != "score_grads"}
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
     _check_score_mod(m, softcap, alibi)
@@ -521,22 +555,30 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         families.append("bwd_dkdv_reduce")
     rowwise = m.elementwise_fields(H)
     launches = []
-    _compiled_score_mod(m, [_kernel_for(family, D, Q, m, dev, bool(softcap), alibi) for family in families])
+    specs = {family: _kernel_for(family, D, Q, m, dev, bool(softcap), alibi) for family in families}
+    if score_grads:  # the dQ kernel's tensor-gradient pass, after lse2 and delta are made (spec.KernelSpec.score_grads)
+        expr, grad, typed = m.score_mod
+        grads = dataclasses.replace(m, score_mod=(expr, grad, tuple((n, "float_grad" if n in score_grads else t)
+                                                                    for n, t in typed)))
+        families.append("score_grads")
+        specs["score_grads"] = _kernel_for("bwd_dq", D, Q, grads, dev)
+    _compiled_score_mod(m, list(specs.values()))
     for family in families:
-        spec = _kernel_for(family, D, Q, m, dev, bool(softcap), alibi)
+        spec = specs[family]
         if family in ELEMENTWISE:
             dims = (rowwise.get("B", m.B), H, Hkv, rowwise.get("Sq", m.Sq), rowwise.get("Sk", m.Sk))
             launches.append((spec, launch.grid(spec, *dims, dev.sm_count, splits), 1 if rowwise else 0))
         else:
             launches.append((spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, splits), 0))
-    inputs = ("dout", "q", "k", "v", "o", "lse", *(("alibi",) if alibi else ()),
-              *(f for f, _ in _mask_arrays(mask_args)))
+    inputs = ("dout", "q", "k", "v", "o", "lse", *(("alibi",) if alibi else ()), *(f for f, _ in arrays))
     # The row-wise families read their own copy of the struct (masks.Masking.elementwise_fields).
     structs, keep = [(params.BWD, p, {})] + ([(params.BWD, {**p, **rowwise}, {})] if rowwise else []), ()
     if m.mask_mod:
         needs = [(main, "mask_cols")]
         if impl != "fused":
             needs.append((_kernel_for(dq_family, D, Q, m, dev, bool(softcap), alibi), "mask_rows"))
+        if score_grads:
+            needs.append((specs["score_grads"], "mask_rows"))
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, *needs))
     if mode and m.checked:
@@ -671,9 +713,11 @@ def _mask_arrays(mask_args: dict) -> list:
         return []
     mod = mask_args.get("mask_tensors") or {}
     score = mask_args.get("score_tensors") or {}
+    grads = mask_args.get("score_grads") or {}  # (backward: api._check_score_grads checked them)
     return [(masks.ARRAY_FIELDS[n], mask_args[n]) for n in masks.ARRAY_ARGS if mask_args.get(n) is not None] + \
         ([(f"mod_t{i}", x) for i, x in enumerate(mod.values())] if isinstance(mod, dict) else []) + \
-        ([(f"score_t{i}", x) for i, x in enumerate(score.values())] if isinstance(score, dict) else [])  # else: raises
+        ([(f"score_t{i}", x) for i, x in enumerate(score.values())] if isinstance(score, dict) else []) + \
+        [(f"score_g{list(score).index(n)}", g) for n, g in grads.items()]  # (score: a dict where grads are given)
 
 
 def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: int):

@@ -286,8 +286,9 @@ def _score_array(x, name: str, Q: Array) -> tuple[int, str]:
 def score_mod_error(score: tuple, log: str) -> ValueError:
     """A score_mod (spec.KernelSpec.score_mod) that NVRTC rejected: the messages about the user's expressions, with
     NVRTC's caret under the fault; where only the automatic derivative failed, how to give one."""
-    from .spec import SCORE_DUAL_FILE, SCORE_END_FILE, SCORE_FILE, SCORE_GRAD_FILE
+    from .spec import SCORE_DUAL_FILE, SCORE_END_FILE, SCORE_FILE, SCORE_GRAD_FILE, SCORE_TGRAD_FILE
     expr, grad, tensors = score
+    tensors = tuple((n, "float" if t == "float_grad" else t) for n, t in tensors)
     lines = [re.sub(re.escape(SCORE_END_FILE) + r"\(\d+\)", "the expression's end", ln)
              for ln in log.rstrip().splitlines()
              if not ln.rstrip().endswith('.cu".') and "error detected" not in ln and "errors detected" not in ln]
@@ -301,6 +302,12 @@ def score_mod_error(score: tuple, log: str) -> ValueError:
                           f"functions (tanhf, expf, logf, sqrtf, fabsf, fminf, fmaxf, powf, ...), but not casts of s "
                           f"or other functions. Pass score_mod_grad=\"...\", the derivative in s as a CUDA expression "
                           f"over the same names.\n  {text}\n(the expression: {expr!r})")
+    if SCORE_TGRAD_FILE in log and not any(ln.startswith(mine) for ln in lines):
+        return ValueError(f"the gradient of score_mod's tensors does not compile: it evaluates the expression with "
+                          f"each read of a tensor that takes a gradient (name[index]) as a dual number, which supports "
+                          f"+ - * /, comparisons and the common math functions, but not casts of the value read or "
+                          f"other functions; detach the tensor (no gradient), or write the read in float arithmetic."
+                          f"\n  {text}\n(the expression: {expr!r})")
     shown = f"(the expression: {expr!r}" + (f", its derivative: {grad!r})" if grad else ")")
     return ValueError(f"score_mod does not compile as a CUDA float expression over {names}:\n  {text}\n{shown}")
 

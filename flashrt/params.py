@@ -86,7 +86,7 @@ BWD = np.dtype(
     + [("scale_log2", _F32), ("scale", _F32)]
     + _MOD
     + [("softcap", _F32)]
-    + _ALIBI + _SCORE,
+    + _ALIBI + _SCORE + [(f"score_g{i}", _PTR) for i in range(4)],  # (the score tensors' gradients: bwd_dq.cu)
     align=True,
 )
 BWD = np.dtype({"names": BWD.names, "formats": [BWD.fields[n][0] for n in BWD.names],

@@ -167,8 +167,8 @@ class _Eager(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, call):
-        causal, softmax_scale, _, _, validate, mask, softcap, alibi_slopes = call
+    def forward(ctx, q, k, v, sinks, call, *learned):  # learned: the score tensors that take a gradient (call[8])
+        causal, softmax_scale, _, _, validate, mask, softcap, alibi_slopes, _ = call
         out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, validate=validate, **mask)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -182,18 +182,20 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        causal, softmax_scale, impl, deterministic, _, mask, softcap, alibi_slopes, learned = ctx.call
         if dout is None:  # out took no part in the loss
-            return None, None, None, None, None
+            return (None,) * (5 + len(learned))
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        causal, softmax_scale, impl, deterministic, _, mask, softcap, alibi_slopes = ctx.call
         if (mask or alibi_slopes is not None) and _versions(mask, alibi_slopes) != ctx.versions:
             raise RuntimeError("a mask tensor, score tensor or alibi_slopes given to flashrt attention was modified "
                                "in place after the forward; the backward needs the values the forward used (pass a "
                                "copy, or modify a clone)")
+        score_grads = {n: torch.zeros_like(mask["score_tensors"][n]) for n in learned}
         grads = api.backward(_kernel_ready(dout), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                              impl=impl, deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes,
-                             sinks=sinks, validate=False, **mask)  # (the forward validated the masks)
-        return (*grads, None) if sinks is not None else (*grads, None, None)
+                             sinks=sinks, validate=False, **({"score_grads": score_grads} if learned else {}),
+                             **mask)  # (the forward validated the masks)
+        return (*grads, *((None,) if sinks is not None else (None, None)), *score_grads.values())
 
 
 def _versions(mask: dict, alibi_slopes=None) -> tuple:
@@ -226,10 +228,12 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     lse is returned without a gradient.
     """
     api._check_impl(impl)  # here, not first in the backward pass
+    learned = ()
     if mask_args:
         masks.check_names(mask_args, "attention")
         if isinstance(mask_args.get("score_tensors"), dict):
-            _check_score_tensors(mask_args["score_tensors"])
+            learned = _learned_score_tensors(mask_args["score_tensors"], deterministic,
+                                             q.is_cuda and not torch.compiler.is_compiling())
     if causal not in _CAUSAL or isinstance(causal, (int, float)) and not isinstance(causal, bool):
         raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
@@ -251,29 +255,39 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     scale = None if softmax_scale is None else float(softmax_scale)
     if q.is_cuda and not torch.compiler.is_compiling():
         out, lse = _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, alibi_slopes,
-                          sinks)
+                          sinks, learned)
     else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls
         out, lse = _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, alibi_slopes,
                            sinks)
     return (out, lse) if return_lse else out
 
 
-def _check_score_tensors(tensors: dict) -> None:
-    """No score tensor that autograd would expect a gradient of: flashrt computes none, and a loss through one must
-    fail, not silently miss a term."""
+def _learned_score_tensors(tensors: dict, deterministic: bool, eager: bool) -> tuple:
+    """The names of the score tensors that autograd expects a gradient of (float32, requiring grad, grad mode on):
+    eager calls compute them (api.backward's score_grads, which needs deterministic=False); a traced call
+    (torch.compile) computes none yet, and a loss through one must fail, not silently miss a term."""
     if not torch.is_grad_enabled():
-        return
-    for name, x in tensors.items():
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            raise ValueError(f"score_tensors[{name!r}] requires grad, and flashrt.attention computes no gradient of "
-                             f"score_mod's tensors yet: pass {name}.detach() (the tensor as a constant), or compute "
-                             f"its gradient elsewhere")
+        return ()
+    names = tuple(n for n, x in tensors.items() if isinstance(x, torch.Tensor) and x.requires_grad)
+    for name in names:
+        if not eager:
+            raise ValueError(f"score_tensors[{name!r}] requires grad, and flashrt.attention computes score tensors' "
+                             f"gradients in eager mode only, not yet under torch.compile: pass {name}.detach(), or "
+                             f"call flashrt.attention outside the compiled region")
+        if tensors[name].dtype != torch.float32:
+            raise ValueError(f"score_tensors[{name!r}] requires grad: only float32 score tensors take one, got "
+                             f"{tensors[name].dtype}")
+        if deterministic:
+            raise ValueError(f"score_tensors[{name!r}] requires grad, whose sum is made by atomic adds in no fixed "
+                             f"order: pass deterministic=False (dq, dk and dv stay as deterministic as their impl "
+                             f"makes them), or {name}.detach()")
+    return names
 
 
 def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, alibi_slopes=None,
-           sinks=None):
+           sinks=None, learned=()):
     return _Eager.apply(q, k, v, sinks, (causal, scale, impl, bool(deterministic), validate, mask_args, softcap,
-                                         alibi_slopes))
+                                         alibi_slopes, learned), *(mask_args["score_tensors"][n] for n in learned))
 
 
 def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, alibi_slopes=None,

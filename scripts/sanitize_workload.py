@@ -33,8 +33,8 @@ CASES = [
 
 def score_mod_cases():
     """Attention sinks (softmax.cuh: add_sink), softcap, ALiBi (score_mod.cuh; (H,) and (B, H) slopes) and score_mod
-    expressions (a bias table read per pair, padding lengths; one with sinks and an automatic derivative): sm_80 and
-    sm_90a kernels, split and fused backward, rows that see no key, the sinks' gradient."""
+    expressions (a bias table read per pair, padding lengths, the table's gradient; one with sinks and an automatic
+    derivative): sm_80 and sm_90a kernels, split and fused backward, rows that see no key, the sinks' gradient."""
     for B, Sq, Sk, H, Hkv, D, causal in ((1, 70, 45, 4, 2, 64, True), (1, 130, 200, 2, 1, 128, False),
                                          (1, 33, 97, 2, 2, 256, True), (2, 40, 40, 2, 1, 72, True)):
         q, k, v, do = (torch.randn(B, s, h, D, device="cuda", dtype=torch.bfloat16)
@@ -51,6 +51,10 @@ def score_mod_cases():
             out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
             for impl in ("split", "fused"):
                 flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, **kw)
+        # the bias table's gradient (bwd_dq.cu's tensor-gradient pass), with padding lengths
+        out, lse = flashrt.forward(q, k, v, causal=causal, **rel, **lengths)
+        flashrt.backward(do, q, k, v, out, lse, causal=causal, deterministic=False, **rel, **lengths,
+                         score_grads={"bias": torch.zeros_like(bias)})
     torch.cuda.synchronize()
 
 

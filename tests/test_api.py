@@ -163,6 +163,19 @@ def test_backward_impl_options_are_checked_before_any_work():
         api.backward(None, None, None, None, None, None, impl=None, deterministic=False)
 
 
+def test_score_grads_are_checked_before_any_work():
+    # score_grads: a dict of score tensors' names, and atomics that need deterministic=False (before the inputs)
+    with pytest.raises(ValueError, match=r"score_grads are added by atomics in no fixed order: pass "
+                                         r"deterministic=False"):
+        api.backward(None, None, None, None, None, None, score_mod="s + b[k]", score_tensors={"b": None},
+                     score_grads={"b": None})
+    with pytest.raises(ValueError, match=r"score_grads must be a dict \{name: fp32 array\}"):
+        api.backward(None, None, None, None, None, None, deterministic=False, score_grads=["b"])
+    with pytest.raises(ValueError, match=r"score_grads\['c'\]: no such score tensor \(score_tensors: b\)"):
+        api.backward(None, None, None, None, None, None, deterministic=False, score_mod="s + b[k]",
+                     score_tensors={"b": None}, score_grads={"c": None})
+
+
 # mask_mod: what is checked before NVRTC sees the expression, and what the expression decides.
 @pytest.mark.parametrize("expr,tensors,error,pattern", [
     ("", None, ValueError, r"mask_mod must be a CUDA boolean expression over b, h, q, k, Lq, Lk"),

@@ -89,6 +89,10 @@ def _variants():
                         for causal in (False, True):
                             out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])],
                                                  score_mod=score))
+    # the dQ kernel's tensor-gradient pass (bwd_dq.cu: FRT_SCORE_TGRAD), two learned tensors and an int one
+    for arch in ARCHS:
+        for d in (64, 128, 256):
+            out.add(tiles.tiling("bwd_dq", d, "bf16", True, arch, SMEM_OPTIN[int(arch[3:5])], score_mod=LEARNED))
     # tilings for long query sequences (tiles.long_rows): plain, lengths, softcap, ALiBi
     for d in (64, 128, 256):
         for causal in (False, True):
@@ -107,6 +111,11 @@ SCORE_MODS = {
     "alibi": ("s - slopes[h] * fabsf((float)(k - q))", "", (("slopes", "float"),)),
     "rel": ("s + bias[h * 8191 + k - q + 4095]", "", (("bias", "float"),)),
 }
+
+
+# a score_mod whose float tensors take a gradient (spec.SCORE_TENSOR_TYPES' "float_grad")
+LEARNED = ("s * w[h] + bias[h * 8191 + k - q + 4095] + 0.1f * (float)ids[k]", "",
+           (("w", "float_grad"), ("bias", "float_grad"), ("ids", "int")))
 
 
 def _compile_verbose(spec: KernelSpec, fresh: bool = False) -> tuple[bytes, str]:

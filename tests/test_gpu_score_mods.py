@@ -547,7 +547,8 @@ def test_score_mod_errors_are_clear(torch):
     for x, r in zip((out, *given), (ref[0], *ref[2:])):
         assert reference.rel_error(_f64(x), r) < 2e-2
     bias = torch.randn(127, device="cuda")
-    with pytest.raises(ValueError, match=r"score_tensors\['bias'\] requires grad.*pass bias\.detach\(\)"):
+    with pytest.raises(ValueError, match=r"score_tensors\['bias'\] requires grad.*pass deterministic=False.*or "
+                                         r"bias\.detach\(\)"):
         flashrt.attention(q, k, v, score_mod="s + bias[k - q + 63]", score_tensors={"bias": bias.requires_grad_()})
     for bad, error, pattern in ((bias.detach().double(), TypeError, "must be float32 .* or int32 .*, got float64"),
                                 (bias.detach().cpu(), ValueError, "must be a torch array on cuda:0 like q"),
@@ -560,3 +561,73 @@ def test_score_mod_errors_are_clear(torch):
     with pytest.raises(TypeError, match="unexpected keyword argument 'score_mod'"):
         flashrt.decode(q[:, :1], k, v, cache_seqlens=torch.full((1,), 64, dtype=torch.int32, device="cuda"),
                        score_mod="s")
+
+
+def _learned_reference(torch, q, k, v, do, causal, fn, tables, lq, lk):
+    """float64 torch autograd: out and the gradients of `tables` (name -> tensor) through fn(s, tables, b, h, i, j)
+    over the scaled scores, positions clamped into each sequence (lq, lk: (B,) lengths), causal bottom-right."""
+    t = {n: x.double().detach().requires_grad_() for n, x in tables.items()}
+    q, k, v = (x.double() for x in (q, k, v))
+    B, Sq, H, D = q.shape
+    Sk, group = k.shape[1], H // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2)) / D ** 0.5
+    b, h = torch.arange(B, device="cuda").view(B, 1, 1, 1), torch.arange(H, device="cuda").view(1, H, 1, 1)
+    i, j = torch.arange(Sq, device="cuda").view(1, 1, Sq, 1), torch.arange(Sk, device="cuda").view(1, 1, 1, Sk)
+    Lq, Lk = lq.view(B, 1, 1, 1).long(), lk.view(B, 1, 1, 1).long()
+    s = fn(s, t, b, h, torch.minimum(i, Lq - 1), torch.minimum(j, Lk - 1))
+    keep = (i < Lq) & (j < Lk) & ((j <= i + Lk - Lq) if causal else True)
+    p = torch.softmax(s.masked_fill(~keep, -torch.inf), -1).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, 2))
+    return out, dict(zip(t, torch.autograd.grad(out, list(t.values()), do.double())))
+
+
+@pytest.mark.parametrize("D,causal,impl,expr,lengths", [
+    (64, True, "fused", "rel", False), (128, False, "split", "rel", True), (128, True, "auto", "two", False),
+    (96, True, "split", "two", True), (256, False, "auto", "rel", False)])
+def test_score_tensor_gradients_match_float64_autograd(torch, D, causal, impl, expr, lengths):
+    """score_grads (flashrt.backward) and flashrt.attention's gradient of float32 score tensors (a relative-position
+    bias table, a per-head weight beside an int32 tensor), GQA, padding lengths, every impl: against float64 torch
+    autograd; dq / dk / dv as without score_grads; deterministic=True refused."""
+    B, S, H, Hkv = 2, 300, 4, 2
+    q, k, v, do, _ = _inputs(torch, B, S, S, H, Hkv, D, "bf16", 70 + D)
+    g = torch.Generator(device="cuda").manual_seed(D)
+    tables = {"bias": torch.randn(H, 2 * S - 1, device="cuda", generator=g)}
+    text = f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]"
+    if expr == "two":
+        tables["w"] = 0.5 + torch.rand(H, device="cuda", generator=g)
+        text = f"s * w[h] + 0.5f * bias[h * {2 * S - 1} + k - q + {S - 1}] + 0.1f * (float)ids[k]"
+    ids = torch.randint(0, 4, (S,), device="cuda", dtype=torch.int32, generator=g)
+
+    def fn(s, t, b, h, i, j):
+        rel = t["bias"][h, j - i + S - 1]
+        return s + rel if expr == "rel" else s * t["w"][h] + 0.5 * rel + 0.1 * ids.double()[j]
+
+    lq = torch.tensor([S - 31, S], device="cuda", dtype=torch.int32) if lengths else torch.full((B,), S).cuda()
+    lk = torch.tensor([S, S - 17], device="cuda", dtype=torch.int32) if lengths else torch.full((B,), S).cuda()
+    kw = dict(causal=causal, score_mod=text, score_tensors={**tables, "ids": ids},
+              **(dict(seqlens_q=lq, seqlens_k=lk) if lengths else {}))
+    out, lse = flashrt.forward(q, k, v, **kw)
+    grads = {n: torch.zeros_like(x) for n, x in tables.items()}
+    got = flashrt.backward(do, q, k, v, out, lse, impl=impl, deterministic=False, score_grads=grads, **kw)
+    plain = flashrt.backward(do, q, k, v, out, lse, impl=impl, deterministic=False, **kw)
+    ref_out, ref = _learned_reference(torch, q, k, v, do, causal, fn, tables, lq, lk)
+    assert reference.rel_error(_f64(out), _f64(ref_out)) < 2e-2
+    for name in tables:
+        e = reference.rel_error(_f64(grads[name]), _f64(ref[name]))
+        assert e < 2e-2, f"d{name}: rel err {e:.2e}"
+    for a, b in zip(got, plain):  # (dq, dk, dv: the tensor-gradient pass writes none of them)
+        assert reference.rel_error(_f64(a), _f64(b)) < 1e-2
+    # flashrt.attention: autograd routes them (eager), deterministic=False
+    learned = {n: x.clone().requires_grad_() for n, x in tables.items()}
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    kw_t = dict(kw, score_tensors={**learned, "ids": ids})
+    o = flashrt.attention(*leaves, impl=impl, deterministic=False, **kw_t)
+    auto = torch.autograd.grad(o, [*leaves, *learned.values()], do)
+    for name, a in zip(learned, auto[3:]):
+        assert reference.rel_error(_f64(a), _f64(ref[name])) < 2e-2, name
+    with pytest.raises(ValueError, match=r"requires grad, whose sum is made by atomic adds in no fixed order: pass "
+                                         r"deterministic=False"):
+        flashrt.attention(*leaves, **kw_t)
+    with pytest.raises(ValueError, match=r"score_grads are added by atomics in no fixed order: pass "
+                                         r"deterministic=False"):
+        flashrt.backward(do, q, k, v, out, lse, score_grads=grads, **kw)

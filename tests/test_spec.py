@@ -567,3 +567,22 @@ def test_score_mod_source_defines_what_each_kernel_calls():
     for family, with_grad in (("fwd", False), ("bwd_dq", True), ("bwd_dkdv", True)):
         unit = tiles.tiling(family, 64, "bf16", False, "sm_80", SMEM_OPTIN[80], score_mod=REL).translation_unit()
         assert unit.endswith(score_mod_source(*REL, with_grad))
+
+
+def test_score_tensor_gradient_variant():
+    """A "float_grad" tensor makes bwd_dq the tensor-gradient pass (its own name, FRT_SCORE_TGRAD, the generated
+    flashrt_score_mod_tgrad that seeds each read); every other family reads the tensor as "float"."""
+    learned = ("s + bias[h * 7 + k - q + 3]", "", (("bias", "float_grad"), ("ids", "int")))
+    plain = (learned[0], "", (("bias", "float"), ("ids", "int")))
+    grads = tiles.tiling("bwd_dq", 64, "bf16", True, "sm_90a", SMEM_OPTIN[90], score_mod=learned)
+    dq = tiles.tiling("bwd_dq", 64, "bf16", True, "sm_90a", SMEM_OPTIN[90], score_mod=plain)
+    assert grads.score_grads and not dq.score_grads and grads.name != dq.name
+    assert "-DFRT_SCORE_TGRAD=1" in grads.options() and "-DFRT_SCORE_TGRAD=1" not in " ".join(dq.options())
+    tu = grads.translation_unit()
+    assert "flashrt_score_mod_tgrad" in tu and "flashrt_dual::Seeded bias{static_cast<const float*>(t0), g0," in tu
+    assert "const int* const ids = static_cast<const int*>(t1);" in tu
+    assert "flashrt_score_mod_tgrad" not in dq.translation_unit()
+    for family in ("bwd_dkdv", "fwd", "bwd_fused"):
+        a = tiles.tiling(family, 64, "bf16", True, "sm_80", SMEM_OPTIN[80], score_mod=learned)
+        b = tiles.tiling(family, 64, "bf16", True, "sm_80", SMEM_OPTIN[80], score_mod=plain)
+        assert a == b and a.name == b.name and not a.score_grads, family

@@ -133,4 +133,25 @@ __device__ __forceinline__ Dual pow(Dual a, int n) {
 }
 #undef FRT_DUAL
 
+// The gradient of a float score tensor (bwd_dq.cu's FRT_SCORE_TGRAD pass; flashrt/spec.py: score_mod_source writes
+// flashrt_score_mod_tgrad): the expression is evaluated once per read of the tensors whose gradient is wanted, with
+// s a plain float; in evaluation number `target`, the target-th such read returns its value with derivative 1 and
+// records where its gradient element is, every other read derivative 0. The result's derivative is then df / dT[i]
+// for that read, which the caller adds dz times into T's gradient at i; the evaluations stop when a pass makes no
+// more reads than its target (a read under a branch not taken is not counted: its derivative is 0 there).
+struct Reads {
+    int target, count = 0;
+    float* grad = nullptr;  // the target read's gradient element (null: no such read)
+};
+struct Seeded {
+    const float* p;
+    float* grad;  // the tensor's gradient
+    Reads* reads;
+    __device__ __forceinline__ Dual operator[](long long i) const {
+        const bool hit = reads->count++ == reads->target;
+        if (hit) reads->grad = grad + i;
+        return Dual(p[i], hit ? 1.f : 0.f);
+    }
+};
+
 }  // namespace flashrt_dual

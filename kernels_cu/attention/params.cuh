@@ -139,6 +139,12 @@ struct BwdParams {
     const void* score_t1;
     const void* score_t2;
     const void* score_t3;
+    // FRT_SCORE_TGRAD (bwd_dq.cu): fp32 gradients of the float tensors marked "float_grad" (spec.SCORE_TENSOR_TYPES),
+    // one per score_t slot, added into by atomics (score_mod.cuh: tensor_grads); null for the others
+    float* score_g0;
+    float* score_g1;
+    float* score_g2;
+    float* score_g3;
 };
 
 // mask_check.cu: a call's mask arrays (the pointers of FwdParams / BwdParams, null when not given), the

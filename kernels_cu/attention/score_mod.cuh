@@ -41,7 +41,17 @@ FRT_DEVICE float flashrt_score_mod(float s, int b, int h, int q, int k, int Lq, 
                                    const void* t0, const void* t1, const void* t2, const void* t3);
 FRT_DEVICE float flashrt_score_mod_grad(float s, int b, int h, int q, int k, int Lq, int Lk, float qf, float kf,
                                         const void* t0, const void* t1, const void* t2, const void* t3, float* value);
+#if FRT_SCORE_TGRAD
+// dz (the loss's derivative in the pair's modified score) times the expression's derivative in each element of the
+// "float_grad" tensors it reads, added into their gradients g0..g3 (dual.cuh: Reads, Seeded).
+FRT_DEVICE void flashrt_score_mod_tgrad(float s, int b, int h, int q, int k, int Lq, int Lk, float qf, float kf,
+                                        const void* t0, const void* t1, const void* t2, const void* t3, float dz,
+                                        float* g0, float* g1, float* g2, float* g3);
+#endif
 }  // namespace flashrt_expr
+#endif
+#ifndef FRT_SCORE_TGRAD
+#define FRT_SCORE_TGRAD 0
 #endif
 
 namespace frt {
@@ -173,6 +183,19 @@ struct ScoreMod {
 #else
         g = 1.f;
         return s;
+#endif
+    }
+
+    // The gradients of the "float_grad" tensors (FRT_SCORE_TGRAD; BwdParams::score_g0..3) gain dz times the
+    // expression's derivative in each element read for element (mt, jj, c) of raw score s.
+    template <class P>
+    FRT_DEVICE void tensor_grads(const P& p, float s, Fragments at, int mt, int jj, int c, float dz) const {
+#if FRT_SCORE_TGRAD
+        int i, j;
+        float fi, fj;
+        positions<false>(at, mt, jj, c, i, j, fi, fj);
+        flashrt_expr::flashrt_score_mod_tgrad(s * scale, b, h, i, j, Lq, Lk, fi, fj, t[0], t[1], t[2], t[3], dz,
+                                              p.score_g0, p.score_g1, p.score_g2, p.score_g3);
 #endif
     }
 

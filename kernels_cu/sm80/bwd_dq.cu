@@ -4,6 +4,10 @@
 // key tiles it can see, so every dQ element is written by exactly one thread
 // (no atomics: bitwise deterministic). P is recomputed from lse2 (see
 // bwd_preprocess.cu). K/V tiles use a two-stage cp.async pipeline.
+//
+// FRT_SCORE_TGRAD (spec.KernelSpec.score_grads): the same pass computes no dQ; each visible pair's dz = P (dP -
+// delta) instead goes, times the score_mod expression's derivative in each tensor element it reads, into the
+// gradients of the tensors marked "float_grad" (score_mod.cuh: ScoreMod::tensor_grads; fp32 atomics).
 #include "attention/params.cuh"
 #include "attention/score_mod.cuh"
 
@@ -71,6 +75,15 @@ __device__ void bwd_dq(const BwdParams& p) {
         float s[MT][NT_S][4];
         zero(s);
         gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(s, sQ + wrow * LD, LD, sK, LD, lane);
+        float raw[FRT_SCORE_TGRAD ? MT : 1][NT_S][4];  // (the expression's input, for the tensor gradients)
+        if constexpr (FRT_SCORE_TGRAD) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) raw[mt][nt][c] = s[mt][nt][c];
+        }
         float dp[MT][NT_S][4];
         zero(dp);
         gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(dp, sdO + wrow * LD, LD, sV, LD, lane);
@@ -95,9 +108,13 @@ __device__ void bwd_dq(const BwdParams& p) {
                         const float th = cap.tanh_of(x);
                         x = cap.cap * th, grad = 1.f - th * th;
                     }
-                    if constexpr (FRT_SCORE_MOD) x = smod.value_grad(x, at, mt, nt, c, grad);
+                    if constexpr (FRT_SCORE_TGRAD)
+                        x = smod.value(x, at, mt, nt, c);  // (dz = P (dP - delta): no f')
+                    else if constexpr (FRT_SCORE_MOD)
+                        x = smod.value_grad(x, at, mt, nt, c, grad);
                     float pr = fast_exp2(fmaf(x, ScoreMod::exp_scale(p.scale_log2), -lse2[mt][hh]));
-                    if constexpr (FRT_SCORE_MOD) pr = pr > 0.f ? pr * grad : 0.f;  // (any f' where P is 0)
+                    if constexpr (FRT_SCORE_MOD && !FRT_SCORE_TGRAD)
+                        pr = pr > 0.f ? pr * grad : 0.f;  // (any f' where P is 0)
                     if (!MOD_PASS && need_mask) {
                         if (!at.visible<false>(mt, nt, c, test)) pr = 0.f;
                     }
@@ -114,11 +131,22 @@ __device__ void bwd_dq(const BwdParams& p) {
 #pragma unroll
                     for (int c = 0; c < 4; ++c) s[mt][nt][c] *= dp[mt][nt][c] - delta[mt][c >> 1];
         }
+        if constexpr (FRT_SCORE_TGRAD) {  // the tensors' gradients, and no dQ
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        if (s[mt][nt][c] != 0.f) smod.tensor_grads(p, raw[mt][nt][c], at, mt, nt, c, s[mt][nt][c]);
+            continue;
+        }
         u32 dsf[KS_N][MT][4];
         acc_to_a<T::BF16, MT, KS_N>(s, dsf);
         gemm_rs<T::BF16, MT, NT_D, KS_N, B_KN>(dq, dsf, sK, LD, lane);
     }
     cp_async_wait<0>();
+    if constexpr (FRT_SCORE_TGRAD) return;
     __syncthreads();
 
     u16* sO = reinterpret_cast<u16*>(smem);
