@@ -413,13 +413,18 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     identical inputs, run after run and process after process, for every impl.
     score_grads={name: array}: the gradients of score_mod's float32 tensors (score_tensors[name]) are added into
     these fp32 arrays, contiguous and shaped like the tensors (zero them first for the gradient alone): a pass of the
-    dQ kernel evaluates the expression's derivative in every element it reads and adds by atomics, in no fixed
-    order, so it needs deterministic=False.
+    dQ kernel evaluates the expression's derivative in every element it reads and adds it up: with deterministic=True
+    into an exact fixed-point sum per element (64 bytes each, for the call), bitwise reproducible; else by fp32
+    atomics, in no fixed order.
     """
     masks.check_names(mask_args, "backward")
+    sums = {}
     if score_grads:
         _check_score_grads(score_grads, mask_args, deterministic)
-        mask_args = dict(mask_args, score_grads=score_grads)  # (a plan's pointers: _mask_arrays)
+        if deterministic:  # exact fixed-point sums (score_mod.cuh: tensor_grad_add), turned into floats after
+            sums = {n: interop.new_many(g, [((math.prod(g.shape), _TGRAD_LIMBS), "i64", 0)])[0]
+                    for n, g in score_grads.items()}
+        mask_args = dict(mask_args, score_grads=sums or score_grads)  # (a plan's pointers: _mask_arrays)
     mode = masks.validate_mode(validate)
     if sinks is not None:
         Q = interop.describe(q, "q")
@@ -431,20 +436,23 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     result = _planned("backward", tensors, (causal, softmax_scale, impl, deterministic, cap, alibi), mask_args, mode,
                       lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic, mode,
                                                      mask_args, cap, bool(alibi)))
+    for name, limbs in sums.items():
+        _add_exact_sums(score_grads[name], limbs)
     if sinks is None:
         return result[0], result[1], result[2]  # (the scratch arrays follow)
     return result[0], result[1], result[2], _sink_grad(sinks, lse, result[3] if len(result) > 3 else None)
 
 
-def _check_score_grads(score_grads, mask_args: dict, deterministic) -> None:
+_TGRAD_LIMBS = 8  # int64 limbs of an exact sum (kernels_cu/attention/score_mod.cuh: kTgradLimbs, tensor_grad_add)
+_TGRAD_MAX_BYTES = 4 << 30  # the most those sums may take per tensor
+
+
+def _check_score_grads(score_grads, mask_args: dict, deterministic: bool) -> None:
     """score_grads names float tensors of score_tensors, each with an fp32 array of its shape, on its device."""
     tensors = mask_args.get("score_tensors") or {}
     if not isinstance(score_grads, dict) or not isinstance(tensors, dict):
         raise ValueError(f"score_grads must be a dict {{name: fp32 array}} for tensors of score_tensors, got "
                          f"{type(score_grads).__name__}")
-    if deterministic:
-        raise ValueError("score_grads are added by atomics in no fixed order: pass deterministic=False (dq, dk and "
-                         "dv keep their impl's determinism; the tensors' gradients vary in their last bits)")
     for name, g in score_grads.items():
         if name not in tensors:
             raise ValueError(f"score_grads[{name!r}]: no such score tensor (score_tensors: {', '.join(tensors)})")
@@ -458,6 +466,43 @@ def _check_score_grads(score_grads, mask_args: dict, deterministic) -> None:
                              f"{tuple(T.shape)}, got {G.dtype} {tuple(G.shape)}")
         interop.check_beside(G, T, f"score_grads[{name!r}]")
         interop.check_contiguous(G, f"score_grads[{name!r}]")
+        if deterministic and math.prod(T.shape) * _TGRAD_LIMBS * 8 > _TGRAD_MAX_BYTES:
+            raise ValueError(f"score_grads[{name!r}]: deterministic=True sums each element's gradient exactly in "
+                             f"{_TGRAD_LIMBS * 8} bytes, {math.prod(T.shape) * _TGRAD_LIMBS * 8 / 2**30:.1f} GiB for "
+                             f"this tensor (at most {_TGRAD_MAX_BYTES >> 30} GiB): pass deterministic=False (fp32 "
+                             f"atomics, in no fixed order)")
+
+
+def _add_exact_sums(out, limbs) -> None:
+    """out (fp32) += the exact fixed-point sums in limbs (n, _TGRAD_LIMBS) int64 (score_mod.cuh: tensor_grad_add),
+    in the array library's ops: the carries moved up so that every limb but the top one is in [0, 2^24), then the
+    float64 sum of nonnegative terms (of the value or of its negation, whichever has a nonnegative top limb: no
+    cancellation), rounded to fp32 once; NaN where a value could not be held. Deterministic."""
+    torch_lib = interop.is_torch(out)
+    if torch_lib:
+        import torch as xp
+    else:
+        import cupy as xp
+    n = _TGRAD_LIMBS - 1
+
+    def normalised(raw):
+        parts = [raw[:, i] for i in range(n)]
+        for i in range(n - 1):
+            carry = parts[i] >> 24
+            parts[i] = parts[i] - (carry << 24)
+            parts[i + 1] = parts[i + 1] + carry
+        return parts
+
+    def value(parts):
+        total = 0.0
+        for i in reversed(range(n)):  # (largest first)
+            total = total + (parts[i].double() if torch_lib else parts[i].astype(xp.float64)) * 2.0 ** (24 * i - 96)
+        return total
+
+    up, down = normalised(limbs), normalised(-limbs)
+    exact = xp.where(up[n - 1] >= 0, value(up), -value(down))
+    exact = xp.where(limbs[:, n] != 0, math.nan, exact)
+    out += (exact.float() if torch_lib else exact.astype(xp.float32)).reshape(out.shape)
 
 
 def _sink_grad(sinks, lse, scratch):
@@ -558,7 +603,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     specs = {family: _kernel_for(family, D, Q, m, dev, bool(softcap), alibi) for family in families}
     if score_grads:  # the dQ kernel's tensor-gradient pass, after lse2 and delta are made (spec.KernelSpec.score_grads)
         expr, grad, typed = m.score_mod
-        grads = dataclasses.replace(m, score_mod=(expr, grad, tuple((n, "float_grad" if n in score_grads else t)
+        kind = "float_grad_exact" if deterministic else "float_grad"
+        grads = dataclasses.replace(m, score_mod=(expr, grad, tuple((n, kind if n in score_grads else t)
                                                                     for n, t in typed)))
         families.append("score_grads")
         specs["score_grads"] = _kernel_for("bwd_dq", D, Q, grads, dev)

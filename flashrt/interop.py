@@ -69,12 +69,12 @@ def is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
-_KINDS = {"f32": "float32", "i32": "int32"}  # new_many's kinds besides "like", as dtype names
+_KINDS = {"f32": "float32", "i32": "int32", "i64": "int64"}  # new_many's kinds besides "like", as dtype names
 
 
 def new_many(x, specs: list) -> list:
     """For each (shape, kind, fill) in specs, a new contiguous array in the library and on the device of x
-    (a torch tensor or CuPy array): of x's dtype (kind "like"), fp32 ("f32") or int32 ("i32");
+    (a torch tensor or CuPy array): of x's dtype (kind "like"), fp32 ("f32"), int32 ("i32") or int64 ("i64");
     uninitialised, or filled with `fill`."""
     if is_torch(x):
         import torch

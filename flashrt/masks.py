@@ -288,7 +288,7 @@ def score_mod_error(score: tuple, log: str) -> ValueError:
     NVRTC's caret under the fault; where only the automatic derivative failed, how to give one."""
     from .spec import SCORE_DUAL_FILE, SCORE_END_FILE, SCORE_FILE, SCORE_GRAD_FILE, SCORE_TGRAD_FILE
     expr, grad, tensors = score
-    tensors = tuple((n, "float" if t == "float_grad" else t) for n, t in tensors)
+    tensors = tuple((n, "float" if t.startswith("float_grad") else t) for n, t in tensors)
     lines = [re.sub(re.escape(SCORE_END_FILE) + r"\(\d+\)", "the expression's end", ln)
              for ln in log.rstrip().splitlines()
              if not ln.rstrip().endswith('.cu".') and "error detected" not in ln and "errors detected" not in ln]

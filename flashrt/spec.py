@@ -88,9 +88,10 @@ MAX_MOD_TENSORS = 4
 # then mask_mod's, then q and k as floats (cheaper than converting them per score); its tensors' element types
 # (KernelSpec.score_mod).
 SCORE_VARIABLES = ("s",) + MOD_VARIABLES + ("qf", "kf")
-# "float_grad": a float tensor whose gradient the backward computes, which only the dQ kernel's tensor-gradient
-# variant keeps (KernelSpec.score_grads); every other variant reads it as "float".
-SCORE_TENSOR_TYPES = ("float", "int", "float_grad")
+# "float_grad": a float tensor whose gradient the backward computes, by fp32 atomics ("float_grad_exact": into exact
+# fixed-point sums, deterministic; score_mod.cuh: tensor_grad_add), which only the dQ kernel's tensor-gradient variant
+# keeps (KernelSpec.score_grads); every other variant reads it as "float".
+SCORE_TENSOR_TYPES = ("float", "int", "float_grad", "float_grad_exact")
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
 HEAD_DIMS = tuple(range(8, 257, 8))
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -183,9 +184,9 @@ class KernelSpec:
                                  f"{MAX_MOD_TENSORS} tensors of types {SCORE_TENSOR_TYPES}), got {self.score_mod!r}")
             if grad and self.family not in SCORE_GRAD_FAMILIES:  # (compiled without it: one variant, one cache key)
                 object.__setattr__(self, "score_mod", (expr, "", tensors))
-            if self.family != "bwd_dq" and any(t[1] == "float_grad" for t in tensors):  # (read as float)
+            if self.family != "bwd_dq" and any(t[1].startswith("float_grad") for t in tensors):  # (read as float)
                 object.__setattr__(self, "score_mod", (self.score_mod[0], self.score_mod[1],
-                                                       tuple((n, "float" if c == "float_grad" else c)
+                                                       tuple((n, "float" if c.startswith("float_grad") else c)
                                                              for n, c in tensors)))
         problem = self.layout_problem()
         if problem:
@@ -350,8 +351,8 @@ class KernelSpec:
         }
         if self.score_mod:
             defines["FRT_SCORE_MOD"] = 1
-            if self.score_grads:
-                defines["FRT_SCORE_TGRAD"] = 1
+            if self.score_grads:  # (score_mod.cuh: tensor_grad_add)
+                defines["FRT_SCORE_TGRAD"] = 2 if any(t[1] == "float_grad_exact" for t in self.score_mod[2]) else 1
         if self.family == "mask_map":
             defines["FRT_MAP_SPLIT"] = self.map_split
         if self.family in ("bwd_dkdv", "bwd_fused"):
@@ -372,7 +373,7 @@ class KernelSpec:
     def score_grads(self) -> bool:
         """The dQ kernel's tensor-gradient variant (kernels_cu/sm80/bwd_dq.cu: FRT_SCORE_TGRAD): it computes no dQ but
         adds the gradients of the score tensors marked "float_grad" (a bwd_dq spec keeps that type, no other does)."""
-        return bool(self.score_mod) and any(t[1] == "float_grad" for t in self.score_mod[2])
+        return bool(self.score_mod) and any(t[1].startswith("float_grad") for t in self.score_mod[2])
 
     def key_fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -415,7 +416,7 @@ def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> s
     kernel source as mask_mod_source writes mask_mod's."""
     args = ("int b, int h, int q, int k, int Lq, int Lk, float qf, float kf, const void* t0, const void* t1, "
             "const void* t2, const void* t3")
-    plain = tuple((n, "float" if c == "float_grad" else c) for n, c in tensors)
+    plain = tuple((n, "float" if c.startswith("float_grad") else c) for n, c in tensors)
     names = "".join(f"    const {ctype}* const {n} = static_cast<const {ctype}*>(t{i});\n"
                     for i, (n, ctype) in enumerate(plain))
 
@@ -424,18 +425,19 @@ def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> s
 
     out = (f"namespace flashrt_expr {{\nFRT_DEVICE float flashrt_score_mod(float s, {args}) {{\n{names}"
            f"    return static_cast<float>(\n{wrapped(expr, SCORE_FILE)}    );\n}}\n")
-    if any(c == "float_grad" for _, c in tensors):  # (dual.cuh: Reads, Seeded; score_mod.cuh: tensor_grads)
-        seeded = "".join(f"        const {c}* const {n} = static_cast<const {c}*>(t{i});\n" if c != "float_grad" else
+    if any(c.startswith("float_grad") for _, c in tensors):  # (dual.cuh: Reads, Seeded; score_mod.cuh: tensor_grads)
+        seeded = "".join(f"        const {c}* const {n} = static_cast<const {c}*>(t{i});\n"
+                         if c in ("float", "int") else
                          f"        const flashrt_dual::Seeded {n}{{static_cast<const float*>(t{i}), g{i}, "
                          f"&flashrt_reads}};\n" for i, (n, c) in enumerate(tensors))
-        out += (f"FRT_DEVICE void flashrt_score_mod_tgrad(float flashrt_s, {args}, float flashrt_dz, float* g0, "
-                f"float* g1, float* g2, float* g3) {{\n    for (int flashrt_target = 0;; ++flashrt_target) {{\n"
+        out += (f"FRT_DEVICE void flashrt_score_mod_tgrad(float flashrt_s, {args}, float flashrt_dz, void* g0, "
+                f"void* g1, void* g2, void* g3) {{\n    for (int flashrt_target = 0;; ++flashrt_target) {{\n"
                 f"        flashrt_dual::Reads flashrt_reads{{flashrt_target}};\n{seeded}"
                 f"        const float s = flashrt_s;\n"
                 f"        const flashrt_dual::Dual flashrt_r = flashrt_dual::Dual(\n{wrapped(expr, SCORE_TGRAD_FILE)}"
                 f"        );\n"
                 f"        if (flashrt_reads.grad == nullptr) return;\n"
-                f"        atomicAdd(flashrt_reads.grad, flashrt_dz * flashrt_r.d);\n"
+                f"        frt::tensor_grad_add(flashrt_reads.grad, flashrt_reads.index, flashrt_dz * flashrt_r.d);\n"
                 f"    }}\n}}\n")
     if not with_grad:
         return out + "}\n"

@@ -223,8 +223,9 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     differentiable (one that requires grad is refused: pass alibi_slopes.detach()).
     sinks: (H,) attention-sink logits (flashrt.forward), computed in fp32 whatever their dtype; differentiable.
     score_mod, score_mod_grad, score_tensors: a CUDA expression that replaces each scaled score (flashrt.forward),
-    its derivative (optional: derived automatically), and the float32 / int32 tensors it reads, which take no
-    gradient (one that requires grad is refused while grad mode is on: pass it .detach()).
+    its derivative (optional: derived automatically), and the float32 / int32 tensors it reads; a float32 one that
+    requires grad gets its gradient (flashrt.backward's score_grads: exact and reproducible with deterministic=True,
+    fp32 atomics else), in eager mode (under torch.compile one is refused: pass it .detach()).
     lse is returned without a gradient.
     """
     api._check_impl(impl)  # here, not first in the backward pass
@@ -232,8 +233,8 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     if mask_args:
         masks.check_names(mask_args, "attention")
         if isinstance(mask_args.get("score_tensors"), dict):
-            learned = _learned_score_tensors(mask_args["score_tensors"], deterministic,
-                                             q.is_cuda and not torch.compiler.is_compiling())
+            eager = q.is_cuda and not torch.compiler.is_compiling()
+            learned = _learned_score_tensors(mask_args["score_tensors"], eager)
     if causal not in _CAUSAL or isinstance(causal, (int, float)) and not isinstance(causal, bool):
         raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
@@ -262,10 +263,10 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     return (out, lse) if return_lse else out
 
 
-def _learned_score_tensors(tensors: dict, deterministic: bool, eager: bool) -> tuple:
+def _learned_score_tensors(tensors: dict, eager: bool) -> tuple:
     """The names of the score tensors that autograd expects a gradient of (float32, requiring grad, grad mode on):
-    eager calls compute them (api.backward's score_grads, which needs deterministic=False); a traced call
-    (torch.compile) computes none yet, and a loss through one must fail, not silently miss a term."""
+    eager calls compute them (api.backward's score_grads); a traced call (torch.compile) computes none yet, and a
+    loss through one must fail, not silently miss a term."""
     if not torch.is_grad_enabled():
         return ()
     names = tuple(n for n, x in tensors.items() if isinstance(x, torch.Tensor) and x.requires_grad)
@@ -277,10 +278,6 @@ def _learned_score_tensors(tensors: dict, deterministic: bool, eager: bool) -> t
         if tensors[name].dtype != torch.float32:
             raise ValueError(f"score_tensors[{name!r}] requires grad: only float32 score tensors take one, got "
                              f"{tensors[name].dtype}")
-        if deterministic:
-            raise ValueError(f"score_tensors[{name!r}] requires grad, whose sum is made by atomic adds in no fixed "
-                             f"order: pass deterministic=False (dq, dk and dv stay as deterministic as their impl "
-                             f"makes them), or {name}.detach()")
     return names
 
 

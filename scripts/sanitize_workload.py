@@ -53,8 +53,9 @@ def score_mod_cases():
                 flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, **kw)
         # the bias table's gradient (bwd_dq.cu's tensor-gradient pass), with padding lengths
         out, lse = flashrt.forward(q, k, v, causal=causal, **rel, **lengths)
-        flashrt.backward(do, q, k, v, out, lse, causal=causal, deterministic=False, **rel, **lengths,
-                         score_grads={"bias": torch.zeros_like(bias)})
+        for det in (False, True):  # (fp32 atomics; exact sums)
+            flashrt.backward(do, q, k, v, out, lse, causal=causal, deterministic=det, **rel, **lengths,
+                             score_grads={"bias": torch.zeros_like(bias)})
     torch.cuda.synchronize()
 
 

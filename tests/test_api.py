@@ -1,5 +1,6 @@
 """Validation and layout rules of the public API that need no GPU (array descriptors are plain data)."""
 import importlib
+import math
 import re
 import sys
 
@@ -164,11 +165,7 @@ def test_backward_impl_options_are_checked_before_any_work():
 
 
 def test_score_grads_are_checked_before_any_work():
-    # score_grads: a dict of score tensors' names, and atomics that need deterministic=False (before the inputs)
-    with pytest.raises(ValueError, match=r"score_grads are added by atomics in no fixed order: pass "
-                                         r"deterministic=False"):
-        api.backward(None, None, None, None, None, None, score_mod="s + b[k]", score_tensors={"b": None},
-                     score_grads={"b": None})
+    # score_grads: a dict of score tensors' names (checked before the inputs)
     with pytest.raises(ValueError, match=r"score_grads must be a dict \{name: fp32 array\}"):
         api.backward(None, None, None, None, None, None, deterministic=False, score_grads=["b"])
     with pytest.raises(ValueError, match=r"score_grads\['c'\]: no such score tensor \(score_tensors: b\)"):
@@ -380,3 +377,56 @@ def test_import_flashrt_distributed_without_torch_names_the_extra(without_torch)
 def test_flashrt_imports_and_forward_checks_without_torch(without_torch):
     with pytest.raises(TypeError, match="q must be a torch CUDA tensor or a CuPy array"):
         without_torch.forward([[1.0]], None, None)
+
+
+def _limbs_of(values):
+    """kernels_cu/attention/score_mod.cuh's tensor_grad_add (FRT_SCORE_TGRAD 2), in Python, into one element."""
+    import math as m
+    import struct as st
+    limbs = [0] * api._TGRAD_LIMBS
+    for v in values:
+        v = st.unpack("f", st.pack("f", v))[0]
+        if v == 0:
+            continue
+        fr, e = m.frexp(v)
+        pos = e - 24 + 96
+        if not m.isfinite(v) or pos >= 6 * 24:
+            limbs[-1] += 1
+            continue
+        mant = int(fr * 16777216)
+        if pos < 0:
+            mant, pos = (mant >> -pos if pos > -63 else (-1 if mant < 0 else 0)), 0
+            if mant == 0:
+                continue
+        x = mant << (pos % 24)
+        hi, lo = x >> 24, x - ((x >> 24) << 24)
+        limbs[pos // 24] += lo
+        limbs[pos // 24 + 1] += hi
+    return limbs
+
+
+def test_exact_sums_are_the_exact_sum_rounded_once():
+    """api._add_exact_sums over limbs made as the kernels make them: the exact sum of fp32 values (cancelling,
+    tiny, large, of both signs) rounded to fp32 once, whatever their order; NaN where a value could not be held."""
+    torch = pytest.importorskip("torch")
+    import fractions
+    import random
+    import struct as st
+    rng = random.Random(5)
+    cases = [[1.0, -1.0, 2.0 ** -30], [1e-3] * 1000 + [-1.0], [3.5e20, -3.5e20, 1.25], [-2.0 ** -90, 2.0 ** -100],
+             [rng.uniform(-1, 1) * 10 ** rng.randint(-20, 20) for _ in range(300)], [1.0, float("inf")],
+             [2.0 ** 72, 1.0], [-7.0], []]
+    limbs = torch.tensor([_limbs_of(c) for c in cases], dtype=torch.int64)
+    rev = torch.tensor([_limbs_of(c[::-1]) for c in cases], dtype=torch.int64)
+    assert torch.equal(limbs, rev)  # integer sums: any order
+    out = torch.zeros(len(cases))
+    api._add_exact_sums(out, limbs)
+    for got, values in zip(out.tolist(), cases):
+        if any(not math.isfinite(v) or abs(v) >= 2.0 ** 71 for v in values):
+            assert math.isnan(got)
+            continue
+        f32 = [st.unpack("f", st.pack("f", v))[0] for v in values]
+        kept = [v for v in f32 if abs(v) >= 2.0 ** -96 or v == 0]  # (smaller ones are truncated at 2^-96)
+        want = float(sum((fractions.Fraction(v) for v in kept), fractions.Fraction(0)))
+        assert got == st.unpack("f", st.pack("f", want))[0] or abs(got - want) <= abs(want) * 2 ** -23 + 2.0 ** -96, \
+            (values[:4], got, want)

@@ -89,10 +89,13 @@ def _variants():
                         for causal in (False, True):
                             out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])],
                                                  score_mod=score))
-    # the dQ kernel's tensor-gradient pass (bwd_dq.cu: FRT_SCORE_TGRAD), two learned tensors and an int one
+    # the dQ kernel's tensor-gradient pass (bwd_dq.cu: FRT_SCORE_TGRAD), two learned tensors and an int one, by fp32
+    # atomics and into exact sums (deterministic: score_mod.cuh's tensor_grad_add)
     for arch in ARCHS:
         for d in (64, 128, 256):
-            out.add(tiles.tiling("bwd_dq", d, "bf16", True, arch, SMEM_OPTIN[int(arch[3:5])], score_mod=LEARNED))
+            for kind in ("float_grad", "float_grad_exact"):
+                learned = (LEARNED[0], "", tuple((n, kind if t == "float_grad" else t) for n, t in LEARNED[2]))
+                out.add(tiles.tiling("bwd_dq", d, "bf16", True, arch, SMEM_OPTIN[int(arch[3:5])], score_mod=learned))
     # tilings for long query sequences (tiles.long_rows): plain, lengths, softcap, ALiBi
     for d in (64, 128, 256):
         for causal in (False, True):

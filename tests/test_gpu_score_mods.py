@@ -547,9 +547,10 @@ def test_score_mod_errors_are_clear(torch):
     for x, r in zip((out, *given), (ref[0], *ref[2:])):
         assert reference.rel_error(_f64(x), r) < 2e-2
     bias = torch.randn(127, device="cuda")
-    with pytest.raises(ValueError, match=r"score_tensors\['bias'\] requires grad.*pass deterministic=False.*or "
-                                         r"bias\.detach\(\)"):
-        flashrt.attention(q, k, v, score_mod="s + bias[k - q + 63]", score_tensors={"bias": bias.requires_grad_()})
+    with pytest.raises(ValueError, match=r"score_tensors\['bias'\] requires grad: only float32 score tensors take "
+                                         r"one, got torch\.float64"):
+        flashrt.attention(q, k, v, score_mod="s + bias[k - q + 63]",
+                          score_tensors={"bias": bias.double().requires_grad_()})
     for bad, error, pattern in ((bias.detach().double(), TypeError, "must be float32 .* or int32 .*, got float64"),
                                 (bias.detach().cpu(), ValueError, "must be a torch array on cuda:0 like q"),
                                 (bias.detach()[::2], ValueError, r"must be contiguous")):
@@ -581,13 +582,15 @@ def _learned_reference(torch, q, k, v, do, causal, fn, tables, lq, lk):
     return out, dict(zip(t, torch.autograd.grad(out, list(t.values()), do.double())))
 
 
-@pytest.mark.parametrize("D,causal,impl,expr,lengths", [
-    (64, True, "fused", "rel", False), (128, False, "split", "rel", True), (128, True, "auto", "two", False),
-    (96, True, "split", "two", True), (256, False, "auto", "rel", False)])
-def test_score_tensor_gradients_match_float64_autograd(torch, D, causal, impl, expr, lengths):
+@pytest.mark.parametrize("D,causal,impl,expr,lengths,det", [
+    (64, True, "fused", "rel", False, False), (128, False, "split", "rel", True, True),
+    (128, True, "auto", "two", False, False), (96, True, "split", "two", True, True),
+    (256, False, "auto", "rel", False, True), (64, False, "auto", "two", False, True)])
+def test_score_tensor_gradients_match_float64_autograd(torch, D, causal, impl, expr, lengths, det):
     """score_grads (flashrt.backward) and flashrt.attention's gradient of float32 score tensors (a relative-position
-    bias table, a per-head weight beside an int32 tensor), GQA, padding lengths, every impl: against float64 torch
-    autograd; dq / dk / dv as without score_grads; deterministic=True refused."""
+    bias table, a per-head weight beside an int32 tensor), GQA, padding lengths, every impl, fp32 atomics
+    (deterministic=False) or exact sums (True, bitwise repeatable): against float64 torch autograd; dq / dk / dv as
+    without score_grads."""
     B, S, H, Hkv = 2, 300, 4, 2
     q, k, v, do, _ = _inputs(torch, B, S, S, H, Hkv, D, "bf16", 70 + D)
     g = torch.Generator(device="cuda").manual_seed(D)
@@ -608,8 +611,12 @@ def test_score_tensor_gradients_match_float64_autograd(torch, D, causal, impl, e
               **(dict(seqlens_q=lq, seqlens_k=lk) if lengths else {}))
     out, lse = flashrt.forward(q, k, v, **kw)
     grads = {n: torch.zeros_like(x) for n, x in tables.items()}
-    got = flashrt.backward(do, q, k, v, out, lse, impl=impl, deterministic=False, score_grads=grads, **kw)
-    plain = flashrt.backward(do, q, k, v, out, lse, impl=impl, deterministic=False, **kw)
+    got = flashrt.backward(do, q, k, v, out, lse, impl=impl, deterministic=det, score_grads=grads, **kw)
+    plain = flashrt.backward(do, q, k, v, out, lse, impl=impl, deterministic=det, **kw)
+    if det:  # exact sums: the same bits again (added into fresh zeros)
+        again = {n: torch.zeros_like(x) for n, x in tables.items()}
+        flashrt.backward(do, q, k, v, out, lse, impl=impl, deterministic=True, score_grads=again, **kw)
+        assert all(torch.equal(grads[n], again[n]) for n in tables)
     ref_out, ref = _learned_reference(torch, q, k, v, do, causal, fn, tables, lq, lk)
     assert reference.rel_error(_f64(out), _f64(ref_out)) < 2e-2
     for name in tables:
@@ -621,13 +628,9 @@ def test_score_tensor_gradients_match_float64_autograd(torch, D, causal, impl, e
     learned = {n: x.clone().requires_grad_() for n, x in tables.items()}
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     kw_t = dict(kw, score_tensors={**learned, "ids": ids})
-    o = flashrt.attention(*leaves, impl=impl, deterministic=False, **kw_t)
+    o = flashrt.attention(*leaves, impl=impl, deterministic=det, **kw_t)
     auto = torch.autograd.grad(o, [*leaves, *learned.values()], do)
     for name, a in zip(learned, auto[3:]):
         assert reference.rel_error(_f64(a), _f64(ref[name])) < 2e-2, name
-    with pytest.raises(ValueError, match=r"requires grad, whose sum is made by atomic adds in no fixed order: pass "
-                                         r"deterministic=False"):
-        flashrt.attention(*leaves, **kw_t)
-    with pytest.raises(ValueError, match=r"score_grads are added by atomics in no fixed order: pass "
-                                         r"deterministic=False"):
-        flashrt.backward(do, q, k, v, out, lse, score_grads=grads, **kw)
+        if det:
+            assert torch.equal(a, grads[name]), name

@@ -141,15 +141,16 @@ __device__ __forceinline__ Dual pow(Dual a, int n) {
 // more reads than its target (a read under a branch not taken is not counted: its derivative is 0 there).
 struct Reads {
     int target, count = 0;
-    float* grad = nullptr;  // the target read's gradient element (null: no such read)
+    void* grad = nullptr;  // the target read's tensor's gradient (null: no such read), and the element read
+    long long index = 0;
 };
 struct Seeded {
     const float* p;
-    float* grad;  // the tensor's gradient
+    void* grad;  // the tensor's gradient (score_mod.cuh: tensor_grad_add)
     Reads* reads;
     __device__ __forceinline__ Dual operator[](long long i) const {
         const bool hit = reads->count++ == reads->target;
-        if (hit) reads->grad = grad + i;
+        if (hit) reads->grad = grad, reads->index = i;
         return Dual(p[i], hit ? 1.f : 0.f);
     }
 };

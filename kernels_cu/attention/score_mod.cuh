@@ -43,10 +43,10 @@ FRT_DEVICE float flashrt_score_mod_grad(float s, int b, int h, int q, int k, int
                                         const void* t0, const void* t1, const void* t2, const void* t3, float* value);
 #if FRT_SCORE_TGRAD
 // dz (the loss's derivative in the pair's modified score) times the expression's derivative in each element of the
-// "float_grad" tensors it reads, added into their gradients g0..g3 (dual.cuh: Reads, Seeded).
+// "float_grad" tensors it reads, added into their gradients g0..g3 (dual.cuh: Reads, Seeded; frt::tensor_grad_add).
 FRT_DEVICE void flashrt_score_mod_tgrad(float s, int b, int h, int q, int k, int Lq, int Lk, float qf, float kf,
                                         const void* t0, const void* t1, const void* t2, const void* t3, float dz,
-                                        float* g0, float* g1, float* g2, float* g3);
+                                        void* g0, void* g1, void* g2, void* g3);
 #endif
 }  // namespace flashrt_expr
 #endif
@@ -55,6 +55,42 @@ FRT_DEVICE void flashrt_score_mod_tgrad(float s, int b, int h, int q, int k, int
 #endif
 
 namespace frt {
+
+#if FRT_SCORE_TGRAD
+// A score tensor's gradient element `i` gains v. FRT_SCORE_TGRAD 1: an fp32 atomic add (in no fixed order).
+// FRT_SCORE_TGRAD 2 (deterministic): the element is kTgradLimbs int64 limbs of an exact fixed-point sum, limb l
+// holding units of 2^(24 l - 96) (the window [2^-96, 2^72)), and the last one a count of values it cannot hold
+// (non-finite, or of magnitude 2^71 and up): v's 24-bit mantissa, shifted into place, spans at most two limbs, added
+// as integers, so the sum is exact and the same in any order (each limb takes adds under 2^24 in magnitude: exact for
+// up to 2^39 of them). Values under 2^-96 in magnitude are truncated toward minus infinity at that unit (a
+// deterministic rounding). flashrt/api.py (_exact_sums) turns the limbs into the float sum.
+constexpr int kTgradLimbs = 8;
+FRT_DEVICE void tensor_grad_add(void* grad, long long i, float v) {
+    if constexpr (FRT_SCORE_TGRAD == 1) {
+        atomicAdd(static_cast<float*>(grad) + i, v);
+    } else {
+        unsigned long long* limbs = static_cast<unsigned long long*>(grad) + i * kTgradLimbs;
+        if (v == 0.f) return;
+        int e;
+        const float fr = frexpf(v, &e);  // v = fr 2^e, 1/2 <= |fr| < 1 (or not finite)
+        int pos = e - 24 + 96;           // the bit of the window the mantissa's unit lands on
+        if (!isfinite(v) || pos >= 6 * 24) {  // (the top limb takes the last carry)
+            atomicAdd(limbs + kTgradLimbs - 1, 1ull);
+            return;
+        }
+        long long m = (long long)(fr * 16777216.f);  // exact: a signed 24-bit integer, v = m 2^(e - 24)
+        if (pos < 0) {
+            m = pos <= -63 ? (m < 0 ? -1 : 0) : m >> -pos;  // (arithmetic shift: toward minus infinity)
+            pos = 0;
+            if (m == 0) return;
+        }
+        const long long x = m * (1ll << (pos % 24));
+        const long long hi = x >> 24, lo = x - hi * (1ll << 24);  // x = hi 2^24 + lo, 0 <= lo < 2^24
+        if (lo) atomicAdd(limbs + pos / 24, (unsigned long long)lo);
+        if (hi) atomicAdd(limbs + pos / 24 + 1, (unsigned long long)hi);  // (two's complement: a signed add)
+    }
+}
+#endif
 
 // tanh.approx.f32: one MUFU op, relative error <= 2^-10.99, as FlashAttention-2/3 take it (cutlass fast_tanh;
 // perf-notes.md, "Softcap": the cost and accuracy measured). FRT_TANH_EXACT=1 (an A/B of scripts/probes/score_mod_cost.py

@@ -1,8 +1,9 @@
-"""What a score tensor's gradient costs: forward+backward (deterministic=False) of a relative-position bias table
-(H, 2S - 1) read per pair, "s + bias[h * (2S - 1) + k - q + S - 1]", detached against learned (flashrt.backward's
-score_grads: the dQ kernel's tensor-gradient pass, fp32 atomics), and FlexAttention with the same learned table
-(torch.compile, a captured buffer that requires grad) in the same interleaved rounds; bf16, B*S = 16k tokens,
-H*D = 2048, causal and not. Prints ms and ratios.
+"""What a score tensor's gradient costs: forward+backward of a relative-position bias table (H, 2S - 1) read per
+pair, "s + bias[h * (2S - 1) + k - q + S - 1]", detached against learned (flashrt.backward's score_grads: the dQ
+kernel's tensor-gradient pass) by fp32 atomics (deterministic=False) and into exact sums (deterministic=True, the
+backward's other kernels then ordered too), and FlexAttention with the same learned table (torch.compile, a
+captured buffer that requires grad) in the same interleaved rounds; bf16, B*S = 16k tokens, H*D = 2048, causal and
+not. Prints ms and ratios (each learned form against the detached one of the same determinism).
 
     python3 scripts/probes/score_grads_cost.py [--rounds 5] [--seqlens 4096,16384] [--head-dims 64,128] [--no-flex]
 """
@@ -38,11 +39,12 @@ def main():
             for causal in (False, True):
                 kw = dict(causal=causal, score_mod=expr, score_tensors={"bias": bias})
 
-                def run(grads=None, kw=kw):
+                def run(grads=None, det=False, kw=kw):
                     out, lse = flashrt.forward(q, k, v, **kw)
-                    flashrt.backward(do, q, k, v, out, lse, deterministic=False, **kw,
+                    flashrt.backward(do, q, k, v, out, lse, deterministic=det, **kw,
                                      **({"score_grads": grads} if grads is not None else {}))
-                cases = {"detached": run, "learned": lambda: run({"bias": dbias})}
+                cases = {"detached": run, "learned": lambda: run({"bias": dbias}),
+                         "detached det": lambda: run(det=True), "learned det": lambda: run({"bias": dbias}, True)}
                 if not a.no_flex:
                     add_flex(cases, q, k, v, do, causal, bias)
                 for fn in cases.values():
@@ -55,12 +57,13 @@ def main():
                 rows.append((D, S, causal, {n: statistics.median(t) for n, t in times.items()}))
     print(f"{torch.cuda.get_device_name()}, bf16, B*S = 16k, H*D = 2048, forward+backward, medians of {a.rounds} "
           f"interleaved rounds; a relative-position bias table, detached or learned\n")
-    print("| D | S | causal | detached ms | learned ms | learned / detached | Flex learned ms | flashrt / Flex |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| D | S | causal | detached ms | learned ms | learned / detached | det: detached ms | learned ms | "
+          "learned / detached | Flex learned ms | flashrt (atomics) / Flex |\n" + "|---" * 11 + "|")
     for D, S, causal, t in rows:
         flex = t.get(("flex fwd+bwd", "learned"))
         print(f"| {D} | {S} | {causal} | {t['detached']:.3f} | {t['learned']:.3f} | "
-              f"{t['learned'] / t['detached']:.3f}x | {f'{flex:.3f}' if flex else 'n/a'} | "
+              f"{t['learned'] / t['detached']:.3f}x | {t['detached det']:.3f} | {t['learned det']:.3f} | "
+              f"{t['learned det'] / t['detached det']:.3f}x | {f'{flex:.3f}' if flex else 'n/a'} | "
               f"{ratio(t['learned'], flex)} |")
 
 
