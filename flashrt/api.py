@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import math
 import numbers
+import re
 import struct
 
 from . import _env, cache, interop, launch, masks, nvrtc, params, tiles, tma
@@ -305,7 +306,7 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, softca
     such as "s - slopes[h] * fabsf(kf - qf)"; applied before the masks. score_mod_grad: its derivative in s (default:
     derived automatically, the expression evaluated over dual numbers). In the expression tanh, exp, exp2, log and log2
     of a float are the hardware's approximations and divisions approximate (write s * (1.f / c) for s / c). Not with
-    softcap or alibi_slopes; pass the same to backward (the tensors get no gradient).
+    softcap or alibi_slopes; pass the same to backward (whose score_grads gives float32 tensors their gradients).
     """
     masks.check_names(mask_args, "forward")
     mode = masks.validate_mode(validate)
@@ -414,8 +415,9 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     score_grads={name: array}: the gradients of score_mod's float32 tensors (score_tensors[name]) are added into
     these fp32 arrays, contiguous and shaped like the tensors (zero them first for the gradient alone): a pass of the
     dQ kernel evaluates the expression's derivative in every element it reads and adds it up: with deterministic=True
-    into an exact fixed-point sum per element (64 bytes each, for the call), bitwise reproducible; else by fp32
-    atomics, in no fixed order.
+    into an exact fixed-point sum per element (64 bytes each, for the call; terms under 2^-96 rounded to that unit),
+    then rounded to fp32 within an ulp, bitwise reproducible (NaN where a term was not finite or 2^71 or more);
+    else by fp32 atomics, in no fixed order. Not with a mask_mod yet. A read outside a tensor adds nothing.
     """
     masks.check_names(mask_args, "backward")
     sums = {}
@@ -450,9 +452,15 @@ _TGRAD_MAX_BYTES = 4 << 30  # the most those sums may take per tensor
 def _check_score_grads(score_grads, mask_args: dict, deterministic: bool) -> None:
     """score_grads names float tensors of score_tensors, each with an fp32 array of its shape, on its device."""
     tensors = mask_args.get("score_tensors") or {}
-    if not isinstance(score_grads, dict) or not isinstance(tensors, dict):
+    if not isinstance(score_grads, dict):
         raise ValueError(f"score_grads must be a dict {{name: fp32 array}} for tensors of score_tensors, got "
                          f"{type(score_grads).__name__}")
+    if not isinstance(tensors, dict):
+        raise TypeError(f"score_tensors must be a dict {{name: array}}, got {type(tensors).__name__}")
+    if mask_args.get("mask_mod") is not None:
+        raise ValueError("score_grads with a mask_mod are not computed yet (the gradient pass would need tile lists "
+                         "of its own): write the mask into score_mod (-INFINITY for a hidden pair), or detach the "
+                         "tensors")
     for name, g in score_grads.items():
         if name not in tensors:
             raise ValueError(f"score_grads[{name!r}]: no such score tensor (score_tensors: {', '.join(tensors)})")
@@ -477,10 +485,13 @@ def _add_exact_sums(out, limbs) -> None:
     """out (fp32) += the exact fixed-point sums in limbs (n, _TGRAD_LIMBS) int64 (score_mod.cuh: tensor_grad_add),
     in the array library's ops: the carries moved up so that every limb but the top one is in [0, 2^24), then the
     float64 sum of nonnegative terms (of the value or of its negation, whichever has a nonnegative top limb: no
-    cancellation), rounded to fp32 once; NaN where a value could not be held. Deterministic."""
+    cancellation), then to fp32 (two roundings: within an ulp of the exact sum); NaN where a term could not be held.
+    Deterministic."""
     torch_lib = interop.is_torch(out)
     if torch_lib:
         import torch as xp
+    elif type(out).__module__.split(".")[0] == "numpy":  # (host arrays: the CPU tests)
+        import numpy as xp
     else:
         import cupy as xp
     n = _TGRAD_LIMBS - 1
@@ -602,10 +613,18 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     launches = []
     specs = {family: _kernel_for(family, D, Q, m, dev, bool(softcap), alibi) for family in families}
     if score_grads:  # the dQ kernel's tensor-gradient pass, after lse2 and delta are made (spec.KernelSpec.score_grads)
-        expr, grad, typed = m.score_mod
+        expr, _, typed = m.score_mod
+        names = [n for n, _ in typed]
+        reads = sum(len(re.findall(rf"\b{n}\s*\[", expr)) for n in score_grads)  # (at most, per pair)
+        if deterministic and m.B * H * m.Sq * m.Sk * max(reads, 1) >= 1 << 39:
+            raise ValueError(f"score_grads with deterministic=True: {m.B} x {H} x {m.Sq} x {m.Sk} pairs with "
+                             f"{reads} read(s) each may add more terms to one element than its exact sum holds "
+                             f"(2^39): pass deterministic=False (fp32 atomics)")
+        for n, g in score_grads.items():
+            p[f"score_n{names.index(n)}"] = math.prod(interop.describe(g, n).shape)
         kind = "float_grad_exact" if deterministic else "float_grad"
-        grads = dataclasses.replace(m, score_mod=(expr, grad, tuple((n, kind if n in score_grads else t)
-                                                                    for n, t in typed)))
+        grads = dataclasses.replace(m, score_mod=(expr, "", tuple((n, kind if n in score_grads else t)
+                                                                  for n, t in typed)))
         families.append("score_grads")
         specs["score_grads"] = _kernel_for("bwd_dq", D, Q, grads, dev)
     _compiled_score_mod(m, list(specs.values()))

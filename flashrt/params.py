@@ -86,7 +86,8 @@ BWD = np.dtype(
     + [("scale_log2", _F32), ("scale", _F32)]
     + _MOD
     + [("softcap", _F32)]
-    + _ALIBI + _SCORE + [(f"score_g{i}", _PTR) for i in range(4)],  # (the score tensors' gradients: bwd_dq.cu)
+    + _ALIBI + _SCORE + [(f"score_g{i}", _PTR) for i in range(4)] + [(f"score_n{i}", _I64) for i in range(4)],
+    # (the score tensors' gradients and sizes: bwd_dq.cu's tensor-gradient pass)
     align=True,
 )
 BWD = np.dtype({"names": BWD.names, "formats": [BWD.fields[n][0] for n in BWD.names],

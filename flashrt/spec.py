@@ -428,16 +428,20 @@ def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> s
     if any(c.startswith("float_grad") for _, c in tensors):  # (dual.cuh: Reads, Seeded; score_mod.cuh: tensor_grads)
         seeded = "".join(f"        const {c}* const {n} = static_cast<const {c}*>(t{i});\n"
                          if c in ("float", "int") else
-                         f"        const flashrt_dual::Seeded {n}{{static_cast<const float*>(t{i}), g{i}, "
-                         f"&flashrt_reads}};\n" for i, (n, c) in enumerate(tensors))
-        out += (f"FRT_DEVICE void flashrt_score_mod_tgrad(float flashrt_s, {args}, float flashrt_dz, void* g0, "
-                f"void* g1, void* g2, void* g3) {{\n    for (int flashrt_target = 0;; ++flashrt_target) {{\n"
+                         f"        const flashrt_dual::Seeded {n}{{static_cast<const float*>(t{i}), flashrt_g{i}, "
+                         f"flashrt_n{i}, &flashrt_reads}};\n" for i, (n, c) in enumerate(tensors))
+        out += (f"FRT_DEVICE void flashrt_score_mod_tgrad(float flashrt_s, {args}, float flashrt_dz, "
+                + ", ".join(f"void* flashrt_g{i}" for i in range(4)) + ", "
+                + ", ".join(f"long long flashrt_n{i}" for i in range(4))
+                + ") {\n    for (int flashrt_target = 0;; ++flashrt_target) {\n"
                 f"        flashrt_dual::Reads flashrt_reads{{flashrt_target}};\n{seeded}"
                 f"        const float s = flashrt_s;\n"
                 f"        const flashrt_dual::Dual flashrt_r = flashrt_dual::Dual(\n{wrapped(expr, SCORE_TGRAD_FILE)}"
                 f"        );\n"
-                f"        if (flashrt_reads.grad == nullptr) return;\n"
-                f"        frt::tensor_grad_add(flashrt_reads.grad, flashrt_reads.index, flashrt_dz * flashrt_r.d);\n"
+                f"        if (!flashrt_reads.hit) return;\n"
+                f"        if (flashrt_reads.grad != nullptr && flashrt_r.d != 0.f)\n"
+                f"            frt::tensor_grad_add(flashrt_reads.grad, flashrt_reads.index,\n"
+                f"                                 flashrt_dz * flashrt_r.d);\n"
                 f"    }}\n}}\n")
     if not with_grad:
         return out + "}\n"

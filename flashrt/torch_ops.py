@@ -271,10 +271,10 @@ def _learned_score_tensors(tensors: dict, eager: bool) -> tuple:
         return ()
     names = tuple(n for n, x in tensors.items() if isinstance(x, torch.Tensor) and x.requires_grad)
     for name in names:
-        if not eager:
+        if not eager:  # (or q is not on a CUDA device: its error comes from the kernels' checks then)
             raise ValueError(f"score_tensors[{name!r}] requires grad, and flashrt.attention computes score tensors' "
-                             f"gradients in eager mode only, not yet under torch.compile: pass {name}.detach(), or "
-                             f"call flashrt.attention outside the compiled region")
+                             f"gradients in eager mode on CUDA tensors only, not yet under torch.compile: pass "
+                             f"{name}.detach(), or call flashrt.attention outside the compiled region")
         if tensors[name].dtype != torch.float32:
             raise ValueError(f"score_tensors[{name!r}] requires grad: only float32 score tensors take one, got "
                              f"{tensors[name].dtype}")

@@ -579,7 +579,7 @@ def test_score_tensor_gradient_variant():
     assert grads.score_grads and not dq.score_grads and grads.name != dq.name
     assert "-DFRT_SCORE_TGRAD=1" in grads.options() and "-DFRT_SCORE_TGRAD=1" not in " ".join(dq.options())
     tu = grads.translation_unit()
-    assert "flashrt_score_mod_tgrad" in tu and "flashrt_dual::Seeded bias{static_cast<const float*>(t0), g0," in tu
+    assert "flashrt_score_mod_tgrad" in tu and "flashrt_dual::Seeded bias{static_cast<const float*>(t0), flashrt_g0, flashrt_n0," in tu
     assert "const int* const ids = static_cast<const int*>(t1);" in tu
     assert "flashrt_score_mod_tgrad" not in dq.translation_unit()
     for family in ("bwd_dkdv", "fwd", "bwd_fused"):

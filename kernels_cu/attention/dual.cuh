@@ -139,19 +139,23 @@ __device__ __forceinline__ Dual pow(Dual a, int n) {
 // records where its gradient element is, every other read derivative 0. The result's derivative is then df / dT[i]
 // for that read, which the caller adds dz times into T's gradient at i; the evaluations stop when a pass makes no
 // more reads than its target (a read under a branch not taken is not counted: its derivative is 0 there).
+// A read outside the tensor (an expression's bug: the forward reads memory it does not own there) reads 0 and adds
+// nothing, so that the gradient pass never writes outside its arrays.
 struct Reads {
     int target, count = 0;
-    void* grad = nullptr;  // the target read's tensor's gradient (null: no such read), and the element read
+    bool hit = false;      // the target read happened
+    void* grad = nullptr;  // its tensor's gradient (null: the read was outside the tensor), and the element read
     long long index = 0;
 };
 struct Seeded {
     const float* p;
     void* grad;  // the tensor's gradient (score_mod.cuh: tensor_grad_add)
+    long long n;  // its elements
     Reads* reads;
     __device__ __forceinline__ Dual operator[](long long i) const {
-        const bool hit = reads->count++ == reads->target;
-        if (hit) reads->grad = grad, reads->index = i;
-        return Dual(p[i], hit ? 1.f : 0.f);
+        const bool hit = reads->count++ == reads->target, inside = i >= 0 && i < n;
+        if (hit) reads->hit = true, reads->grad = inside ? grad : nullptr, reads->index = i;
+        return Dual(inside ? p[i] : 0.f, hit ? 1.f : 0.f);
     }
 };
 

@@ -145,6 +145,7 @@ struct BwdParams {
     float* score_g1;
     float* score_g2;
     float* score_g3;
+    i64 score_n0, score_n1, score_n2, score_n3;  // their elements (reads outside add nothing: dual.cuh)
 };
 
 // mask_check.cu: a call's mask arrays (the pointers of FwdParams / BwdParams, null when not given), the

@@ -43,10 +43,12 @@ FRT_DEVICE float flashrt_score_mod_grad(float s, int b, int h, int q, int k, int
                                         const void* t0, const void* t1, const void* t2, const void* t3, float* value);
 #if FRT_SCORE_TGRAD
 // dz (the loss's derivative in the pair's modified score) times the expression's derivative in each element of the
-// "float_grad" tensors it reads, added into their gradients g0..g3 (dual.cuh: Reads, Seeded; frt::tensor_grad_add).
+// "float_grad" tensors it reads (of n0..n3 elements), added into their gradients g0..g3 (dual.cuh: Reads, Seeded;
+// frt::tensor_grad_add).
 FRT_DEVICE void flashrt_score_mod_tgrad(float s, int b, int h, int q, int k, int Lq, int Lk, float qf, float kf,
                                         const void* t0, const void* t1, const void* t2, const void* t3, float dz,
-                                        void* g0, void* g1, void* g2, void* g3);
+                                        void* g0, void* g1, void* g2, void* g3, long long n0, long long n1,
+                                        long long n2, long long n3);
 #endif
 }  // namespace flashrt_expr
 #endif
@@ -62,12 +64,12 @@ namespace frt {
 // holding units of 2^(24 l - 96) (the window [2^-96, 2^72)), and the last one a count of values it cannot hold
 // (non-finite, or of magnitude 2^71 and up): v's 24-bit mantissa, shifted into place, spans at most two limbs, added
 // as integers, so the sum is exact and the same in any order (each limb takes adds under 2^24 in magnitude: exact for
-// up to 2^39 of them). Values under 2^-96 in magnitude are truncated toward minus infinity at that unit (a
-// deterministic rounding). flashrt/api.py (_exact_sums) turns the limbs into the float sum.
+// up to 2^39 of them: flashrt/api.py's _check_score_grads bounds the adds). Values under 2^-96 in magnitude are
+// rounded to that unit (to nearest, ties up). flashrt/api.py (_add_exact_sums) turns the limbs into the float sum.
 constexpr int kTgradLimbs = 8;
 FRT_DEVICE void tensor_grad_add(void* grad, long long i, float v) {
     if constexpr (FRT_SCORE_TGRAD == 1) {
-        atomicAdd(static_cast<float*>(grad) + i, v);
+        if (v != 0.f) atomicAdd(static_cast<float*>(grad) + i, v);
     } else {
         unsigned long long* limbs = static_cast<unsigned long long*>(grad) + i * kTgradLimbs;
         if (v == 0.f) return;
@@ -79,8 +81,8 @@ FRT_DEVICE void tensor_grad_add(void* grad, long long i, float v) {
             return;
         }
         long long m = (long long)(fr * 16777216.f);  // exact: a signed 24-bit integer, v = m 2^(e - 24)
-        if (pos < 0) {
-            m = pos <= -63 ? (m < 0 ? -1 : 0) : m >> -pos;  // (arithmetic shift: toward minus infinity)
+        if (pos < 0) {  // (|m| < 2^24: nothing rounds to a unit from 25 places down)
+            m = pos < -24 ? 0 : (m + (1ll << (-pos - 1))) >> -pos;
             pos = 0;
             if (m == 0) return;
         }
@@ -231,7 +233,8 @@ struct ScoreMod {
         float fi, fj;
         positions<false>(at, mt, jj, c, i, j, fi, fj);
         flashrt_expr::flashrt_score_mod_tgrad(s * scale, b, h, i, j, Lq, Lk, fi, fj, t[0], t[1], t[2], t[3], dz,
-                                              p.score_g0, p.score_g1, p.score_g2, p.score_g3);
+                                              p.score_g0, p.score_g1, p.score_g2, p.score_g3, p.score_n0, p.score_n1,
+                                              p.score_n2, p.score_n3);
 #endif
     }
 

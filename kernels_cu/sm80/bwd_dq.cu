@@ -131,14 +131,19 @@ __device__ void bwd_dq(const BwdParams& p) {
 #pragma unroll
                     for (int c = 0; c < 4; ++c) s[mt][nt][c] *= dp[mt][nt][c] - delta[mt][c >> 1];
         }
-        if constexpr (FRT_SCORE_TGRAD) {  // the tensors' gradients, and no dQ
+        if constexpr (FRT_SCORE_TGRAD) {  // the tensors' gradients, and no dQ; only pairs inside the sequence (a
+            // tile the lists or ids call visible takes no element mask, and a row past the end has P = 0 only while
+            // the expression is finite there)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c)
-                        if (s[mt][nt][c] != 0.f) smod.tensor_grads(p, raw[mt][nt][c], at, mt, nt, c, s[mt][nt][c]);
+                    for (int c = 0; c < 4; ++c) {
+                        const bool inside = at.row(mt, c) < tile.vis.Lq && at.col(nt, c) < tile.vis.Lk;
+                        if (inside && s[mt][nt][c] != 0.f)
+                            smod.tensor_grads(p, raw[mt][nt][c], at, mt, nt, c, s[mt][nt][c]);
+                    }
             continue;
         }
         u32 dsf[KS_N][MT][4];
