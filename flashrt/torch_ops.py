@@ -68,8 +68,9 @@ _VALIDATE_OF_MODE = {mode: v for v, mode in masks.VALIDATE_MODES.items()}
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax_scale: Optional[float],
          impl: str, deterministic: bool, window: Optional[list[int]], max_seqlen_q: Optional[int],
          max_seqlen_k: Optional[int], validate: int, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
-         mod_names: str, score_mod: str, score_mod_grad: str, score_names: str, softcap: Optional[float],
-         alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+         mod_names: str, score_mod: str, score_mod_grad: str, score_names: str, score_learned: str,
+         softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
+         sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return api.forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                        validate=_VALIDATE_OF_MODE[validate],
                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names,
@@ -85,7 +86,8 @@ def _lse_shape(q, mask_tensors):
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
-              mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, softcap, alibi_slopes, sinks):
+              mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned, softcap,
+              alibi_slopes, sinks):
     # api.forward allocates both outputs contiguous, whatever q's strides.
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
 
@@ -95,47 +97,57 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
          lse: torch.Tensor, causal: str, softmax_scale: Optional[float], impl: str, deterministic: bool,
          window: Optional[list[int]], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
          mask_tensors: list[Optional[torch.Tensor]], mask_mod: str, mod_names: str, score_mod: str,
-         score_mod_grad: str, score_names: str, softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
-         sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsinks); dsinks is empty (0,) without sinks (an op returns no None)."""
+         score_mod_grad: str, score_names: str, score_learned: str, softcap: Optional[float],
+         alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor]
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq, dk, dv, dsinks, the gradients of the score tensors named in score_learned); dsinks is empty (0,)
+    without sinks (an op returns no None)."""
     # (the forward output is `o`: an argument named `out` reads as an out= variant in op schemas)
+    mask = _mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names, score_mod,
+                        score_mod_grad, score_names)
+    learned = score_learned.split(",") if score_learned else []
+    score_grads = {n: torch.zeros_like(mask["score_tensors"][n]) for n in learned}
     grads = api.backward(_kernel_ready(dout), q, k, v, o, lse, softmax_scale=softmax_scale, impl=impl,
                          deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                          validate=False,  # (the forward validated them)
-                         **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod,
-                                        mod_names, score_mod, score_mod_grad, score_names))
-    return grads if sinks is not None else (*grads, lse.new_empty((0,)))
+                         **({"score_grads": score_grads} if learned else {}), **mask)
+    return (*grads, *(() if sinks is not None else (lse.new_empty((0,)),)), list(score_grads.values()))
 
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, o, lse, causal, softmax_scale, impl, deterministic, window, max_seqlen_q,
-              max_seqlen_k, mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, softcap,
-              alibi_slopes, sinks):
+              max_seqlen_k, mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned,
+              softcap, alibi_slopes, sinks):
+    names = score_names.split(",") if score_names else []
+    first = len(mask_tensors) - len(names)  # (the score tensors close the list)
+    learned = [mask_tensors[first + names.index(n)] for n in (score_learned.split(",") if score_learned else [])]
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            lse.new_empty((0,) if sinks is None else sinks.shape))
+            lse.new_empty((0,) if sinks is None else sinks.shape), [t.new_empty(t.shape) for t in learned])
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, _, tensors, mask_mod,
-     mod_names, score_mod, score_mod_grad, score_names, softcap, alibi_slopes, sinks) = inputs
+     mod_names, score_mod, score_mod_grad, score_names, score_learned, softcap, alibi_slopes, sinks) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, *tensors)
     ctx.options = (causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k)
-    ctx.mod = (mask_mod, mod_names, score_mod, score_mod_grad, score_names, softcap)
+    ctx.mod = (mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned, softcap)
     # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
     ctx.mark_non_differentiable(lse)
-
-
-# the forward op's arguments between v and sinks (alibi_slopes' and the mask and score tensors' too: they take none)
-_NO_GRADS = (None,) * 16
 
 
 def _backward(ctx, dout, _dlse):
     # One read of saved_tensors: non-reentrant checkpointing unpacks each saved tensor once.
     q, k, v, out, lse, alibi_slopes, sinks, *tensors = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options, tensors, *ctx.mod,
-                                                       alibi_slopes, sinks)
-    return (dq, dk, dv, *_NO_GRADS, None if sinks is None else dsinks)
+    dq, dk, dv, dsinks, learned = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options, tensors,
+                                                                *ctx.mod, alibi_slopes, sinks)
+    # the forward op's arguments between v and sinks take none but the learned score tensors (in mask_tensors' list,
+    # whose last entries are the score tensors)
+    names, wanted = (x.split(",") if x else [] for x in (ctx.mod[4], ctx.mod[5]))
+    tensor_grads = [None] * len(tensors)
+    for name, grad in zip(wanted, learned):
+        tensor_grads[len(tensors) - len(names) + names.index(name)] = grad
+    return (dq, dk, dv, *(None,) * 8, tensor_grads, *(None,) * 8, None if sinks is None else dsinks)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -225,7 +237,7 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     score_mod, score_mod_grad, score_tensors: a CUDA expression that replaces each scaled score (flashrt.forward),
     its derivative (optional: derived automatically), and the float32 / int32 tensors it reads; a float32 one that
     requires grad gets its gradient (flashrt.backward's score_grads: exact and reproducible with deterministic=True,
-    fp32 atomics else), in eager mode (under torch.compile one is refused: pass it .detach()).
+    fp32 atomics else), eager and under torch.compile.
     lse is returned without a gradient.
     """
     api._check_impl(impl)  # here, not first in the backward pass
@@ -233,8 +245,7 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     if mask_args:
         masks.check_names(mask_args, "attention")
         if isinstance(mask_args.get("score_tensors"), dict):
-            eager = q.is_cuda and not torch.compiler.is_compiling()
-            learned = _learned_score_tensors(mask_args["score_tensors"], eager)
+            learned = _learned_score_tensors(mask_args["score_tensors"])
     if causal not in _CAUSAL or isinstance(causal, (int, float)) and not isinstance(causal, bool):
         raise ValueError(f"causal must be one of {masks.CAUSAL_MODES}, got {causal!r}")
     q, k, v = _autocast(q, k, v)
@@ -259,22 +270,17 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
                           sinks, learned)
     else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls
         out, lse = _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, alibi_slopes,
-                           sinks)
+                           sinks, learned)
     return (out, lse) if return_lse else out
 
 
-def _learned_score_tensors(tensors: dict, eager: bool) -> tuple:
+def _learned_score_tensors(tensors: dict) -> tuple:
     """The names of the score tensors that autograd expects a gradient of (float32, requiring grad, grad mode on):
-    eager calls compute them (api.backward's score_grads); a traced call (torch.compile) computes none yet, and a
-    loss through one must fail, not silently miss a term."""
+    the backward computes them (api.backward's score_grads), eager and traced."""
     if not torch.is_grad_enabled():
         return ()
     names = tuple(n for n, x in tensors.items() if isinstance(x, torch.Tensor) and x.requires_grad)
     for name in names:
-        if not eager:  # (or q is not on a CUDA device: its error comes from the kernels' checks then)
-            raise ValueError(f"score_tensors[{name!r}] requires grad, and flashrt.attention computes score tensors' "
-                             f"gradients in eager mode on CUDA tensors only, not yet under torch.compile: pass "
-                             f"{name}.detach(), or call flashrt.attention outside the compiled region")
         if tensors[name].dtype != torch.float32:
             raise ValueError(f"score_tensors[{name!r}] requires grad: only float32 score tensors take one, got "
                              f"{tensors[name].dtype}")
@@ -288,7 +294,7 @@ def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, sof
 
 
 def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, alibi_slopes=None,
-            sinks=None):
+            sinks=None, learned=()):
     window = mask_args.get("window")
     window = None if window is None else [int(w) for w in window]
     mask_mod, mod_tensors = mask_args.get("mask_mod"), mask_args.get("mask_tensors") or {}
@@ -301,8 +307,8 @@ def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, so
     tensors = [mask_args.get(n) for n in masks.ARRAY_ARGS] + list(mod_tensors.values()) + list(score_tensors.values())
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
             mask_args.get("max_seqlen_k"), masks.validate_mode(validate), tensors, mask_mod or "",
-            ",".join(mod_tensors), score_mod or "", score_grad or "", ",".join(score_tensors), softcap, alibi_slopes,
-            sinks)
+            ",".join(mod_tensors), score_mod or "", score_grad or "", ",".join(score_tensors), ",".join(learned),
+            softcap, alibi_slopes, sinks)
     return torch.ops.flashrt.fwd.default(*args)
 
 

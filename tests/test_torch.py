@@ -134,11 +134,13 @@ def test_score_mod_through_the_fake_impls_and_its_errors():
         out.backward(torch.ones_like(out))
         assert q.grad.shape == q.shape and k.grad.shape == k.shape
         q.grad = k.grad = None
-    learned = torch.empty(8 * 11, device="meta", requires_grad=True)
-    with pytest.raises(ValueError, match=r"score_tensors\['bias'\] requires grad, and flashrt\.attention computes "
-                                         r"score tensors' gradients in eager mode on CUDA tensors only, not yet "
-                                         r"under torch\.compile: pass bias\.detach\(\)"):
-        flashrt.attention(q, k, k, score_mod="s + bias[k]", score_tensors={"bias": learned})
+    learned = torch.empty(8 * 11, device="meta", requires_grad=True)  # (its gradient: the backward op's fake impl)
+    flashrt.attention(q, k, k, score_mod="s + bias[k]", score_tensors={"bias": learned}).sum().backward()
+    assert learned.grad.shape == learned.shape and q.grad.shape == q.shape
+    q.grad = k.grad = None
+    with pytest.raises(ValueError, match=r"score_tensors\['bias'\] requires grad: only float32 score tensors take "
+                                         r"one, got torch\.float64"):
+        flashrt.attention(q, k, k, score_mod="s + bias[k]", score_tensors={"bias": learned.double()})
     with torch.no_grad():  # (no gradient asked for: a learned table serves inference as it is)
         flashrt.attention(q, k, k, score_mod="s + bias[k]", score_tensors={"bias": learned})
     flashrt.attention(q, k, k, score_mod="s + bias[k]", score_tensors={"bias": learned.detach()})
@@ -167,6 +169,8 @@ def test_score_mod_reaches_forward_and_backward_through_the_ops(monkeypatch, com
 
     def backward(dout, q, k, v, out, lse, **kw):
         calls.append(kw)
+        for name, g in (kw.get("score_grads") or {}).items():  # (a learned tensor: its gradient, all 3s)
+            g.add_(3.0)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(api, "forward", forward)
@@ -193,6 +197,14 @@ def test_score_mod_reaches_forward_and_backward_through_the_ops(monkeypatch, com
     calls.clear()
     flashrt.attention(q, k, k, score_mod="s * 2.f")
     assert calls[0]["score_mod"] == "s * 2.f" and calls[0]["score_tensors"] == {} and "mask_mod" not in calls[0]
+    # a learned table: the backward asks for its gradient (score_grads), and autograd hands it to the table
+    table = bias.clone().requires_grad_()
+
+    def learned(q, k):
+        return flashrt.attention(q, k, k, score_mod="s + bias[k]", score_tensors={"bias": table, "on": on})
+    calls.clear()
+    (torch.compile(learned, fullgraph=True, backend="aot_eager") if compiled else learned)(q, k).sum().backward()
+    assert list(calls[1]["score_grads"]) == ["bias"] and torch.equal(table.grad, torch.full_like(table, 3.0))
 
 
 def _cpu_bhsd(Sq=4, Sk=4, H=2, Hkv=2):
@@ -268,7 +280,7 @@ def test_upstream_gradient_made_readable_only_when_needed():
 # GPU: the custom ops under torch's checkers and compilers
 # ---------------------------------------------------------------------------
 _NO_SCORE_MODS = (None, None, None)  # the ops' softcap, alibi_slopes and sinks
-_NO_SCORE_MOD = ("", "", "")  # ... after score_mod, its derivative and its tensor names
+_NO_SCORE_MOD = ("", "", "", "")  # ... after score_mod, its derivative, its tensor names and the learned ones
 _NO_MODS = ("", "", *_NO_SCORE_MOD, *_NO_SCORE_MODS)  # ... after mask_mod and its tensor names
 # (B, Sq, Sk, H, Hkv, D, causal, softmax_scale, dtype)
 OPCHECK_CASES = [
@@ -314,12 +326,21 @@ def test_opcheck_with_masks_and_varlen():
     # score_mod with a float32 table and an int32 tensor of its own, after mask_mod's (automatic derivative)
     table = torch.randn(H * (2 * S - 1), device="cuda")
     on = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
-    score = (f"s + table[h * {2 * S - 1} + k - q + {S - 1}] * on[b]", "", "table,on")
+    score = (f"s + table[h * {2 * S - 1} + k - q + {S - 1}] * on[b]", "", "table,on", "")
     torch.library.opcheck(torch.ops.flashrt.fwd.default,
                           (*leaves(q, k, v), *options, True, tensors + [doc, table, on], *mod, *score, *_NO_SCORE_MODS))
     out, lse = flashrt.forward(q, k, v, **masked, score_mod=score[0], score_tensors={"table": table, "on": on})
     torch.library.opcheck(torch.ops.flashrt.bwd.default,
                           (do, q, k, v, out, lse, *options, tensors + [doc, table, on], *mod, *score, *_NO_SCORE_MODS))
+    # the table learned (no mask_mod: score_grads takes none yet): the backward op returns its gradient, exact sums
+    learned = (score[0], "", "table,on", "table")
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True,
+                                                          tensors + [table.clone().requires_grad_(), on], "", "",
+                                                          *learned, *_NO_SCORE_MODS))
+    out, lse = flashrt.forward(q, k, v, **dict(masked, mask_mod=None, mask_tensors=None), score_mod=score[0],
+                               score_tensors={"table": table, "on": on})
+    torch.library.opcheck(torch.ops.flashrt.bwd.default,
+                          (do, q, k, v, out, lse, *options, tensors + [table, on], "", "", *learned, *_NO_SCORE_MODS))
     cu = torch.tensor([0, 30, 96], dtype=torch.int32, device="cuda")
     pq, pk, pv = (x[0] for x in (q, k, v))  # (96, H, D) packed: sequences of 30 and 66
     options = ("bottom_right", None, "auto", True, None, 66, 66)
@@ -342,6 +363,28 @@ def _block_grads(model, x, dy):
     y = model(x)
     y.backward(dy)
     return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+@gpu
+def test_learned_score_table_under_compile_matches_eager():
+    """A learned relative-position table (score_tensors that requires grad) under torch.compile(fullgraph=True): out,
+    dq, dk, dv and the table's gradient bitwise the eager call's (deterministic=True: exact sums)."""
+    B, S, H, D = 2, 256, 4, 64
+    q, k, v, do = make_inputs(B, S, S, H, 2, D, BF16, seed=5)
+    table = torch.randn(H, 2 * S - 1, device="cuda")
+
+    def fn(q, k, v, t):
+        return flashrt.attention(q, k, v, causal=True, score_mod=f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]",
+                                 score_tensors={"bias": t})
+
+    def grads(f):
+        inputs = leaves(q, k, v, table)
+        out = f(*inputs)
+        return [out.detach(), *torch.autograd.grad(out, inputs, do)]
+    eager = grads(fn)
+    assert eager[4].abs().sum() > 0
+    for i, (a, b) in enumerate(zip(grads(torch.compile(fn, fullgraph=True)), eager)):
+        assert torch.equal(a, b), f"tensor {i}: compiled and eager differ"
 
 
 @gpu
