@@ -69,8 +69,10 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax
          impl: str, deterministic: bool, window: Optional[list[int]], max_seqlen_q: Optional[int],
          max_seqlen_k: Optional[int], validate: int, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
          mod_names: str, score_mod: str, score_mod_grad: str, score_names: str, score_learned: str,
-         softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
+         learned: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
          sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    # (learned: the score tensors named in score_learned, which are in mask_tensors too: an argument of tensors
+    # alone, whose gradients autograd takes as a list; the forward reads them from mask_tensors)
     return api.forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                        validate=_VALIDATE_OF_MODE[validate],
                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names,
@@ -86,8 +88,8 @@ def _lse_shape(q, mask_tensors):
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
-              mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned, softcap,
-              alibi_slopes, sinks):
+              mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned, learned,
+              softcap, alibi_slopes, sinks):
     # api.forward allocates both outputs contiguous, whatever q's strides.
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
 
@@ -97,16 +99,16 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
          lse: torch.Tensor, causal: str, softmax_scale: Optional[float], impl: str, deterministic: bool,
          window: Optional[list[int]], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
          mask_tensors: list[Optional[torch.Tensor]], mask_mod: str, mod_names: str, score_mod: str,
-         score_mod_grad: str, score_names: str, score_learned: str, softcap: Optional[float],
-         alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor]
+         score_mod_grad: str, score_names: str, score_learned: str, learned: list[torch.Tensor],
+         softcap: Optional[float], alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor]
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(dq, dk, dv, dsinks, the gradients of the score tensors named in score_learned); dsinks is empty (0,)
     without sinks (an op returns no None)."""
     # (the forward output is `o`: an argument named `out` reads as an out= variant in op schemas)
     mask = _mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names, score_mod,
                         score_mod_grad, score_names)
-    learned = score_learned.split(",") if score_learned else []
-    score_grads = {n: torch.zeros_like(mask["score_tensors"][n]) for n in learned}
+    names = score_learned.split(",") if score_learned else []
+    score_grads = {n: torch.zeros_like(t) for n, t in zip(names, learned)}
     grads = api.backward(_kernel_ready(dout), q, k, v, o, lse, softmax_scale=softmax_scale, impl=impl,
                          deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                          validate=False,  # (the forward validated them)
@@ -117,19 +119,17 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, o, lse, causal, softmax_scale, impl, deterministic, window, max_seqlen_q,
               max_seqlen_k, mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned,
-              softcap, alibi_slopes, sinks):
-    names = score_names.split(",") if score_names else []
-    first = len(mask_tensors) - len(names)  # (the score tensors close the list)
-    learned = [mask_tensors[first + names.index(n)] for n in (score_learned.split(",") if score_learned else [])]
+              learned, softcap, alibi_slopes, sinks):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             lse.new_empty((0,) if sinks is None else sinks.shape), [t.new_empty(t.shape) for t in learned])
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, _, tensors, mask_mod,
-     mod_names, score_mod, score_mod_grad, score_names, score_learned, softcap, alibi_slopes, sinks) = inputs
+     mod_names, score_mod, score_mod_grad, score_names, score_learned, learned, softcap, alibi_slopes, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, *tensors)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, *learned, *tensors)
+    ctx.learned = len(learned)
     ctx.options = (causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k)
     ctx.mod = (mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned, softcap)
     # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
@@ -138,16 +138,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     # One read of saved_tensors: non-reentrant checkpointing unpacks each saved tensor once.
-    q, k, v, out, lse, alibi_slopes, sinks, *tensors = ctx.saved_tensors
-    dq, dk, dv, dsinks, learned = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options, tensors,
-                                                                *ctx.mod, alibi_slopes, sinks)
-    # the forward op's arguments between v and sinks take none but the learned score tensors (in mask_tensors' list,
-    # whose last entries are the score tensors)
-    names, wanted = (x.split(",") if x else [] for x in (ctx.mod[4], ctx.mod[5]))
-    tensor_grads = [None] * len(tensors)
-    for name, grad in zip(wanted, learned):
-        tensor_grads[len(tensors) - len(names) + names.index(name)] = grad
-    return (dq, dk, dv, *(None,) * 8, tensor_grads, *(None,) * 8, None if sinks is None else dsinks)
+    q, k, v, out, lse, alibi_slopes, sinks, *saved = ctx.saved_tensors
+    learned, tensors = saved[:ctx.learned], saved[ctx.learned:]
+    dq, dk, dv, dsinks, grads = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options, tensors,
+                                                              *ctx.mod[:6], learned, ctx.mod[6], alibi_slopes, sinks)
+    # the forward op's arguments between v and sinks take none but the learned score tensors (its `learned` list)
+    return (dq, dk, dv, *(None,) * 15, list(grads), None, None, None if sinks is None else dsinks)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -308,7 +304,7 @@ def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, so
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
             mask_args.get("max_seqlen_k"), masks.validate_mode(validate), tensors, mask_mod or "",
             ",".join(mod_tensors), score_mod or "", score_grad or "", ",".join(score_tensors), ",".join(learned),
-            softcap, alibi_slopes, sinks)
+            [score_tensors[n] for n in learned], softcap, alibi_slopes, sinks)
     return torch.ops.flashrt.fwd.default(*args)
 
 

@@ -280,7 +280,8 @@ def test_upstream_gradient_made_readable_only_when_needed():
 # GPU: the custom ops under torch's checkers and compilers
 # ---------------------------------------------------------------------------
 _NO_SCORE_MODS = (None, None, None)  # the ops' softcap, alibi_slopes and sinks
-_NO_SCORE_MOD = ("", "", "", "")  # ... after score_mod, its derivative, its tensor names and the learned ones
+_NO_SCORE_MOD = ("", "", "", "", [])  # ... after score_mod, its derivative, its tensor names, the learned ones' names
+# and those tensors
 _NO_MODS = ("", "", *_NO_SCORE_MOD, *_NO_SCORE_MODS)  # ... after mask_mod and its tensor names
 # (B, Sq, Sk, H, Hkv, D, causal, softmax_scale, dtype)
 OPCHECK_CASES = [
@@ -326,21 +327,22 @@ def test_opcheck_with_masks_and_varlen():
     # score_mod with a float32 table and an int32 tensor of its own, after mask_mod's (automatic derivative)
     table = torch.randn(H * (2 * S - 1), device="cuda")
     on = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
-    score = (f"s + table[h * {2 * S - 1} + k - q + {S - 1}] * on[b]", "", "table,on", "")
+    score = (f"s + table[h * {2 * S - 1} + k - q + {S - 1}] * on[b]", "", "table,on", "", [])
     torch.library.opcheck(torch.ops.flashrt.fwd.default,
                           (*leaves(q, k, v), *options, True, tensors + [doc, table, on], *mod, *score, *_NO_SCORE_MODS))
     out, lse = flashrt.forward(q, k, v, **masked, score_mod=score[0], score_tensors={"table": table, "on": on})
     torch.library.opcheck(torch.ops.flashrt.bwd.default,
                           (do, q, k, v, out, lse, *options, tensors + [doc, table, on], *mod, *score, *_NO_SCORE_MODS))
     # the table learned (no mask_mod: score_grads takes none yet): the backward op returns its gradient, exact sums
-    learned = (score[0], "", "table,on", "table")
-    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True,
-                                                          tensors + [table.clone().requires_grad_(), on], "", "",
-                                                          *learned, *_NO_SCORE_MODS))
+    param = table.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, tensors + [param, on],
+                                                          "", "", score[0], "", "table,on", "table", [param],
+                                                          *_NO_SCORE_MODS))
     out, lse = flashrt.forward(q, k, v, **dict(masked, mask_mod=None, mask_tensors=None), score_mod=score[0],
                                score_tensors={"table": table, "on": on})
-    torch.library.opcheck(torch.ops.flashrt.bwd.default,
-                          (do, q, k, v, out, lse, *options, tensors + [table, on], "", "", *learned, *_NO_SCORE_MODS))
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, tensors + [table, on],
+                                                          "", "", score[0], "", "table,on", "table", [table],
+                                                          *_NO_SCORE_MODS))
     cu = torch.tensor([0, 30, 96], dtype=torch.int32, device="cuda")
     pq, pk, pv = (x[0] for x in (q, k, v))  # (96, H, D) packed: sequences of 30 and 66
     options = ("bottom_right", None, "auto", True, None, 66, 66)
