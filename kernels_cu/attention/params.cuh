@@ -139,8 +139,8 @@ struct BwdParams {
     const void* score_t1;
     const void* score_t2;
     const void* score_t3;
-    // FRT_SCORE_TGRAD (bwd_dq.cu): fp32 gradients of the float tensors marked "float_grad" (spec.SCORE_TENSOR_TYPES),
-    // one per score_t slot, added into by atomics (score_mod.cuh: tensor_grads); null for the others
+    // FRT_SCORE_TGRAD (bwd_dq.cu): the gradients of the float tensors marked "float_grad" (fp32) or "float_grad_exact"
+    // (int64 limbs) (spec.SCORE_TENSOR_TYPES), one per score_t slot (score_mod.cuh: tensor_grad_add); null for others
     float* score_g0;
     float* score_g1;
     float* score_g2;

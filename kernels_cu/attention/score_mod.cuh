@@ -64,8 +64,9 @@ namespace frt {
 // holding units of 2^(24 l - 96) (the window [2^-96, 2^72)), and the last one a count of values it cannot hold
 // (non-finite, or of magnitude 2^71 and up): v's 24-bit mantissa, shifted into place, spans at most two limbs, added
 // as integers, so the sum is exact and the same in any order (each limb takes adds under 2^24 in magnitude: exact for
-// up to 2^39 of them: flashrt/api.py's _check_score_grads bounds the adds). Values under 2^-96 in magnitude are
-// rounded to that unit (to nearest, ties up). flashrt/api.py (_add_exact_sums) turns the limbs into the float sum.
+// up to 2^39 of them: flashrt/api.py's _backward_plan bounds the adds). The bits of a value under 2^-96 (a value
+// under 2^-73 has some) are rounded to that unit (to nearest, ties up). flashrt/api.py (_add_exact_sums) turns the
+// limbs into the float sum.
 constexpr int kTgradLimbs = 8;
 FRT_DEVICE void tensor_grad_add(void* grad, long long i, float v) {
     if constexpr (FRT_SCORE_TGRAD == 1) {

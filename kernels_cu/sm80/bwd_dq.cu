@@ -7,7 +7,8 @@
 //
 // FRT_SCORE_TGRAD (spec.KernelSpec.score_grads): the same pass computes no dQ; each visible pair's dz = P (dP -
 // delta) instead goes, times the score_mod expression's derivative in each tensor element it reads, into the
-// gradients of the tensors marked "float_grad" (score_mod.cuh: ScoreMod::tensor_grads; fp32 atomics).
+// gradients of the tensors marked "float_grad" (score_mod.cuh: ScoreMod::tensor_grads, tensor_grad_add: fp32 atomics,
+// or exact fixed-point sums).
 #include "attention/params.cuh"
 #include "attention/score_mod.cuh"
 
