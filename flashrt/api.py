@@ -415,7 +415,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     score_grads={name: array}: the gradients of score_mod's float32 tensors (score_tensors[name]) are added into
     these fp32 arrays, contiguous and shaped like the tensors (zero them first for the gradient alone): a pass of the
     dQ kernel evaluates the expression's derivative in every element it reads and adds it up: with deterministic=True
-    into an exact fixed-point sum per element (64 bytes each, for the call; terms under 2^-96 rounded to that unit),
+    into an exact fixed-point sum per element (64 bytes each, for the call; bits under 2^-96 rounded to that unit),
     then rounded to fp32 within an ulp, bitwise reproducible (NaN where a term was not finite or 2^71 or more);
     else by fp32 atomics, in no fixed order. Not with a mask_mod yet. A read outside a tensor adds nothing.
     """
@@ -620,8 +620,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
             raise ValueError(f"score_grads with deterministic=True: {m.B} x {H} x {m.Sq} x {m.Sk} pairs with "
                              f"{reads} read(s) each may add more terms to one element than its exact sum holds "
                              f"(2^39): pass deterministic=False (fp32 atomics)")
-        for n, g in score_grads.items():
-            p[f"score_n{names.index(n)}"] = math.prod(interop.describe(g, n).shape)
+        for n in score_grads:  # (the tensors' sizes: with deterministic=True score_grads holds their limbs)
+            p[f"score_n{names.index(n)}"] = math.prod(interop.describe(mask_args["score_tensors"][n], n).shape)
         kind = "float_grad_exact" if deterministic else "float_grad"
         grads = dataclasses.replace(m, score_mod=(expr, "", tuple((n, kind if n in score_grads else t)
                                                                   for n, t in typed)))
@@ -642,8 +642,6 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         needs = [(main, "mask_cols")]
         if impl != "fused":
             needs.append((_kernel_for(dq_family, D, Q, m, dev, bool(softcap), alibi), "mask_rows"))
-        if score_grads:
-            needs.append((specs["score_grads"], "mask_rows"))
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, *needs))
     if mode and m.checked:
