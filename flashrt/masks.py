@@ -286,9 +286,9 @@ def _score_array(x, name: str, Q: Array) -> tuple[int, str]:
 def score_mod_error(score: tuple, log: str) -> ValueError:
     """A score_mod (spec.KernelSpec.score_mod) that NVRTC rejected: the messages about the user's expressions, with
     NVRTC's caret under the fault; where only the automatic derivative failed, how to give one."""
-    from .spec import SCORE_DUAL_FILE, SCORE_END_FILE, SCORE_FILE, SCORE_GRAD_FILE, SCORE_TGRAD_FILE
+    from .spec import SCORE_DUAL_FILE, SCORE_END_FILE, SCORE_FILE, SCORE_GRAD_FILE, SCORE_TGRAD_FILE, read_types
     expr, grad, tensors = score
-    tensors = tuple((n, "float" if t.startswith("float_grad") else t) for n, t in tensors)
+    tensors = read_types(tensors)
     lines = [re.sub(re.escape(SCORE_END_FILE) + r"\(\d+\)", "the expression's end", ln)
              for ln in log.rstrip().splitlines()
              if not ln.rstrip().endswith('.cu".') and "error detected" not in ln and "errors detected" not in ln]

@@ -92,6 +92,11 @@ SCORE_VARIABLES = ("s",) + MOD_VARIABLES + ("qf", "kf")
 # fixed-point sums, deterministic; score_mod.cuh: tensor_grad_add), which only the dQ kernel's tensor-gradient variant
 # keeps (KernelSpec.score_grads); every other variant reads it as "float".
 SCORE_TENSOR_TYPES = ("float", "int", "float_grad", "float_grad_exact")
+
+
+def read_types(tensors: tuple) -> tuple:
+    """A score_mod's ((name, type), ...) as the expression reads them: a learned tensor ("float_grad*") is a float."""
+    return tuple((n, "float" if t.startswith("float_grad") else t) for n, t in tensors)
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
 HEAD_DIMS = tuple(range(8, 257, 8))
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -184,10 +189,9 @@ class KernelSpec:
                                  f"{MAX_MOD_TENSORS} tensors of types {SCORE_TENSOR_TYPES}), got {self.score_mod!r}")
             if grad and self.family not in SCORE_GRAD_FAMILIES:  # (compiled without it: one variant, one cache key)
                 object.__setattr__(self, "score_mod", (expr, "", tensors))
-            if self.family != "bwd_dq" and any(t[1].startswith("float_grad") for t in tensors):  # (read as float)
-                object.__setattr__(self, "score_mod", (self.score_mod[0], self.score_mod[1],
-                                                       tuple((n, "float" if c.startswith("float_grad") else c)
-                                                             for n, c in tensors)))
+            if self.family != "bwd_dq" and read_types(tensors) != tensors:  # (a learned tensor is read as a float:
+                # one variant, one cache key)
+                object.__setattr__(self, "score_mod", (*self.score_mod[:2], read_types(tensors)))
         problem = self.layout_problem()
         if problem:
             raise ValueError(f"invalid tiling for {self.name}: {problem}")
@@ -416,7 +420,7 @@ def score_mod_source(expr: str, grad: str, tensors: tuple, with_grad: bool) -> s
     kernel source as mask_mod_source writes mask_mod's."""
     args = ("int b, int h, int q, int k, int Lq, int Lk, float qf, float kf, const void* t0, const void* t1, "
             "const void* t2, const void* t3")
-    plain = tuple((n, "float" if c.startswith("float_grad") else c) for n, c in tensors)
+    plain = read_types(tensors)
     names = "".join(f"    const {ctype}* const {n} = static_cast<const {ctype}*>(t{i});\n"
                     for i, (n, ctype) in enumerate(plain))
 

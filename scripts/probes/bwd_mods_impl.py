@@ -7,7 +7,6 @@ input to tiles.backward_impl's choice with a modification.
     python3 scripts/probes/bwd_mods_impl.py [--rounds 5] [--seqlens 1024,4096,16384] [--head-dims 128]
 """
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import flashrt  # noqa: E402
 from flashrt import launch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from score_mod_cost import timed  # noqa: E402
+from score_mod_cost import medians, modifications  # noqa: E402
 
 
 def main():
@@ -33,14 +32,7 @@ def main():
         for S in map(int, a.seqlens.split(",")):
             B, H = 16384 // S, 2048 // D
             q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device="cuda") / H)
-            bias = torch.randn(H, 2 * S - 1, device="cuda")
-            mods = {"plain": {}, "softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": slopes},
-                    "s:cap": {"score_mod": "30.f * tanhf(s * (1.f / 30.f))"},
-                    "s:alibi": {"score_mod": "s - slopes[h] * fabsf(kf - qf - (float)(Lk - Lq))",
-                                "score_tensors": {"slopes": slopes}},
-                    "s:rel": {"score_mod": f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]",
-                              "score_tensors": {"bias": bias}}}
+            mods = {m: kw for m, kw in modifications(H, S)[0].items() if m != "sinks"}
             for causal in (False, True):
                 fwd = {m: flashrt.forward(q, k, v, causal=causal, **kw) for m, kw in mods.items()}
                 cases = {}
@@ -51,14 +43,7 @@ def main():
                                 flashrt.backward(do, q, k, v, *fwd[m], causal=causal, impl=impl, deterministic=det,
                                                  **kw)
                             cases[(m, det, impl)] = run
-                for fn in cases.values():
-                    for _ in range(3):
-                        fn()
-                times = {n: [] for n in cases}
-                for _ in range(a.rounds):
-                    for n, fn in cases.items():
-                        times[n].append(timed(fn))
-                rows.append((D, S, causal, {n: statistics.median(t) for n, t in times.items()}, list(mods)))
+                rows.append((D, S, causal, medians(cases, a.rounds), list(mods)))
     print(f"{torch.cuda.get_device_name()}, bf16, B*S = 16k, H*D = 2048, flashrt.backward alone, medians of "
           f"{a.rounds} interleaved rounds; per modification and determinism: split ms, fused / split\n")
     _, _, _, _, names = rows[0]

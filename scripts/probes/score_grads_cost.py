@@ -8,7 +8,6 @@ not. Prints ms and ratios (each learned form against the detached one of the sam
     python3 scripts/probes/score_grads_cost.py [--rounds 5] [--seqlens 4096,16384] [--head-dims 64,128] [--no-flex]
 """
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import flashrt  # noqa: E402
-from score_mod_cost import add_if_runs, timed  # noqa: E402
+from score_mod_cost import add_if_runs, medians  # noqa: E402
 
 
 def main():
@@ -47,14 +46,7 @@ def main():
                          "detached det": lambda: run(det=True), "learned det": lambda: run({"bias": dbias}, True)}
                 if not a.no_flex:
                     add_flex(cases, q, k, v, do, causal, bias)
-                for fn in cases.values():
-                    for _ in range(3):
-                        fn()
-                times = {n: [] for n in cases}
-                for _ in range(a.rounds):
-                    for n, fn in cases.items():
-                        times[n].append(timed(fn))
-                rows.append((D, S, causal, {n: statistics.median(t) for n, t in times.items()}))
+                rows.append((D, S, causal, medians(cases, a.rounds)))
     print(f"{torch.cuda.get_device_name()}, bf16, B*S = 16k, H*D = 2048, forward+backward, medians of {a.rounds} "
           f"interleaved rounds; a relative-position bias table, detached or learned\n")
     print("| D | S | causal | detached ms | learned ms | learned / detached | det: detached ms | learned ms | "

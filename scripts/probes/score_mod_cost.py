@@ -61,15 +61,7 @@ def main():
         for S in map(int, a.seqlens.split(",")):
             B, H = 16384 // S, 2048 // D
             q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device="cuda") / H)
-            bias = torch.randn(H, 2 * S - 1, device="cuda")
-            mods = {"plain": {}, "sinks": {"sinks": torch.randn(H, device="cuda")}, "softcap": {"softcap": 30.0},
-                    "alibi": {"alibi_slopes": slopes},
-                    "s:cap": {"score_mod": "30.f * tanhf(s * (1.f / 30.f))"},
-                    "s:alibi": {"score_mod": "s - slopes[h] * fabsf(kf - qf - (float)(Lk - Lq))",
-                                "score_tensors": {"slopes": slopes}},
-                    "s:rel": {"score_mod": f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]",
-                              "score_tensors": {"bias": bias}}}
+            mods, slopes, bias = modifications(H, S)
             mods = {m: kw for m, kw in mods.items() if m == "plain" or m in cols}
             for causal in (False, True):
                 def fwd(kw):
@@ -86,14 +78,7 @@ def main():
                     cases.update(fa4_cases(fa4, q, k, v, do, causal, mods))
                 if a.flex:
                     cases.update(flex_cases(q, k, v, do, causal, mods, slopes, bias))
-                times = {n: [] for n in cases}
-                for fn in cases.values():
-                    for _ in range(3):
-                        fn()
-                for _ in range(a.rounds):
-                    for n, fn in cases.items():
-                        times[n].append(timed(fn))
-                rows.append((D, S, causal, {n: statistics.median(t) for n, t in times.items()}))
+                rows.append((D, S, causal, medians(cases, a.rounds)))
     print(f"{torch.cuda.get_device_name()}, bf16, B*S = 16k, H*D = 2048, medians of {a.rounds} interleaved rounds; "
           f"softcap 30{' (exact tanh)' if a.tanh_exact else ''}; ratios against the same library's plain time"
           + ("; 'vs FA4': flashrt's time over FlashAttention-4's, same modification" if fa4 else "")
@@ -117,6 +102,33 @@ def main():
             if a.flex:
                 cells += [ratio(m[(pas, x)], m.get(("flex " + pas, x))) for x in ("plain", *cols)]
         print(f"| {D} | {S} | {causal} | " + " | ".join(cells) + " |")
+
+
+def modifications(H, S):
+    """name -> flashrt's keyword arguments of each modification timed here ("plain" none), and the ALiBi slopes
+    (H,) and relative-position table (H, 2S - 1) they read."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+    bias = torch.randn(H, 2 * S - 1, device="cuda")
+    mods = {"plain": {}, "sinks": {"sinks": torch.randn(H, device="cuda")}, "softcap": {"softcap": 30.0},
+            "alibi": {"alibi_slopes": slopes},
+            "s:cap": {"score_mod": "30.f * tanhf(s * (1.f / 30.f))"},
+            "s:alibi": {"score_mod": "s - slopes[h] * fabsf(kf - qf - (float)(Lk - Lq))",
+                        "score_tensors": {"slopes": slopes}},
+            "s:rel": {"score_mod": f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]", "score_tensors": {"bias": bias}}}
+    return mods, slopes, bias
+
+
+def medians(cases: dict, rounds: int) -> dict:
+    """name -> the median ms (CUDA events) of each case's function over `rounds` interleaved rounds, after three
+    warm-up calls each."""
+    for fn in cases.values():
+        for _ in range(3):
+            fn()
+    times = {n: [] for n in cases}
+    for _ in range(rounds):
+        for n, fn in cases.items():
+            times[n].append(timed(fn))
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def ratio(a, b):
