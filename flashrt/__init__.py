@@ -11,7 +11,7 @@
 Tensors are (batch, seqlen, heads, head_dim), bf16 or fp16, torch or CuPy.
 """
 from ._version import __version__
-from .api import backward, forward
+from .api import backward, dropout_rng, forward
 from .decoding import combine, decode
 
 
@@ -70,4 +70,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "forward", "backward", "attention", "decode", "combine", "synchronize"]
+__all__ = ["__version__", "forward", "backward", "attention", "decode", "combine", "dropout_rng", "synchronize"]

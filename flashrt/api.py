@@ -113,10 +113,12 @@ def _as_batch(a: Array) -> Array:
     return dataclasses.replace(a, shape=(1, *a.shape), strides=(0, *a.strides)) if len(a.shape) == 3 else a
 
 
-def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False, alibi: bool = False):
-    """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi, score_mod and query length (tiles.long_rows)."""
+def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False, alibi: bool = False,
+                dropout: bool = False):
+    """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi, score_mod, dropout and query length
+    (tiles.long_rows)."""
     return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi,
-                            tiles.long_rows(family, D, m.Sq), m.score_mod)
+                            tiles.long_rows(family, D, m.Sq), m.score_mod, dropout)
 
 
 def _check_score_mod(m: masks.Masking, softcap: float, alibi: bool) -> None:
@@ -181,6 +183,58 @@ def _check_alibi(A: Array, Q: Array, H: int, B: int) -> int:
                          f"alibi_slopes.astype(cupy.float32)")
     interop.check_contiguous(A, "alibi_slopes")
     return H if len(A.shape) == 2 else 0
+
+
+_DROP_STEPS = 1 << 16  # the keep threshold's resolution (kernels_cu/attention/dropout.cuh: 16-bit draws)
+
+
+def _check_dropout(dropout_p, dropout_rng) -> float:
+    """dropout_p as a float (0.0: none); with p > 0 a dropout_rng must come with it."""
+    p = _dropout_p(dropout_p)
+    if p and dropout_rng is None:
+        raise ValueError("dropout_p > 0 needs dropout_rng, the (seed, offset) int64 pair on q's device that the "
+                         "backward regenerates the mask from: rng = flashrt.dropout_rng(q), then pass the same rng to "
+                         "forward and backward (flashrt.attention draws its own)")
+    return p
+
+
+def _dropout_p(dropout_p) -> float:
+    """dropout_p as a float in [0, 1) that leaves some probability kept (0.0: none)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    p = float(dropout_p)
+    if p and round((1 - p) * _DROP_STEPS) < 1:
+        raise ValueError(f"dropout_p={p!r} would drop every probability (p is resolved in steps of 2^-16): pass at "
+                         f"most {1 - 1 / _DROP_STEPS}")
+    return p
+
+
+def _check_dropout_rng(R: Array, Q: Array) -> None:
+    if R.dtype != "int64" or R.shape != (2,):
+        raise ValueError(f"dropout_rng must be an int64 array of shape (2,) (seed, offset), got {R.dtype} {R.shape}; "
+                         f"flashrt.dropout_rng(q) draws one")
+    interop.check_beside(R, Q, "dropout_rng")
+    interop.check_contiguous(R, "dropout_rng")
+
+
+def _dropout_fields(p: float) -> dict:
+    """The kernels' keep threshold and the kept probabilities' scale (2^16 / threshold: the expectation exact)."""
+    if not p:
+        return {}
+    keep = min(_DROP_STEPS, round((1 - p) * _DROP_STEPS))
+    return {"drop_keep": keep, "drop_scale": _DROP_STEPS / keep}
+
+
+def dropout_rng(like):
+    """A fresh dropout (seed, offset) pair for flashrt.forward / backward's dropout_rng: an int64 array of 2 on
+    `like`'s device, in its library. For torch, drawn on the device from torch's generator (torch.manual_seed makes it
+    reproducible, and a CUDA graph's replays draw new ones); for CuPy, from cupy.random."""
+    if interop.is_torch(like):
+        import torch
+        return torch.empty(2, dtype=torch.int64, device=like.device).random_()
+    import cupy
+    with cupy.cuda.Device(interop.describe(like, "like").device):
+        return cupy.random.randint(0, 2**62, size=2, dtype=cupy.int64)
 
 
 def _classify(p: dict, m: masks.Masking, H: int, dev, *needs) -> tuple:
@@ -286,7 +340,7 @@ MASK_DOC = """
 
 
 def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, softcap: float | None = None,
-            alibi_slopes=None, sinks=None, validate=True, **mask_args):
+            alibi_slopes=None, sinks=None, dropout_p: float = 0.0, dropout_rng=None, validate=True, **mask_args):
     """Attention forward. Returns (out, lse): out like q, lse fp32 (B, H, Sq), in the caller's library.
 
     softcap: c > 0 caps every scaled score x (softmax_scale * q.k) to c * tanh(x / c) before the softmax (Gemma 2,
@@ -307,16 +361,25 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, softca
     derived automatically, the expression evaluated over dual numbers). In the expression tanh, exp, exp2, log and log2
     of a float are the hardware's approximations and divisions approximate (write s * (1.f / c) for s / c). Not with
     softcap or alibi_slopes; pass the same to backward (whose score_grads gives float32 tensors their gradients).
+    dropout_p: attention dropout, 0 <= p < 1: each probability is kept with probability 1 - p and scaled to keep its
+    expectation, or dropped (lse is that of the probabilities before dropout). The mask is a function of
+    dropout_rng (required with p > 0: an int64 array of 2, seed and offset, on q's device; dropout_rng(q) draws one)
+    and of each pair's sequence, query head and positions, the same in every kernel and on every GPU; pass the same
+    dropout_p and dropout_rng to backward. p is resolved in steps of 2^-16 (kept where a 16-bit draw is under
+    round((1 - p) 2^16)), and the kept probabilities are scaled by 2^16 / that (the expectation exact).
+    reference.dropout_mask gives the mask.
     """
     masks.check_names(mask_args, "forward")
     mode = masks.validate_mode(validate)
     cap = _check_softcap(softcap)
     _check_score_mods(cap, alibi_slopes)
-    tensors = (q, k, v) + (() if sinks is None else (sinks,)) + (() if alibi_slopes is None else (alibi_slopes,))
+    drop = _check_dropout(dropout_p, dropout_rng)
+    tensors = ((q, k, v) + (() if sinks is None else (sinks,)) + (() if alibi_slopes is None else (alibi_slopes,))
+               + ((dropout_rng,) if drop else ()))
     alibi = _alibi_kind(alibi_slopes)
-    result = _planned("forward", tensors, (causal, softmax_scale, cap, sinks is not None, alibi), mask_args, mode,
-                      lambda tensors: _forward_plan(tensors, causal, softmax_scale, mode, mask_args, sinks is not None,
-                                                    cap, bool(alibi)))
+    result = _planned("forward", tensors, (causal, softmax_scale, cap, sinks is not None, alibi, drop), mask_args,
+                      mode, lambda tensors: _forward_plan(tensors, causal, softmax_scale, mode, mask_args,
+                                                          sinks is not None, cap, bool(alibi), drop))
     return result[0], result[1]  # (mask_mod's tile lists follow out and lse)
 
 
@@ -329,7 +392,7 @@ def _check_sinks(S: Array, Q: Array, H: int) -> None:
 
 
 def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, sinks: bool = False,
-                  softcap: float = 0.0, alibi: bool = False) -> "_Plan":
+                  softcap: float = 0.0, alibi: bool = False, dropout: float = 0.0) -> "_Plan":
     q, k, v = tensors[:3]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
     H, Hkv, D = s["H"], s["Hkv"], s["D"]
@@ -337,6 +400,8 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
     if sinks:
         _check_sinks(interop.describe(tensors[3], "sinks"), Q, H)
     bstride = _check_alibi(interop.describe(tensors[3 + sinks], "alibi_slopes"), Q, H, m.B) if alibi else 0
+    if dropout:
+        _check_dropout_rng(interop.describe(tensors[-1], "dropout_rng"), Q)
     scale = _scale(softmax_scale, D)
     # Varlen: rows outside every sequence are not written by the kernel: zeros, lse -inf. Nothing to
     # attend to: out = 0, lse = -inf, no launch.
@@ -349,13 +414,14 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
                              "one key")
         return _Plan([], (), allocs, [], None)
     from . import decoding  # (it imports this module)
-    if not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
+    if not dropout and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
         return decoding.forward_plan(Q4, K4, V4, m, scale, sinks, softcap, alibi, bstride)
     dev = launch.device(Q.device)
-    spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits), D, Q, m, dev, bool(softcap), alibi)
+    spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits, bool(dropout)), D, Q, m, dev,
+                       bool(softcap), alibi, bool(dropout))
     _compiled_score_mod(m, [spec])
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=bstride,
-             **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
+             **_dropout_fields(dropout), **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     if spec.family in ("fwd_sm90", "fwd_sm90_ws"):
         p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
@@ -367,7 +433,7 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
             maps = [(0, f"{n}_map", n, tma.TileMap(n, a.shape, a.strides, rows))
                     for n, a, rows in (("q", Q4, spec.block_m), ("k", K4, spec.block_n), ("v", V4, spec.block_n))]
     inputs = ("q", "k", "v", *(("sinks",) if sinks else ()), *(("alibi",) if alibi else ()),
-              *(f for f, _ in _mask_arrays(mask_args)))
+              *(("drop_rng",) if dropout else ()), *(f for f, _ in _mask_arrays(mask_args)))
     structs, launches, keep = [(params.FWD, p, {})], [(spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count),
                                                                                  0)], ()
     if m.mask_mod:
@@ -399,12 +465,13 @@ def _check_impl(impl: str) -> None:
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | None = None, impl: str = "auto",
-             deterministic: bool = True, softcap: float | None = None, alibi_slopes=None, sinks=None, validate=True,
-             score_grads: dict | None = None, **mask_args):
+             deterministic: bool = True, softcap: float | None = None, alibi_slopes=None, sinks=None,
+             dropout_p: float = 0.0, dropout_rng=None, validate=True, score_grads: dict | None = None, **mask_args):
     """Attention backward from forward's (out, lse). Returns (dq, dk, dv) shaped like (q, k, v), and with
     `sinks` (the forward's) their gradient too: (dq, dk, dv, dsinks), dsinks (H,) fp32.
 
-    Pass the same mask arguments, softcap, alibi_slopes and sinks as to forward (the slopes get no gradient).
+    Pass the same mask arguments, softcap, alibi_slopes, sinks, dropout_p and dropout_rng as to forward (the slopes
+    get no gradient). With dropout the mma.sync kernels run (on Hopper too: no wgmma backward has it yet).
     impl="split": a dQ kernel over query tiles and a dK/dV kernel over key tiles, no atomics.
     impl="fused": one kernel over key tiles that also adds dQ up in an fp32 buffer with
     atomics (5 matmuls instead of 7). With deterministic=True the key tiles add in a fixed
@@ -433,11 +500,13 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
         _check_sinks(interop.describe(sinks, "sinks"), Q, Q.shape[-2] if len(Q.shape) > 1 else 0)
     cap = _check_softcap(softcap)
     _check_score_mods(cap, alibi_slopes)
-    tensors = (dout, q, k, v, out, lse) + (() if alibi_slopes is None else (alibi_slopes,))
+    drop = _check_dropout(dropout_p, dropout_rng)
+    tensors = ((dout, q, k, v, out, lse) + (() if alibi_slopes is None else (alibi_slopes,))
+               + ((dropout_rng,) if drop else ()))
     alibi = _alibi_kind(alibi_slopes)
-    result = _planned("backward", tensors, (causal, softmax_scale, impl, deterministic, cap, alibi), mask_args, mode,
-                      lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic, mode,
-                                                     mask_args, cap, bool(alibi)))
+    result = _planned("backward", tensors, (causal, softmax_scale, impl, deterministic, cap, alibi, drop), mask_args,
+                      mode, lambda tensors: _backward_plan(tensors, causal, softmax_scale, impl, deterministic, mode,
+                                                           mask_args, cap, bool(alibi), drop))
     for name, limbs in sums.items():
         _add_exact_sums(score_grads[name], limbs)
     if sinks is None:
@@ -542,7 +611,7 @@ def _sink_grad_of(sinks, lse, delta):
 
 
 def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: bool, mode: int,
-                   mask_args: dict, softcap: float = 0.0, alibi: bool = False) -> "_Plan":
+                   mask_args: dict, softcap: float = 0.0, alibi: bool = False, dropout: float = 0.0) -> "_Plan":
     _check_impl(impl)
     dout, q, k, v, out, lse = tensors[:6]
     score_grads, arrays = mask_args.get("score_grads"), _mask_arrays(mask_args)  # (the plan's pointer fields)
@@ -554,6 +623,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     dO, O, L = interop.describe(dout, "dout"), interop.describe(out, "out"), interop.describe(lse, "lse")
     _check_grad_inputs(Q, dO, O, L, m.lse_shape(H))
     bstride = _check_alibi(interop.describe(tensors[6], "alibi_slopes"), Q, H, m.B) if alibi else 0
+    if dropout:
+        _check_dropout_rng(interop.describe(tensors[-1], "dropout_rng"), Q)
     if impl == "fused" and deterministic and not m.ordered_dq_ok:
         raise ValueError("impl='fused' with deterministic=True cannot order its dQ additions under segment_ids "
                          "or mask_mod masks; use impl='split' (or 'auto'), or deterministic=False")
@@ -567,20 +638,23 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     rows = math.prod(m.lse_shape(H))
     scratch = [("lse2", rows), ("delta", rows)]  # fp32, in one allocation (_Alloc.parts)
     p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, softcap=softcap / scale, alibi_bstride=bstride,
-             **m.kernel_fields(H), **_contiguous_fields("dq", Q.shape), **_contiguous_fields("dk", K.shape),
-             **_contiguous_fields("dv", K.shape))
+             **_dropout_fields(dropout), **m.kernel_fields(H), **_contiguous_fields("dq", Q.shape),
+             **_contiguous_fields("dk", K.shape), **_contiguous_fields("dv", K.shape))
     dO4 = _as_batch(dO)
     _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=dO4)
 
     dev = launch.device(Q.device)
     dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
     fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi, m.score_mod)
+    drop = bool(dropout)
+    if drop:  # (spec.DROPOUT_FAMILIES: the mma.sync backward)
+        dq_family, dkdv_family, fused_family = "bwd_dq", "bwd_dkdv", "bwd_fused"
     if impl == "auto":
-        fused_bm = _kernel_for(fused_family, D, Q, m, dev, bool(softcap), alibi).block_m
+        fused_bm = _kernel_for(fused_family, D, Q, m, dev, bool(softcap), alibi, drop).block_m
         impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90",
                                    fused_family == "bwd_fused_sm90", bool(m.causal), m.Sq, m.bits, fused_bm,
-                                   bool(softcap or alibi or m.score_mod))
-    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, D, Q, m, dev, bool(softcap), alibi)
+                                   bool(softcap or alibi or m.score_mod or drop))
+    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, D, Q, m, dev, bool(softcap), alibi, drop)
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else tiles.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
@@ -611,7 +685,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         families.append("bwd_dkdv_reduce")
     rowwise = m.elementwise_fields(H)
     launches = []
-    specs = {family: _kernel_for(family, D, Q, m, dev, bool(softcap), alibi) for family in families}
+    specs = {family: _kernel_for(family, D, Q, m, dev, bool(softcap), alibi, drop) for family in families}
     if score_grads:  # the dQ kernel's tensor-gradient pass, after lse2 and delta are made (spec.KernelSpec.score_grads)
         expr, _, typed = m.score_mod
         names = [n for n, _ in typed]
@@ -626,7 +700,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         grads = dataclasses.replace(m, score_mod=(expr, "", tuple((n, kind if n in score_grads else t)
                                                                   for n, t in typed)))
         families.append("score_grads")
-        specs["score_grads"] = _kernel_for("bwd_dq", D, Q, grads, dev)
+        specs["score_grads"] = _kernel_for("bwd_dq", D, Q, grads, dev, dropout=drop)
     _compiled_score_mod(m, list(specs.values()))
     for family in families:
         spec = specs[family]
@@ -635,13 +709,14 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
             launches.append((spec, launch.grid(spec, *dims, dev.sm_count, splits), 1 if rowwise else 0))
         else:
             launches.append((spec, launch.grid(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count, splits), 0))
-    inputs = ("dout", "q", "k", "v", "o", "lse", *(("alibi",) if alibi else ()), *(f for f, _ in arrays))
+    inputs = ("dout", "q", "k", "v", "o", "lse", *(("alibi",) if alibi else ()), *(("drop_rng",) if drop else ()),
+              *(f for f, _ in arrays))
     # The row-wise families read their own copy of the struct (masks.Masking.elementwise_fields).
     structs, keep = [(params.BWD, p, {})] + ([(params.BWD, {**p, **rowwise}, {})] if rowwise else []), ()
     if m.mask_mod:
         needs = [(main, "mask_cols")]
         if impl != "fused":
-            needs.append((_kernel_for(dq_family, D, Q, m, dev, bool(softcap), alibi), "mask_rows"))
+            needs.append((_kernel_for(dq_family, D, Q, m, dev, bool(softcap), alibi, drop), "mask_rows"))
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, *needs))
     if mode and m.checked:

@@ -114,8 +114,51 @@ def alibi_bias(B, Sq, Sk, slopes, *, align="bottom_right", seqlens_q=None, seqle
     return -slope * xp.abs(j - i - shift)
 
 
+_M32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key, xp=None):
+    """Philox-4x32-10 (Salmon et al., SC 2011) of counters (4 broadcasting integer arrays of 32-bit words) under a key
+    (2 ints): its 4 output words, as uint64 arrays (kernels_cu/attention/dropout.cuh: philox4x32_10)."""
+    import numpy
+    xp = xp or numpy
+    c0, c1, c2, c3 = (xp.asarray(c).astype(xp.uint64) & _M32 for c in counter)
+    k0, k1 = (int(x) & _M32 for x in key)
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+        p0, p1 = c0 * xp.uint64(0xD2511F53), c2 * xp.uint64(0xCD9E8D57)
+        c0, c1, c2, c3 = ((p1 >> xp.uint64(32)) ^ c1 ^ xp.uint64(k0), p1 & xp.uint64(_M32),
+                          (p0 >> xp.uint64(32)) ^ c3 ^ xp.uint64(k1), p0 & xp.uint64(_M32))
+    return c0, c1, c2, c3
+
+
+def dropout_mask(rng, dropout_p, B, H, Sq, Sk, *, at=None, xp=None):
+    """flashrt's dropout as a float64 multiplier (B, H, Sq, Sk) of the probabilities: 0 where dropped, 2^16 / keep
+    where kept (keep = round((1 - dropout_p) 2^16)), for attention's `dropout`. rng: the call's dropout_rng values
+    (seed, offset); at: the (b, i, j, Lq, Lk) of `positions` (default: positions(B, Sq, Sk); packed varlen:
+    positions(..., cu_seqlens_q=...)), pairs keyed by their sequence, query head and positions in the sequence
+    (kernels_cu/attention/dropout.cuh)."""
+    import numpy
+    xp = xp or numpy
+    seed, offset = (int(x) & (2**64 - 1) for x in rng)
+    b, i, j, _, _ = at if at is not None else positions(B, Sq, Sk, xp=xp)
+    i, j = xp.maximum(i, 0), xp.maximum(j, 0)  # (pairs across packed sequences: hidden, any value)
+    h = xp.arange(H).reshape(1, H, 1, 1)
+    shape = (B, H, Sq, Sk)
+    q, k = xp.broadcast_to(i, shape), xp.broadcast_to(j, shape)
+    bh = xp.broadcast_to(b, shape) * H + h
+    words = philox4x32_10((32 * (k >> 4) + 4 * (q & 7) + ((k & 7) >> 1), q >> 4, bh, xp.full(shape, offset & _M32)),
+                          (seed & _M32, (seed >> 32) ^ (offset >> 32)), xp)
+    pick = 2 * ((q >> 3) & 1) + ((k >> 3) & 1)
+    word = xp.where(pick == 0, words[0], xp.where(pick == 1, words[1], xp.where(pick == 2, words[2], words[3])))
+    draw = (word >> (16 * (k & 1)).astype(xp.uint64)) & xp.uint64(0xFFFF)
+    keep = min(1 << 16, round((1 - dropout_p) * (1 << 16)))
+    return xp.where(draw < keep, (1 << 16) / keep, 0.0)
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None, sinks=None, softcap=None,
-              alibi_slopes=None, bias=None, score_mod=None, score_mod_grad=None, score_positions=None):
+              alibi_slopes=None, bias=None, score_mod=None, score_mod_grad=None, score_positions=None, dropout=None):
     """Returns (out, lse) and, when dout is given, (out, lse, dq, dk, dv) (and dsinks with sinks); all float64.
 
     mask: optional bool array broadcastable to (B, H, Sq, Sk) (see `visible`), applied on
@@ -135,6 +178,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     score_positions: the (b, i, j, Lq, Lk) that score_mod sees, positions(...) with the call's lengths (default:
     positions(B, Sq, Sk), the whole extents); pass positions(..., seqlens_q=...) or positions(..., cu_seqlens_q=...)
     for padding or packed sequences.
+    dropout: optional multiplier of the probabilities broadcastable to (B, H, Sq, Sk) (dropout_mask), applied after
+    the softmax (lse is that of the probabilities before it).
     """
     xp = _xp(q)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
@@ -178,12 +223,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     with_keys = denom > 0
     lse = xp.where(with_keys, xp.log(xp.where(with_keys, denom, 1.0)) + m, -xp.inf)[..., 0]
     p = p / xp.where(with_keys, denom, 1.0)
-    out = xp.einsum("bhqk,bkhd->bqhd", p, ve)
+    kept = p if dropout is None else p * dropout
+    out = xp.einsum("bhqk,bkhd->bqhd", kept, ve)
     if dout is None:
         return out, lse
     do = dout.astype(xp.float64)
-    dv = xp.einsum("bhqk,bqhd->bkhd", p, do)
+    dv = xp.einsum("bhqk,bqhd->bkhd", kept, do)
     dp = xp.einsum("bqhd,bkhd->bhqk", do, ve)
+    if dropout is not None:  # (the derivative in the probabilities before dropout)
+        dp = dp * dropout
     delta = (p * dp).sum(axis=-1, keepdims=True)  # = rowsum(dout * out)
     ds = p * (dp - delta) * cap_grad * mod_grad
     dq = xp.einsum("bhqk,bkhd->bqhd", ds, ke) * scale

@@ -63,6 +63,9 @@ SOFTCAP_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL + PACKED_ROWS
 # derivative (the backward's: score_mod_source defines flashrt_score_mod_grad in them).
 SCORE_MOD_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
 SCORE_GRAD_FAMILIES = KEY_PARALLEL + ("bwd_dq", "bwd_dq_sm90")
+# Families that apply attention dropout when compiled with it (kernels_cu/attention/dropout.cuh): every forward but
+# decode's, and the mma.sync backward (a backward with dropout runs it on every arch: flashrt/api.py).
+DROPOUT_FAMILIES = ("fwd", "fwd_sm90", "fwd_sm90_ws", "bwd_dq", "bwd_dkdv", "bwd_fused")
 # wgmma families (sm_90a only; kernels_cu/common/wgmma.cuh) and the head_dims each has a variant at (layout_problem
 # rejects the others; tiles.applies chooses among them).
 SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192, 256),
@@ -145,6 +148,7 @@ class KernelSpec:
     # A user's score_mod (SCORE_MOD_FAMILIES): (expression, its derivative's expression or "" for the automatic one,
     # ((tensor name, element type in SCORE_TENSOR_TYPES), ...)), or () for none
     score_mod: tuple = ()
+    dropout: bool = False           # attention dropout (DROPOUT_FAMILIES; p and the seed are run-time arguments)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -173,6 +177,8 @@ class KernelSpec:
             raise ValueError(f"{self.family} computes no scores: it takes no ALiBi")
         if self.alibi and self.softcap:
             raise ValueError("softcap and alibi together are not supported yet")
+        if self.dropout and self.family not in DROPOUT_FAMILIES:
+            raise ValueError(f"{self.family} has no dropout variant")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
             raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
         if self.score_mod:
@@ -215,6 +221,8 @@ class KernelSpec:
             mask += "_alibi"
         if self.score_mod:  # the expression's identity (its derivative's where the variant takes one: __post_init__)
             mask += "_smod" + hashlib.sha256(repr(self.score_mod).encode()).hexdigest()[:12]
+        if self.dropout:
+            mask += "_drop"
         what = self.family if self.family in CLASSIFY else f"{self.family}_hd{self.head_dim}_{self.dtype}"
         occupancy = f"b{self.min_blocks}" if self.min_blocks > 1 else ""
         return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}{occupancy}_{self.arch}"
@@ -351,6 +359,7 @@ class KernelSpec:
             "FRT_MASK": self.mask,
             "FRT_SOFTCAP": int(self.softcap),
             "FRT_ALIBI": int(self.alibi),
+            "FRT_DROPOUT": int(self.dropout),
             **FAMILIES[self.family][2],
         }
         if self.score_mod:

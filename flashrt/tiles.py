@@ -24,8 +24,8 @@ import math
 from typing import TYPE_CHECKING
 
 from . import _env
-from .spec import (ANY_HEAD_DIM, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SCORE_MOD_FAMILIES, SM90_HEAD_DIMS,
-                   SOFTCAP_FAMILIES, KernelSpec)
+from .spec import (ANY_HEAD_DIM, DROPOUT_FAMILIES, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SCORE_MOD_FAMILIES,
+                   SM90_HEAD_DIMS, SOFTCAP_FAMILIES, KernelSpec)
 
 if TYPE_CHECKING:
     from .launch import Device
@@ -58,28 +58,32 @@ _SCORE_MOD_MASK_LIMITS = {
 
 
 def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool = False, alibi: bool = False,
-            score_mod: tuple = ()) -> bool:
-    """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS) (and softcap, ALiBi or a score_mod);
-    wgmma families: sm_90a, spec.SM90_HEAD_DIMS (the head_dims they have a variant at, which KernelSpec checks),
-    _SM90_MASK_LIMITS, _SCORE_MOD_MASK_LIMITS."""
+            score_mod: tuple = (), dropout: bool = False) -> bool:
+    """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS) (and softcap, ALiBi or a score_mod;
+    dropout); wgmma families: sm_90a, spec.SM90_HEAD_DIMS (the head_dims they have a variant at, which KernelSpec
+    checks), _SM90_MASK_LIMITS, _SCORE_MOD_MASK_LIMITS, DROPOUT_WS_MAX_HEAD_DIM."""
     if family not in SM90_HEAD_DIMS:
         return True
     rules = _SM90_MASK_LIMITS.get(family, ()) + (_SCORE_MOD_MASK_LIMITS.get(family, ())
                                                  if softcap or alibi or score_mod else ())
+    if dropout and family == "fwd_sm90_ws":
+        rules += ((DROPOUT_WS_MAX_HEAD_DIM, 256, 0),)
     return (arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family]
             and not any(lo < head_dim <= hi and mask & bits == bits for lo, hi, bits in rules))
 
 
-def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> str:
+def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, dropout: bool = False) -> str:
     """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never);
-    its warp-specialised form where that has a variant for `mask` (MASK_BITS; _SM90_MASK_LIMITS) and fits.
+    its warp-specialised form where that has a variant for `mask` (MASK_BITS; _SM90_MASK_LIMITS) and `dropout`
+    (DROPOUT_WS_MAX_HEAD_DIM) and fits.
 
     H200, B=2 S=8192 H=16 bf16 (scripts/probes/probe_sm90.py, docs/perf-notes.md: Forward: wgmma (fwd_sm90)): head_dim
     128 422 TFLOP/s against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised ("Forward:
     warp-specialised persistent (fwd_sm90_ws)") 564 at head_dim 128.
     """
     no_sm90 = _env.no_sm90()
-    if _sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90, mask):
+    if (_sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90, mask)
+            and applies("fwd_sm90_ws", head_dim, arch, mask, dropout=dropout)):
         return "fwd_sm90_ws"
     return "fwd_sm90" if _sm90_fits("fwd_sm90", head_dim, arch, smem_limit, no_sm90) else "fwd"
 
@@ -256,6 +260,19 @@ _SCORE_MOD_PREFERENCES = {
     # (128-query tiles at head_dim 64 spill 16-96 bytes with softcap, 0-8 with ALiBi: not measured against 64)
     "bwd_fused_sm90": [(128, [(64, 128, 12)])],
 }
+# Tilings of dropout variants (spec.KernelSpec.dropout), family -> (lo, hi, tilings) for lo < head_dim <= hi, ahead of
+# the tables above, where the draws' registers (kernels_cu/attention/dropout.cuh) made the preferred tilings spill
+# (NVRTC 12.9): the warp-specialised forward with 128- or 80-key tiles (8-64 bytes; with 64-key ones none up to head_dim
+# 192, 12-28 bytes at 256, which takes fwd_sm90: DROPOUT_WS_MAX_HEAD_DIM), fwd_sm90 with 128-key tiles and masks at 128
+# (20-48), the mma.sync forward 128x32 with 4 warps at 128 (4), the mma.sync dQ above 192 (128x32: 32 bytes causal with
+# masks; 64x32: 24 causal), fwd_sm90 at two blocks per SM at head_dim 64 (8 with masks). Not timed against others.
+_DROPOUT_PREFERENCES = {
+    "fwd": [(112, 128, [(128, 64, 8)])],
+    "fwd_sm90": [(0, 256, [(128, 64, 8)])],
+    "fwd_sm90_ws": [(0, 256, [(128, 64, 12)])],
+    "bwd_dq": [(192, 256, [(64, 16, 4)])],
+}
+DROPOUT_WS_MAX_HEAD_DIM = 192
 # Tilings of a user's score_mod that reads tensors (spec.KernelSpec.score_mod), family -> (lo, hi, tilings) for
 # lo < head_dim <= hi, ahead of every table above (the long-rows one aside: not taken with a score_mod). Chosen by
 # spills of the compile proof's expressions (tests/test_compile.py: a capped score, an ALiBi-like one over a slopes
@@ -354,9 +371,10 @@ class TilingError(RuntimeError):
 
 
 def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
-               alibi: bool = False, long: bool = False, score_mod: tuple = ()) -> list[tuple[int, int, int, int]]:
+               alibi: bool = False, long: bool = False, score_mod: tuple = (),
+               dropout: bool = False) -> list[tuple[int, int, int, int]]:
     """(block_m, block_n, warps, min_blocks) of `family` at `head_dim` in order of preference (`long`: for long query
-    sequences, long_rows)."""
+    sequences, long_rows; `dropout` takes the score modifications' tilings)."""
     table = _PREFERENCES[family]
     if long and not score_mod and head_dim in _LONG_PREFERENCES.get(family, (0, {}))[1]:
         table = [(head_dim, _LONG_PREFERENCES[family][1][head_dim])]
@@ -364,10 +382,12 @@ def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
         table = _MASKED_PREFERENCES.get(family, table)
     if mask & MASK_BITS["mod"]:
         table = _MOD_PREFERENCES.get(family, table)
-    if softcap or alibi or score_mod:
+    if softcap or alibi or score_mod or dropout:
         table = _SCORE_MOD_PREFERENCES.get(family, table)
     if score_mod and score_mod[2]:  # (it reads tensors)
         table = [(256, prefs) for lo, hi, prefs in _USER_MOD_PREFERENCES.get(family, ()) if lo < head_dim <= hi] + table
+    if dropout:
+        table = [(256, prefs) for lo, hi, prefs in _DROPOUT_PREFERENCES.get(family, ()) if lo < head_dim <= hi] + table
     for max_d, prefs in table:
         if head_dim <= max_d:
             return [(*t, 1) if len(t) == 3 else t for t in prefs + [f for f in _FALLBACKS[family] if f not in prefs]]
@@ -376,7 +396,7 @@ def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
 
 def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int,
            mask: int = 0, mask_mod: str = "", mod_tensors: tuple = (), softcap: bool = False,
-           alibi: bool = False, long: bool = False, score_mod: tuple = ()) -> KernelSpec:
+           alibi: bool = False, long: bool = False, score_mod: tuple = (), dropout: bool = False) -> KernelSpec:
     """The kernel of `family` for an arch and a shared-memory limit: the first of its candidates (tiles and
     warps) that is valid at this head_dim and fits `smem_limit` bytes; TilingError if none does.
 
@@ -384,7 +404,8 @@ def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem
     mask_mod _MOD_PREFERENCES; `mask_mod`, `mod_tensors`: a user's expression (spec.KernelSpec); `softcap`, `alibi`:
     the score cap or ALiBi compiled in (families without scores ignore them); `long`: the tiling for long query
     sequences where the family has one (long_rows); `score_mod`: a user's expression (spec.KernelSpec.score_mod; the
-    families without a score_mod variant ignore it).
+    families without a score_mod variant ignore it); `dropout`: attention dropout compiled in (DROPOUT_FAMILIES; the
+    others ignore it).
     kernel_for is this for a device (what a call runs); this form serves prewarm and tests, with no GPU.
     """
     elementwise = family in ELEMENTWISE
@@ -392,13 +413,14 @@ def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem
         head_dim = 256
     scores = family in SOFTCAP_FAMILIES
     score_mod = score_mod if family in SCORE_MOD_FAMILIES else ()
+    dropout = dropout and family in DROPOUT_FAMILIES
     return _first_fit(family, head_dim, smem_limit,
-                      candidates(family, head_dim, mask, softcap, alibi, long, score_mod),
+                      candidates(family, head_dim, mask, softcap, alibi, long, score_mod, dropout),
                       lambda bm, bn, nw, mb: KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise,
                                                         arch, 0 if elementwise else mask,
                                                         "" if elementwise else mask_mod,
                                                         () if elementwise else tuple(mod_tensors), mb,
-                                                        softcap and scores, alibi and scores, score_mod))
+                                                        softcap and scores, alibi and scores, score_mod, dropout))
 
 
 def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> KernelSpec:
@@ -421,11 +443,11 @@ def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> Ker
 @functools.cache
 def kernel_for(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0, mask_mod: str = "",
                mod_tensors: tuple = (), softcap: bool = False, alibi: bool = False, long: bool = False,
-               score_mod: tuple = ()) -> KernelSpec:
+               score_mod: tuple = (), dropout: bool = False) -> KernelSpec:
     """The kernel of `family` that runs on the device `dev` (launch.Device): tiling for its arch and opt-in
     shared-memory limit, cached."""
     return tiling(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask, mask_mod, mod_tensors, softcap,
-                  alibi, long, score_mod)
+                  alibi, long, score_mod, dropout)
 
 
 # ---------------------------------------------------------------------------
@@ -442,7 +464,7 @@ def classifier_spec(consumer: KernelSpec, family: str) -> KernelSpec:
     reads its map or lists: head_dim and dtype fixed (it reads no q/k/v), CLASSIFY_WARPS; the list makers read
     only the map, so they take no mask bits and no expression (one compile serves every mask_mod)."""
     fixed = {"family": family, "head_dim": 64, "dtype": "bf16", "warps": CLASSIFY_WARPS[family], "min_blocks": 1,
-             "softcap": False, "alibi": False, "score_mod": ()}
+             "softcap": False, "alibi": False, "score_mod": (), "dropout": False}
     if family != "mask_map":
         fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
     return dataclasses.replace(consumer, **fixed)

@@ -6,7 +6,7 @@ flashrt's native layout is (B, S, H, D) with any strides on the first three axes
 so SDPA's (B, H, S, D) tensors are read through a transposed view, never copied,
 and the output is SDPA's shape (a transposed view of a (B, S, H, D) buffer, as
 torch's own flash backend returns). What flashrt does not compute raises instead
-of silently differing: explicit mask tensors and dropout. is_causal=True and
+of silently differing: explicit mask tensors. is_causal=True and
 causal_upper_left are top-left aligned, as in SDPA; causal_lower_right is bottom-right.
 """
 from typing import Optional
@@ -54,10 +54,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     be None or a causal bias from torch.nn.attention.bias (causal_lower_right or
     causal_upper_left); is_causal=True is top-left aligned like SDPA's. Query rows that
     see no key give 0 (SDPA gives NaN). flashrt.attention takes the other mask kinds.
+    dropout_p: attention dropout as SDPA applies it (whatever the module's training flag: pass 0.0 to evaluate),
+    with flashrt's own mask from torch's generator (flashrt.attention), not the one SDPA would draw.
     """
-    if dropout_p:
-        raise ValueError(f"flashrt has no attention dropout, got dropout_p={dropout_p}: pass dropout_p=0.0 "
-                         f"(or keep torch's scaled_dot_product_attention where attention dropout is needed)")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}; "
@@ -71,5 +70,5 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise ValueError(f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass enable_gqa=True "
                          f"for grouped-query attention (as torch's SDPA requires)")
     out = torch_ops.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                              softmax_scale=scale)
+                              softmax_scale=scale, dropout_p=dropout_p)
     return out.transpose(1, 2)

@@ -70,11 +70,12 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, softmax
          max_seqlen_k: Optional[int], validate: int, mask_tensors: list[Optional[torch.Tensor]], mask_mod: str,
          mod_names: str, score_mod: str, score_mod_grad: str, score_names: str, score_learned: str,
          learned: list[torch.Tensor], softcap: Optional[float], alibi_slopes: Optional[torch.Tensor],
-         sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+         sinks: Optional[torch.Tensor], dropout_p: float, dropout_rng: Optional[torch.Tensor]
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     # (learned: the score tensors named in score_learned, which are in mask_tensors too: an argument of tensors
     # alone, whose gradients autograd takes as a list; the forward reads them from mask_tensors)
     return api.forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                       validate=_VALIDATE_OF_MODE[validate],
+                       dropout_p=dropout_p, dropout_rng=dropout_rng, validate=_VALIDATE_OF_MODE[validate],
                        **_mask_kwargs(causal, window, max_seqlen_q, max_seqlen_k, mask_tensors, mask_mod, mod_names,
                                       score_mod, score_mod_grad, score_names))
 
@@ -89,7 +90,7 @@ def _lse_shape(q, mask_tensors):
 @_fwd.register_fake
 def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
               mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned, learned,
-              softcap, alibi_slopes, sinks):
+              softcap, alibi_slopes, sinks, dropout_p, dropout_rng):
     # api.forward allocates both outputs contiguous, whatever q's strides.
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
 
@@ -100,7 +101,8 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
          window: Optional[list[int]], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
          mask_tensors: list[Optional[torch.Tensor]], mask_mod: str, mod_names: str, score_mod: str,
          score_mod_grad: str, score_names: str, score_learned: str, learned: list[torch.Tensor],
-         softcap: Optional[float], alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor]
+         softcap: Optional[float], alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+         dropout_p: float, dropout_rng: Optional[torch.Tensor]
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(dq, dk, dv, dsinks, the gradients of the score tensors named in score_learned); dsinks is empty (0,)
     without sinks (an op returns no None)."""
@@ -111,7 +113,7 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     score_grads = {n: torch.zeros_like(t) for n, t in zip(names, learned)}
     grads = api.backward(_kernel_ready(dout), q, k, v, o, lse, softmax_scale=softmax_scale, impl=impl,
                          deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                         validate=False,  # (the forward validated them)
+                         dropout_p=dropout_p, dropout_rng=dropout_rng, validate=False,  # (the forward validated them)
                          **({"score_grads": score_grads} if learned else {}), **mask)
     return (*grads, *(() if sinks is not None else (lse.new_empty((0,)),)), list(score_grads.values()))
 
@@ -119,17 +121,19 @@ def _bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, o, lse, causal, softmax_scale, impl, deterministic, window, max_seqlen_q,
               max_seqlen_k, mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned,
-              learned, softcap, alibi_slopes, sinks):
+              learned, softcap, alibi_slopes, sinks, dropout_p, dropout_rng):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             lse.new_empty((0,) if sinks is None else sinks.shape), [t.new_empty(t.shape) for t in learned])
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, _, tensors, mask_mod,
-     mod_names, score_mod, score_mod_grad, score_names, score_learned, learned, softcap, alibi_slopes, sinks) = inputs
+     mod_names, score_mod, score_mod_grad, score_names, score_learned, learned, softcap, alibi_slopes, sinks,
+     dropout_p, dropout_rng) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, *learned, *tensors)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, dropout_rng, *learned, *tensors)
     ctx.learned = len(learned)
+    ctx.dropout_p = dropout_p
     ctx.options = (causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k)
     ctx.mod = (mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned, softcap)
     # The kernels take no gradient of lse: a loss through it must fail, not silently miss a term.
@@ -138,12 +142,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     # One read of saved_tensors: non-reentrant checkpointing unpacks each saved tensor once.
-    q, k, v, out, lse, alibi_slopes, sinks, *saved = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sinks, dropout_rng, *saved = ctx.saved_tensors
     learned, tensors = saved[:ctx.learned], saved[ctx.learned:]
     dq, dk, dv, dsinks, grads = torch.ops.flashrt.bwd.default(dout, q, k, v, out, lse, *ctx.options, tensors,
-                                                              *ctx.mod[:6], learned, ctx.mod[6], alibi_slopes, sinks)
+                                                              *ctx.mod[:6], learned, ctx.mod[6], alibi_slopes, sinks,
+                                                              ctx.dropout_p, dropout_rng)
     # the forward op's arguments between v and sinks take none but the learned score tensors (its `learned` list)
-    return (dq, dk, dv, *(None,) * 15, list(grads), None, None, None if sinks is None else dsinks)
+    return (dq, dk, dv, *(None,) * 15, list(grads), None, None, None if sinks is None else dsinks, None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -176,9 +181,10 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, call, *learned):  # learned: the score tensors that take a gradient (call[8])
-        causal, softmax_scale, _, _, validate, mask, softcap, alibi_slopes, _ = call
+        causal, softmax_scale, _, _, validate, mask, softcap, alibi_slopes, _, dropout_p, dropout_rng = call
         out, lse = api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
-                               alibi_slopes=alibi_slopes, sinks=sinks, validate=validate, **mask)
+                               alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, dropout_rng=dropout_rng,
+                               validate=validate, **mask)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call
         if mask or alibi_slopes is not None:
@@ -190,7 +196,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        causal, softmax_scale, impl, deterministic, _, mask, softcap, alibi_slopes, learned = ctx.call
+        causal, softmax_scale, impl, deterministic, _, mask, softcap, alibi_slopes, learned, dropout_p, rng = ctx.call
         if dout is None:  # out took no part in the loss
             return (None,) * (5 + len(learned))
         q, k, v, out, lse, sinks = ctx.saved_tensors
@@ -201,7 +207,8 @@ class _Eager(torch.autograd.Function):
         score_grads = {n: torch.zeros_like(mask["score_tensors"][n]) for n in learned}
         grads = api.backward(_kernel_ready(dout), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                              impl=impl, deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes,
-                             sinks=sinks, validate=False, **({"score_grads": score_grads} if learned else {}),
+                             sinks=sinks, dropout_p=dropout_p, dropout_rng=rng, validate=False,
+                             **({"score_grads": score_grads} if learned else {}),
                              **mask)  # (the forward validated the masks)
         return (*grads, *((None,) if sinks is not None else (None, None)), *score_grads.values())
 
@@ -220,8 +227,8 @@ def _versions(mask: dict, alibi_slopes=None) -> tuple:
 
 def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, return_lse: bool = False,
               impl: str = "auto", deterministic: bool = True, softcap: Optional[float] = None,
-              alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None, validate=True,
-              **mask_args):
+              alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+              dropout_p: float = 0.0, validate=True, **mask_args):
     """Differentiable attention on torch tensors (B, S, H, D); see flashrt.forward for the semantics
     and the mask arguments.
 
@@ -234,6 +241,9 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
     its derivative (optional: derived automatically), and the float32 / int32 tensors it reads; a float32 one that
     requires grad gets its gradient (flashrt.backward's score_grads: exact and reproducible with deterministic=True,
     fp32 atomics else), eager and under torch.compile.
+    dropout_p: attention dropout (flashrt.forward), its (seed, offset) drawn per call on the device from torch's
+    generator (flashrt.dropout_rng: torch.manual_seed reproduces it, a CUDA graph's replays draw new masks) and kept
+    for the backward. Pass dropout_p=0.0 for evaluation (nothing here looks at module.training).
     lse is returned without a gradient.
     """
     api._check_impl(impl)  # here, not first in the backward pass
@@ -261,12 +271,14 @@ def attention(q, k, v, *, causal=False, softmax_scale: Optional[float] = None, r
             raise ValueError(f"sinks must be a floating-point tensor (one logit per query head), got {sinks.dtype}")
         sinks = sinks.float().contiguous()
     scale = None if softmax_scale is None else float(softmax_scale)
+    dropout_p = api._dropout_p(dropout_p)
+    rng = api.dropout_rng(q) if dropout_p else None
     if q.is_cuda and not torch.compiler.is_compiling():
         out, lse = _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, alibi_slopes,
-                          sinks, learned)
+                          sinks, learned, dropout_p, rng)
     else:  # traced (torch.compile), or fake/meta tensors: the custom ops and their fake impls
         out, lse = _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap, alibi_slopes,
-                           sinks, learned)
+                           sinks, learned, dropout_p, rng)
     return (out, lse) if return_lse else out
 
 
@@ -284,13 +296,14 @@ def _learned_score_tensors(tensors: dict) -> tuple:
 
 
 def _eager(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, alibi_slopes=None,
-           sinks=None, learned=()):
+           sinks=None, learned=(), dropout_p=0.0, dropout_rng=None):
     return _Eager.apply(q, k, v, sinks, (causal, scale, impl, bool(deterministic), validate, mask_args, softcap,
-                                         alibi_slopes, learned), *(mask_args["score_tensors"][n] for n in learned))
+                                         alibi_slopes, learned, dropout_p, dropout_rng),
+                        *(mask_args["score_tensors"][n] for n in learned))
 
 
 def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, softcap=None, alibi_slopes=None,
-            sinks=None, learned=()):
+            sinks=None, learned=(), dropout_p=0.0, dropout_rng=None):
     window = mask_args.get("window")
     window = None if window is None else [int(w) for w in window]
     mask_mod, mod_tensors = mask_args.get("mask_mod"), mask_args.get("mask_tensors") or {}
@@ -304,7 +317,7 @@ def _traced(q, k, v, causal, scale, impl, deterministic, validate, mask_args, so
     args = (q, k, v, _CAUSAL[causal], scale, impl, bool(deterministic), window, mask_args.get("max_seqlen_q"),
             mask_args.get("max_seqlen_k"), masks.validate_mode(validate), tensors, mask_mod or "",
             ",".join(mod_tensors), score_mod or "", score_grad or "", ",".join(score_tensors), ",".join(learned),
-            [score_tensors[n] for n in learned], softcap, alibi_slopes, sinks)
+            [score_tensors[n] for n in learned], softcap, alibi_slopes, sinks, float(dropout_p), dropout_rng)
     return torch.ops.flashrt.fwd.default(*args)
 
 

@@ -59,6 +59,34 @@ def score_mod_cases():
     torch.cuda.synchronize()
 
 
+def dropout_cases():
+    """Attention dropout (kernels_cu/attention/dropout.cuh): every forward family (sm_90a: the warp-specialised one to
+    head_dim 192, fwd_sm90 at 256; mma.sync at 72), the mma.sync split and fused backward, with padding lengths and
+    packed varlen, GQA."""
+    for B, Sq, Sk, H, Hkv, D, causal in ((1, 70, 45, 4, 2, 64, True), (1, 130, 200, 2, 1, 128, False),
+                                         (1, 33, 97, 2, 2, 256, True), (2, 40, 40, 2, 1, 72, True),
+                                         (1, 100, 150, 4, 2, 192, False)):
+        q, k, v, do = (torch.randn(B, s, h, D, device="cuda", dtype=torch.bfloat16)
+                       for s, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H)))
+        rng = flashrt.dropout_rng(q)
+        lengths = dict(seqlens_q=torch.tensor([Sq - 7] * B, device="cuda", dtype=torch.int32),
+                       seqlens_k=torch.tensor([Sk - 5] * B, device="cuda", dtype=torch.int32))
+        for kw in ({}, lengths):
+            out, lse = flashrt.forward(q, k, v, causal=causal, dropout_p=0.2, dropout_rng=rng, **kw)
+            for impl in ("split", "fused"):
+                flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, dropout_p=0.2, dropout_rng=rng, **kw)
+    cu = torch.tensor([0, 37, 37, 120], device="cuda", dtype=torch.int32)
+    q, k, v, do = (torch.randn(120, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=83, max_seqlen_k=83, causal=True, dropout_p=0.3,
+                  dropout_rng=flashrt.dropout_rng(q))
+    out, lse = flashrt.forward(q, k, v, **varlen)
+    flashrt.backward(do, q, k, v, out, lse, **varlen)
+    torch.cuda.synchronize()
+
+
+if sys.argv[1:] == ["dropout"]:  # (that part alone)
+    dropout_cases()
+    sys.exit(0)
 if sys.argv[1:] == ["score_mods"]:  # (that part alone)
     score_mod_cases()
     raise SystemExit(0)

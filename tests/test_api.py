@@ -432,3 +432,21 @@ def test_exact_sums_are_the_exact_sum_rounded_once():
                      for t in terms), fractions.Fraction(0))
         ulp = 2.0 ** (math.frexp(float(exact))[1] - 24) if exact else 2.0 ** -149
         assert abs(fractions.Fraction(got) - exact) <= fractions.Fraction(ulp), (values[:4], got, float(exact))
+
+
+def test_dropout_arguments_are_checked_before_any_work():
+    for call in (lambda **kw: api.forward(None, None, None, **kw),
+                 lambda **kw: api.backward(None, None, None, None, None, None, **kw)):
+        for bad in (-0.1, 1.0, 1.5, True, "0.1", 1 - 2**-18):
+            with pytest.raises(ValueError, match=r"dropout_p"):
+                call(dropout_p=bad, dropout_rng=object())
+        with pytest.raises(ValueError, match=r"dropout_p > 0 needs dropout_rng.*flashrt\.dropout_rng\(q\)"):
+            call(dropout_p=0.1)
+    q = arr(Q)
+    for bad, pattern in ((dict(shape=(3,), dtype="int64"), r"dropout_rng must be an int64 array of shape \(2,\)"),
+                         (dict(shape=(2,), dtype="int32"), r"dropout_rng must be an int64 array"),
+                         (dict(shape=(2,), dtype="int64", device=1), r"dropout_rng")):
+        with pytest.raises(ValueError, match=pattern):
+            api._check_dropout_rng(arr(**bad), q)
+    assert api._dropout_fields(0.0) == {}
+    assert api._dropout_fields(0.1) == {"drop_keep": 58982, "drop_scale": 65536 / 58982}

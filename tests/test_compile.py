@@ -16,7 +16,7 @@ import pytest
 
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import (ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL,
+from flashrt.spec import (DROPOUT_FAMILIES, ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL,
                           SCORE_MOD_FAMILIES, SOFTCAP_FAMILIES, KernelSpec)
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 192, 256)
@@ -103,6 +103,15 @@ def _variants():
                 if tiles.long_rows("fwd_sm90_ws", d, 1 << 30):
                     out.add(tiles.tiling("fwd_sm90_ws", d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask, long=True,
                                          **mod))
+    # Dropout (kernels_cu/attention/dropout.cuh) in every family that has it, both archs, dense and with every built-in
+    # mask feature, at the head dims of each tiling bucket that _DROPOUT_PREFERENCES changes.
+    for arch in ARCHS:
+        for family in DROPOUT_FAMILIES:
+            for d in (40, 64, 128, 192, 256):
+                for causal, mask in ((False, 0), (True, sum(MASK_BITS.values()) & ~MASK_BITS["mod"])):
+                    if tiles.applies(family, d, arch, mask, dropout=True):
+                        out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
+                                             dropout=True))
     return sorted(out, key=lambda s: s.name)
 
 

@@ -399,3 +399,56 @@ def test_score_mod_positions_with_lengths_and_packed_sequences_are_each_sequence
             np.testing.assert_allclose(lse[0, :, cu_q[s]:cu_q[s + 1]], got[1][0], atol=1e-9)
             np.testing.assert_allclose(dq[0, cu_q[s]:cu_q[s + 1]], got[2][0], atol=1e-9)
             np.testing.assert_allclose(dk[0, cu_k[s]:cu_k[s + 1]], got[3][0], atol=1e-9)
+
+
+def test_philox_matches_its_published_known_answers():
+    # Random123's known-answer vectors for Philox-4x32-10 (counter, key -> output)
+    for counter, key, want in (((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+                               ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+                               ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+                                (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))):
+        got = reference.philox4x32_10([np.array(c) for c in counter], key)
+        assert [int(w) for w in got] == list(want)
+
+
+def test_dropout_mask_keeps_the_rate_and_draws_each_element_once():
+    drop = reference.dropout_mask((2**63 + 5, 77), 0.3, 2, 3, 96, 160)  # (a seed over 2^63: int64's negative half)
+    keep = round(0.7 * 2**16)
+    assert set(np.unique(drop)) == {0.0, 2**16 / keep}
+    assert abs((drop == 0).mean() - 0.3) < 0.01
+    # each element is its own 16 bits: neighbours in a draw, rows, heads and batch entries differ
+    for a, b in ((drop[..., 0::2], drop[..., 1::2]), (drop[:, :, 0::2], drop[:, :, 1::2]), (drop[:, 0], drop[:, 1]),
+                 (drop[0], drop[1])):
+        assert 0.35 < (a != b).mean() < 0.5  # (independent: 2 p (1 - p) = 0.42)
+    # a function of the seed and offset
+    assert (reference.dropout_mask((2**63 + 5, 78), 0.3, 2, 3, 96, 160) != drop).mean() > 0.3
+    # packed varlen: a sequence's pairs are keyed by its index and its own positions
+    cu = np.array([0, 40, 96])
+    at = reference.positions(1, 96, 96, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    packed = reference.dropout_mask((9, 9), 0.3, 1, 3, 96, 96, at=at)
+    alone = reference.dropout_mask((9, 9), 0.3, 2, 3, 56, 56)
+    assert np.array_equal(packed[0, :, 40:, 40:], alone[1])
+
+
+def test_dropout_in_attention_scales_the_kept_probabilities_and_its_gradients_match_finite_differences():
+    rng = np.random.default_rng(6)
+    q, k, v, do = (_rand(rng, 1, 6, 2, 8) for _ in range(4))
+    drop = reference.dropout_mask((3, 4), 0.4, 1, 2, 6, 6)
+    out, lse, dq, dk, dv = reference.attention(q, k, v, causal=True, dout=do, dropout=drop)
+    plain = reference.attention(q, k, v, causal=True)
+    assert np.array_equal(lse, plain[1])  # lse: the probabilities before dropout
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
+    p = np.exp(np.where(np.tril(np.ones((6, 6), dtype=bool)), s, -np.inf) - lse[..., None])
+    assert np.allclose(out, np.einsum("bhqk,bkhd->bqhd", p * drop, v))
+
+    def loss(q_, k_, v_):
+        return float((reference.attention(q_, k_, v_, causal=True, dropout=drop)[0] * do).sum())
+
+    eps = 1e-6
+    for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
+        for idx in [(0, 1, 1, 3), (0, 5, 0, 7)]:
+            args = [q.copy(), k.copy(), v.copy()]
+            args[i][idx] += eps
+            up = loss(*args)
+            args[i][idx] -= 2 * eps
+            assert abs((up - loss(*args)) / (2 * eps) - grad[idx]) < 1e-6

@@ -217,8 +217,8 @@ def test_arch_for():
 
 
 _C_TYPES = {"u8*": np.uint64, "const u16*": np.uint64, "u16*": np.uint64, "const float*": np.uint64, "float*": np.uint64,
-            "int*": np.uint64, "const int*": np.uint64, "const void*": np.uint64, "i64": np.int64, "int": np.int32,
-            "float": np.float32, "TmaMap": params._MAP}
+            "int*": np.uint64, "const int*": np.uint64, "const void*": np.uint64, "const u64*": np.uint64,
+            "i64": np.int64, "int": np.int32, "float": np.float32, "TmaMap": params._MAP}
 
 
 def _header_fields(struct: str) -> list[tuple[str, type]]:

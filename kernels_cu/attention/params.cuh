@@ -69,6 +69,11 @@ struct FwdParams {
     const void* score_t1;
     const void* score_t2;
     const void* score_t3;
+    // FRT_DROPOUT (dropout.cuh): the call's seed and offset (2 int64 in device memory), the 16-bit keep threshold and
+    // the kept probabilities' scale (2^16 / threshold)
+    const u64* drop_rng;
+    int drop_keep;
+    float drop_scale;
 };
 
 struct BwdParams {
@@ -146,6 +151,9 @@ struct BwdParams {
     float* score_g2;
     float* score_g3;
     i64 score_n0, score_n1, score_n2, score_n3;  // their elements (reads outside add nothing: dual.cuh)
+    const u64* drop_rng;  // FRT_DROPOUT: as FwdParams'
+    int drop_keep;
+    float drop_scale;
 };
 
 // mask_check.cu: a call's mask arrays (the pointers of FwdParams / BwdParams, null when not given), the

@@ -29,6 +29,7 @@
 // lower linear index, dispatched earlier (as FlashAttention-3's deterministic
 // mode also relies on); with splits > 1 the grid fits in one wave
 // (tiles.dkdv_splits), so every block it waits on is resident.
+#include "attention/dropout.cuh"
 #include "attention/params.cuh"
 #include "attention/score_mod.cuh"
 
@@ -96,6 +97,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const int it_begin = tile.it_begin, it_end = tile.it_end;
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
     const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, b, 0, vis) : ScoreMod();  // (the head: each pair's)
+    const Dropout drop0 = FRT_DROPOUT ? Dropout(p, b, 0) : Dropout();     // (the head: each pair's)
 
     const u32 sK = smem_u32(smem), sV = sK + BN * LD;
     const u32 sQdO = sK + T::SMEM_KV;  // stage s: Q at + s*STAGE, dO right after Q
@@ -157,6 +159,14 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         u16* p_tile = reinterpret_cast<u16*>(smem + (sP - sK));
         u16* ds_tile = reinterpret_cast<u16*>(smem + (sdS - sK));
         const Fragments at{krow1 + g, qcol1 + 2 * t};  // S^T: rows are keys, columns queries (within the tiles)
+        // FRT_DROPOUT: P^T for dV is the kept probabilities times the scale, dP^T that of P before dropout
+        typename BitsOf<4 * NT1>::type dropped[FRT_DROPOUT ? MT1 : 1];
+        if constexpr (FRT_DROPOUT) {
+            const Dropout drop = drop0.head(b, pa.h, p.H);
+#pragma unroll
+            for (int mt = 0; mt < MT1; ++mt)
+                dropped[mt] = drop.bits<NT1, true>(n0 + krow1 + 16 * mt + g, m0 + qcol1 + 2 * t);
+        }
         if constexpr (FRT_ALIBI)  // (the pair's query head's slope; positions in the sequence)
             Alibi(p, b, pa.h, vis.shift).add<MT1, NT1, true>(Fragments{n0 + krow1 + g, m0 + qcol1 + 2 * t},
                                                              [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; });
@@ -183,7 +193,13 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                     }
                     s[mt][nt][c] = pr;
                     if constexpr (FRT_SCORE_MOD) grad = pr > 0.f ? grad : 0.f;  // (any f' where P is 0)
-                    dp[mt][nt][c] = (FRT_SOFTCAP || FRT_SCORE_MOD ? pr * grad : pr) * (dp[mt][nt][c] - s_delta[qc]);
+                    float dpv = dp[mt][nt][c];
+                    if constexpr (FRT_DROPOUT) {
+                        const bool gone = dropped[mt] >> (4 * nt + c) & 1;
+                        dpv = gone ? 0.f : dpv * drop0.scale;
+                        s[mt][nt][c] = gone ? 0.f : pr * drop0.scale;
+                    }
+                    dp[mt][nt][c] = (FRT_SOFTCAP || FRT_SCORE_MOD ? pr * grad : pr) * (dpv - s_delta[qc]);
                 }
         acc_to_smem<T::BF16, MT1, NT1>(p_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, s, 1.f, lane);
         acc_to_smem<T::BF16, MT1, NT1>(ds_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, dp, 1.f, lane);

@@ -9,6 +9,7 @@
 // delta) instead goes, times the score_mod expression's derivative in each tensor element it reads, into the
 // gradients of the tensors marked "float_grad" (score_mod.cuh: ScoreMod::tensor_grads, tensor_grad_add: fp32 atomics,
 // or exact fixed-point sums).
+#include "attention/dropout.cuh"
 #include "attention/params.cuh"
 #include "attention/score_mod.cuh"
 
@@ -53,6 +54,7 @@ __device__ void bwd_dq(const BwdParams& p) {
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
     const Alibi alibi = FRT_ALIBI ? Alibi(p, b, h, tile.vis.shift) : Alibi();
     const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, b, h, tile.vis) : ScoreMod();
+    const Dropout drop = FRT_DROPOUT ? Dropout(p, b, h) : Dropout();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -88,6 +90,15 @@ __device__ void bwd_dq(const BwdParams& p) {
         float dp[MT][NT_S][4];
         zero(dp);
         gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(dp, sdO + wrow * LD, LD, sV, LD, lane);
+        if constexpr (FRT_DROPOUT) {  // dP of the probabilities before dropout: dO V^T where kept, times the scale
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                drop.each<NT_S>(m0 + wrow + 16 * mt + g, n0 + 2 * t, [&](int i, u32 dropped) {
+                    float& x = dp[mt][i >> 2][i & 3];
+                    x = dropped ? 0.f : x * drop.scale;
+                });
+            }
+        }
 
         const bool need_mask = tile.needs_mask(n_blocks - 1 - it, j);
         // dS = P o (dP - delta), P = 0 where the mask hides the pair: the element mask inside this

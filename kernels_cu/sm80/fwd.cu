@@ -4,6 +4,7 @@
 // its O accumulator and softmax statistics in registers. K/V tiles stream
 // through a two-stage cp.async pipeline (the next tile loads while the current
 // one is used). Softmax runs in base 2 with the scale folded into the exponent.
+#include "attention/dropout.cuh"
 #include "attention/params.cuh"
 #include "attention/softmax.cuh"
 
@@ -48,6 +49,7 @@ __device__ void fwd(const FwdParams& p) {
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
     const Alibi alibi = FRT_ALIBI ? Alibi(p, tile.b, tile.h, tile.vis.shift) : Alibi();
     const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, tile.b, tile.h, tile.vis) : ScoreMod();
+    const Dropout drop = FRT_DROPOUT ? Dropout(p, tile.b, tile.h) : Dropout();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -109,6 +111,14 @@ __device__ void fwd(const FwdParams& p) {
 #pragma unroll
                 for (int dt = 0; dt < NT_O; ++dt) o[mt][dt][2 * hh] *= alpha, o[mt][dt][2 * hh + 1] *= alpha;
             }
+        if constexpr (FRT_DROPOUT) {  // (after the row sums: the softmax's denominator takes every probability)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                drop.each<NT_S>(tile.m0 + wrow + 16 * mt + g, n0 + 2 * t, [&](int i, u32 dropped) {
+                    if (dropped) s[mt][i >> 2][i & 3] = 0.f;
+                });
+            }
+        }
 
         u32 pf[KS_N][MT][4];
         acc_to_a<T::BF16, MT, KS_N>(s, pf);
@@ -125,7 +135,7 @@ __device__ void fwd(const FwdParams& p) {
         for (int hh = 0; hh < 2; ++hh) {
             float sum = warp_sum4(row_sum[mt][hh]), mx = row_max[mt][hh];
             const float keep = add_sink(mx, sum, sink);
-            const float inv = sum > 0.f ? keep / sum : 0.f;
+            const float inv = sum > 0.f ? keep / sum * drop.scale : 0.f;
 #pragma unroll
             for (int dt = 0; dt < NT_O; ++dt) o[mt][dt][2 * hh] *= inv, o[mt][dt][2 * hh + 1] *= inv;
             const int r = wrow + mt * 16 + g + 8 * hh;

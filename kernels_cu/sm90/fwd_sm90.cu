@@ -63,6 +63,7 @@ __device__ void fwd_sm90(const FwdParams& p) {
     if constexpr (FRT_SOFTCAP) r.cap = Softcap(p.softcap, p.scale_log2);
     if constexpr (FRT_ALIBI) r.alibi = Alibi(p, tile.b, tile.h, tile.vis.shift);
     if constexpr (FRT_SCORE_MOD) r.smod = ScoreMod(p, tile.b, tile.h, tile.vis);
+    if constexpr (FRT_DROPOUT) r.drop = Dropout(p, tile.b, tile.h);
 
     // Key tiles last to first (as fwd.cu): the ones needing the element mask come first.
     // Iteration it issues S = Q K^T of tile it and O += P V of tile it - 1, and runs tile it's softmax

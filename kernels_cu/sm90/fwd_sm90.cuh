@@ -5,6 +5,7 @@
 // A thread holds rows 16 w + g (hh = 0) and 16 w + g + 8 (hh = 1) of its warpgroup's rows; its
 // accumulator element [4 j + 2 hh + e] is column 8 j + 2 t + e (wgmma.cuh: the accumulator layout).
 #pragma once
+#include "attention/dropout.cuh"
 #include "attention/params.cuh"
 #include "attention/softmax.cuh"
 #include "common/wgmma.cuh"
@@ -26,6 +27,7 @@ struct FwdRows {
     Softcap cap;   // FRT_SOFTCAP: set by the kernel (score_mod.cuh)
     Alibi alibi;  // FRT_ALIBI: set by the kernel
     ScoreMod smod;  // FRT_SCORE_MOD: set by the kernel
+    Dropout drop;   // FRT_DROPOUT: set by the kernel
 
     FRT_DEVICE FwdRows() {
 #pragma unroll
@@ -132,7 +134,7 @@ struct FwdRows {
                                           [&](int q, int k) { return tile.visible(q, k, tile.h); });
             }
         }
-        online(scale_log2);
+        online(scale_log2, row_base, j * BN, t);
     }
 
     // Causal without mask bits, on key tile j whose diagonal is this warpgroup's: its rows see the thread's key
@@ -151,7 +153,7 @@ struct FwdRows {
                 for (int e = 0; e < 2; ++e)
                     if (8 * jj + e >= hi) s[4 * jj + 2 * hh + e] = -FRT_INF;
         }
-        online<JHI>(scale_log2);
+        online<JHI>(scale_log2, row_base, j * BN, t);
     }
 
     // The score modifications (score_mod.cuh) on the key groups jj < JHI of key tile n0.. (row_base: the thread's
@@ -172,15 +174,22 @@ struct FwdRows {
     }
 
     // The online softmax of the scores in s, the key groups jj < JHI (s becomes P, unnormalised; alpha the rescale
-    // of O); the groups from JHI on are masked for every row here, and their P is 0.
+    // of O); the groups from JHI on are masked for every row here, and their P is 0. FRT_DROPOUT: then the dropped
+    // elements of P become 0 (key tile n0.., row_base: the thread's first row; the rows' sums took them).
     template <int JHI = BN / 8>
-    FRT_DEVICE void online(float scale_log2) {
+    FRT_DEVICE void online(float scale_log2, int row_base, int n0, int t) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             alpha[hh] = online_row<JHI>(row_max[hh], row_sum[hh], ScoreMod::exp_scale(cap.scale_of(scale_log2)),
                                         [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; });
 #pragma unroll
             for (int jj = JHI; jj < BN / 8; ++jj) s[4 * jj + 2 * hh] = s[4 * jj + 2 * hh + 1] = 0.f;
+        }
+        if constexpr (FRT_DROPOUT) {
+            constexpr int J = (JHI + 1) / 2 * 2;  // (draws cover 16 columns)
+            drop.each<J>(row_base, n0 + 2 * t, [&](int i, u32 dropped) {
+                if (dropped) s[i] = 0.f;
+            });
         }
     }
 
@@ -199,7 +208,7 @@ struct FwdRows {
             const float keep = add_sink(mx, sum, sink);
             const int r = 16 * w + g + 8 * hh;
             if (t == 0 && r < tile.rows - 64 * wg) glse[r] = sum > 0.f ? (mx + fast_log2(sum)) * kLn2 : -FRT_INF;
-            row_sum[hh] = sum > 0.f ? keep * fast_rcp(sum) : 0.f;
+            row_sum[hh] = sum > 0.f ? keep * fast_rcp(sum) * drop.scale : 0.f;
         }
     }
 

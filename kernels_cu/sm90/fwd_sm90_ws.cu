@@ -244,6 +244,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         if constexpr (FRT_SOFTCAP) r.cap = Softcap(p.softcap, p.scale_log2);
         if constexpr (FRT_ALIBI) r.alibi = Alibi(p, tile.b, tile.h, tile.vis.shift);
         if constexpr (FRT_SCORE_MOD) r.smod = ScoreMod(p, tile.b, tile.h, tile.vis);
+        if constexpr (FRT_DROPOUT) r.drop = Dropout(p, tile.b, tile.h);
         // Key tile it: S = Q K^T of it and O += P V of it - 1 issued, S complete; returns the tile (j) for the softmax.
         auto key_step = [&](int it) {
             const int j = key_tile(tile, it);
@@ -282,8 +283,9 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             if (n_blocks > 0 && tile.m0 + BM <= tile.vis.Lq && (tile.n_first + n_blocks) * BN <= tile.vis.Lk &&
                 tile.m0 + tile.vis.shift == (tile.n_first + n_blocks - 1) * BN) {
                 for (; it + 1 < n_blocks; ++it, ++kr) {
-                    r.mod_scores(row_base, key_step(it) * BN, t);
-                    r.online(p.scale_log2);
+                    const int n0 = key_step(it) * BN;
+                    r.mod_scores(row_base, n0, t);
+                    r.online(p.scale_log2, row_base, n0, t);
                 }
                 const int j = key_step(it);
                 if (wg == 0)

@@ -1,0 +1,106 @@
+// Attention dropout (FRT_DROPOUT): each probability P[q, k] is kept with probability ~1 - p and scaled by its inverse,
+// or dropped, by a mask that every kernel regenerates from a counter-based RNG (Philox-4x32-10), whatever its
+// fragment layout: the forward's (rows: queries) and the backward's transposed scores (rows: keys) alike. One
+// definition for every kernel that computes P; flashrt/reference.py (dropout_mask) is the same function in numpy.
+//
+// The mask of (sequence b, query head h, query q, key k): the pairs fall into draws of 8, the query rows
+// {q0, q0 + 8} (q0 = 16 qb + g, g < 8) by the keys {k0, k0 + 1, k0 + 8, k0 + 9} (k0 = 16 kb + 2 t, t < 4): the
+// elements one thread of an m16n8 fragment (mma.sync or wgmma) holds of a 16 x 16 block. A draw is
+// Philox-4x32-10 of the counter (32 kb + 4 g + t, qb, b H + h, offset) under the key (seed, offset's high
+// word xored into the seed's), and element (q0 + 8 a, k0 + 8 c + e) takes 16 bits, half e of word 2 a + c; it is kept
+// where those bits are under keep = round((1 - p) 2^16). A transposed fragment (rows: keys) holds 4 elements of each of
+// two draws, and makes both (two draws per 8 elements against the forward's one).
+#pragma once
+#include "attention/mask.cuh"
+#include "common/common.cuh"
+
+#ifndef FRT_DROPOUT
+#define FRT_DROPOUT 0
+#endif
+
+namespace frt {
+
+// Philox-4x32-10 (Salmon et al., SC 2011): ten rounds of two 32 x 32 -> 64-bit products, the key bumped by the Weyl
+// constants between rounds.
+FRT_DEVICE uint4 philox4x32_10(uint4 c, u32 k0, u32 k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r > 0) k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+        const u32 lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
+        const u32 lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
+
+// A call's dropout for one (sequence, query head): FwdParams / BwdParams::drop_rng (2 int64 in device memory, seed and
+// offset: read there so that a CUDA graph's replays take fresh ones), drop_keep and drop_scale.
+struct Dropout {
+    u32 k0 = 0, k1 = 0, off = 0, bh = 0, keep = 0;
+    float scale = 1.f;  // 2^16 / keep (~1 / (1 - p)), which the kept probabilities take
+
+    FRT_DEVICE Dropout() {}
+    template <class P>
+    FRT_DEVICE Dropout(const P& p, int b, int h) {
+        const u64 seed = p.drop_rng[0], offset = p.drop_rng[1];
+        k0 = (u32)seed, k1 = (u32)(seed >> 32) ^ (u32)(offset >> 32), off = (u32)offset;
+        bh = (u32)b * (u32)p.H + (u32)h, keep = (u32)p.drop_keep, scale = p.drop_scale;
+    }
+    FRT_DEVICE Dropout head(int b, int h, int H) const {  // the same call's, for another (sequence, query head)
+        Dropout d = *this;
+        d.bh = (u32)b * (u32)H + (u32)h;
+        return d;
+    }
+    // (The key passes through an opaque move per draw: ptxas would otherwise hoist the ten rounds' keys out of the
+    // kernels' loops, 18 registers held throughout, and the warp-specialised forward spilled 8-64 bytes, NVRTC 12.9.)
+    FRT_DEVICE uint4 draw(u32 atom, u32 qb) const {
+        u32 a = k0, b = k1;
+        asm volatile("mov.b32 %0, %0;" : "+r"(a));
+        asm volatile("mov.b32 %0, %0;" : "+r"(b));
+        return philox4x32_10(make_uint4(atom, qb, bh, off), a, b);
+    }
+    FRT_DEVICE u32 dropped(u32 word, int half) const { return ((word >> (16 * half)) & 0xFFFFu) >= keep; }
+
+    // Each element of a thread's fragment of N8 8-column groups (N8 even; mask.cuh: Fragments) with whether it is
+    // dropped: f(4 jj + 2 hh + e, dropped) for element (row + 8 hh, col + 8 jj + e); row = 16 x + g, col = 16 y + 2 t.
+    // TRANSPOSED: rows are keys, columns queries (the backward's S^T); else rows are queries. Positions in the
+    // sequence.
+    template <int N8, bool TRANSPOSED = false, class F>
+    FRT_DEVICE void each(int row, int col, const F& f) const {
+        static_assert(N8 % 2 == 0, "dropout draws cover 16 columns");
+        const u32 g = row & 7, t = (col >> 1) & 3, rb = row >> 4, cb = col >> 4;
+#pragma unroll
+        for (int u = 0; u < N8 / 2; ++u) {
+            if constexpr (!TRANSPOSED) {
+                const uint4 r = draw(32 * (cb + u) + 4 * g + t, rb);
+                const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) f(4 * (2 * u + c) + 2 * hh + e, dropped(w[2 * hh + c], e));
+            } else {  // element (key row + 8 hh, query col + 8 (2 u + v) + e): draw (query g 2 t + e, key t g / 2)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const uint4 r = draw(32 * rb + 4 * (2 * t + e) + (g >> 1), cb + u);
+                    const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+                    for (int v = 0; v < 2; ++v)
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) f(4 * (2 * u + v) + 2 * hh + e, dropped(w[2 * v + hh], g & 1));
+                }
+            }
+        }
+    }
+    // The same as bits: bit i set where element i is dropped.
+    template <int N8, bool TRANSPOSED = false>
+    FRT_DEVICE typename BitsOf<4 * N8>::type bits(int row, int col) const {
+        using Bits = typename BitsOf<4 * N8>::type;
+        Bits out = 0;
+        each<N8, TRANSPOSED>(row, col, [&](int i, u32 d) { out |= (Bits)d << i; });
+        return out;
+    }
+};
+
+}  // namespace frt
