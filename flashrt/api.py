@@ -231,7 +231,7 @@ def dropout_rng(like):
     reproducible, and a CUDA graph's replays draw new ones); for CuPy, from cupy.random."""
     if interop.is_torch(like):
         import torch
-        return torch.empty(2, dtype=torch.int64, device=like.device).random_()
+        return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=like.device)
     import cupy
     with cupy.cuda.Device(interop.describe(like, "like").device):
         return cupy.random.randint(0, 2**62, size=2, dtype=cupy.int64)
@@ -400,8 +400,8 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
     if sinks:
         _check_sinks(interop.describe(tensors[3], "sinks"), Q, H)
     bstride = _check_alibi(interop.describe(tensors[3 + sinks], "alibi_slopes"), Q, H, m.B) if alibi else 0
-    if dropout:
-        _check_dropout_rng(interop.describe(tensors[-1], "dropout_rng"), Q)
+    if dropout:  # (after q, k, v, sinks and the slopes; the mask arrays follow)
+        _check_dropout_rng(interop.describe(tensors[3 + sinks + alibi], "dropout_rng"), Q)
     scale = _scale(softmax_scale, D)
     # Varlen: rows outside every sequence are not written by the kernel: zeros, lse -inf. Nothing to
     # attend to: out = 0, lse = -inf, no launch.
@@ -623,8 +623,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     dO, O, L = interop.describe(dout, "dout"), interop.describe(out, "out"), interop.describe(lse, "lse")
     _check_grad_inputs(Q, dO, O, L, m.lse_shape(H))
     bstride = _check_alibi(interop.describe(tensors[6], "alibi_slopes"), Q, H, m.B) if alibi else 0
-    if dropout:
-        _check_dropout_rng(interop.describe(tensors[-1], "dropout_rng"), Q)
+    if dropout:  # (after dout, q, k, v, out, lse and the slopes; the mask arrays follow)
+        _check_dropout_rng(interop.describe(tensors[6 + alibi], "dropout_rng"), Q)
     if impl == "fused" and deterministic and not m.ordered_dq_ok:
         raise ValueError("impl='fused' with deterministic=True cannot order its dQ additions under segment_ids "
                          "or mask_mod masks; use impl='split' (or 'auto'), or deterministic=False")

@@ -279,7 +279,7 @@ def test_upstream_gradient_made_readable_only_when_needed():
 # ---------------------------------------------------------------------------
 # GPU: the custom ops under torch's checkers and compilers
 # ---------------------------------------------------------------------------
-_NO_SCORE_MODS = (None, None, None)  # the ops' softcap, alibi_slopes and sinks
+_NO_SCORE_MODS = (None, None, None, 0.0, None)  # the ops' softcap, alibi_slopes, sinks, dropout_p and dropout_rng
 _NO_SCORE_MOD = ("", "", "", "", [])  # ... after score_mod, its derivative, its tensor names, the learned ones' names
 # and those tensors
 _NO_MODS = ("", "", *_NO_SCORE_MOD, *_NO_SCORE_MODS)  # ... after mask_mod and its tensor names
@@ -353,10 +353,17 @@ def test_opcheck_with_masks_and_varlen():
     torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, *_NO_MODS))
     # ALiBi slopes per packed sequence (a tensor the ops take no gradient of)
     slopes = torch.rand(2, H, device="cuda")
-    alibi = ("", "", *_NO_SCORE_MOD, None, slopes, None)
+    alibi = ("", "", *_NO_SCORE_MOD, None, slopes, None, 0.0, None)
     torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen, *alibi))
     out, lse = flashrt.forward(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, alibi_slopes=slopes)
     torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, *alibi))
+    # dropout: its rng a tensor the ops take no gradient of
+    rng = flashrt.dropout_rng(pq)
+    drop = ("", "", *_NO_SCORE_MOD, None, None, None, 0.2, rng)
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(pq, pk, pv), *options, True, varlen, *drop))
+    out, lse = flashrt.forward(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.2,
+                               dropout_rng=rng)
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do[0], pq, pk, pv, out, lse, *options, varlen, *drop))
 
 
 def _block_grads(model, x, dy):
