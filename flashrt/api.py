@@ -471,7 +471,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale: float | No
     `sinks` (the forward's) their gradient too: (dq, dk, dv, dsinks), dsinks (H,) fp32.
 
     Pass the same mask arguments, softcap, alibi_slopes, sinks, dropout_p and dropout_rng as to forward (the slopes
-    get no gradient). With dropout the mma.sync kernels run (on Hopper too: no wgmma backward has it yet).
+    get no gradient).
     impl="split": a dQ kernel over query tiles and a dK/dV kernel over key tiles, no atomics.
     impl="fused": one kernel over key tiles that also adds dQ up in an fp32 buffer with
     atomics (5 matmuls instead of 7). With deterministic=True the key tiles add in a fixed
@@ -644,10 +644,10 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=dO4)
 
     dev = launch.device(Q.device)
-    dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits)
-    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi, m.score_mod)
     drop = bool(dropout)
-    if drop:  # (spec.DROPOUT_FAMILIES: the mma.sync backward)
+    dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits, drop)
+    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi, m.score_mod)
+    if drop and m.score_mod:  # (the wgmma backward has no variant with both: spec.DROPOUT_FAMILIES)
         dq_family, dkdv_family, fused_family = "bwd_dq", "bwd_dkdv", "bwd_fused"
     if impl == "auto":
         fused_bm = _kernel_for(fused_family, D, Q, m, dev, bool(softcap), alibi, drop).block_m

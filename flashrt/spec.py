@@ -63,9 +63,9 @@ SOFTCAP_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL + PACKED_ROWS
 # derivative (the backward's: score_mod_source defines flashrt_score_mod_grad in them).
 SCORE_MOD_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
 SCORE_GRAD_FAMILIES = KEY_PARALLEL + ("bwd_dq", "bwd_dq_sm90")
-# Families that apply attention dropout when compiled with it (kernels_cu/attention/dropout.cuh): every forward but
-# decode's, and the mma.sync backward (a backward with dropout runs it on every arch: flashrt/api.py).
-DROPOUT_FAMILIES = ("fwd", "fwd_sm90", "fwd_sm90_ws", "bwd_dq", "bwd_dkdv", "bwd_fused")
+# Families that apply attention dropout when compiled with it (kernels_cu/attention/dropout.cuh): every one that
+# computes P but decode's (the wgmma backward's not with a score_mod: flashrt/api.py sends those to mma.sync).
+DROPOUT_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
 # wgmma families (sm_90a only; kernels_cu/common/wgmma.cuh) and the head_dims each has a variant at (layout_problem
 # rejects the others; tiles.applies chooses among them).
 SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192, 256),
@@ -179,6 +179,8 @@ class KernelSpec:
             raise ValueError("softcap and alibi together are not supported yet")
         if self.dropout and self.family not in DROPOUT_FAMILIES:
             raise ValueError(f"{self.family} has no dropout variant")
+        if self.dropout and self.score_mod and self.family in ("bwd_dkdv_sm90", "bwd_fused_sm90"):
+            raise ValueError(f"{self.family} has no variant with dropout and a score_mod")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
             raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
         if self.score_mod:

@@ -57,17 +57,25 @@ _SCORE_MOD_MASK_LIMITS = {
 }
 
 
+# ... with dropout (the draws' registers; NVRTC 12.9): the warp-specialised forward above head_dim 192 (12-28 bytes of
+# spills with 64-key tiles, 64 with 80-key ones), the wgmma dK/dV kernel at 128 with segment ids (8 bytes).
+_DROPOUT_MASK_LIMITS = {
+    "fwd_sm90_ws": ((192, 256, 0),),
+    "bwd_dkdv_sm90": ((64, 128, MASK_BITS["segments"]),),
+}
+
+
 def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool = False, alibi: bool = False,
             score_mod: tuple = (), dropout: bool = False) -> bool:
     """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS) (and softcap, ALiBi or a score_mod;
     dropout); wgmma families: sm_90a, spec.SM90_HEAD_DIMS (the head_dims they have a variant at, which KernelSpec
-    checks), _SM90_MASK_LIMITS, _SCORE_MOD_MASK_LIMITS, DROPOUT_WS_MAX_HEAD_DIM."""
+    checks), _SM90_MASK_LIMITS, _SCORE_MOD_MASK_LIMITS, _DROPOUT_MASK_LIMITS."""
     if family not in SM90_HEAD_DIMS:
         return True
     rules = _SM90_MASK_LIMITS.get(family, ()) + (_SCORE_MOD_MASK_LIMITS.get(family, ())
                                                  if softcap or alibi or score_mod else ())
-    if dropout and family == "fwd_sm90_ws":
-        rules += ((DROPOUT_WS_MAX_HEAD_DIM, 256, 0),)
+    if dropout:
+        rules += _DROPOUT_MASK_LIMITS.get(family, ())
     return (arch == "sm_90a" and head_dim in SM90_HEAD_DIMS[family]
             and not any(lo < head_dim <= hi and mask & bits == bits for lo, hi, bits in rules))
 
@@ -75,7 +83,7 @@ def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool 
 def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, dropout: bool = False) -> str:
     """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never);
     its warp-specialised form where that has a variant for `mask` (MASK_BITS; _SM90_MASK_LIMITS) and `dropout`
-    (DROPOUT_WS_MAX_HEAD_DIM) and fits.
+    (_DROPOUT_MASK_LIMITS) and fits.
 
     H200, B=2 S=8192 H=16 bf16 (scripts/probes/probe_sm90.py, docs/perf-notes.md: Forward: wgmma (fwd_sm90)): head_dim
     128 422 TFLOP/s against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised ("Forward:
@@ -88,15 +96,16 @@ def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, dro
     return "fwd_sm90" if _sm90_fits("fwd_sm90", head_dim, arch, smem_limit, no_sm90) else "fwd"
 
 
-def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0) -> tuple[str, str]:
+def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0, dropout: bool = False) -> tuple[str, str]:
     """The split backward's (dQ, dK/dV) kernel families: each the wgmma one on Hopper where it exists (for
-    this `mask`, MASK_BITS) and fits, else the mma.sync one.
+    this `mask`, MASK_BITS, and `dropout`) and fits, else the mma.sync one.
 
     FLASHRT_NO_SM90=1: the mma.sync pair everywhere. Measurements: docs/perf-notes.md, Backward: wgmma split
     (bwd_dq_sm90, bwd_dkdv_sm90).
     """
     no_sm90 = _env.no_sm90()
-    return tuple(sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, no_sm90, mask) else mma
+    return tuple(sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, no_sm90, mask)
+                 and applies(sm90, head_dim, arch, mask, dropout=dropout) else mma
                  for sm90, mma in (("bwd_dq_sm90", "bwd_dq"), ("bwd_dkdv_sm90", "bwd_dkdv")))
 
 
@@ -263,7 +272,7 @@ _SCORE_MOD_PREFERENCES = {
 # Tilings of dropout variants (spec.KernelSpec.dropout), family -> (lo, hi, tilings) for lo < head_dim <= hi, ahead of
 # the tables above, where the draws' registers (kernels_cu/attention/dropout.cuh) made the preferred tilings spill
 # (NVRTC 12.9): the warp-specialised forward with 128- or 80-key tiles (8-64 bytes; with 64-key ones none up to head_dim
-# 192, 12-28 bytes at 256, which takes fwd_sm90: DROPOUT_WS_MAX_HEAD_DIM), fwd_sm90 with 128-key tiles and masks at 128
+# 192, 12-28 bytes at 256, which takes fwd_sm90: _DROPOUT_MASK_LIMITS), fwd_sm90 with 128-key tiles and masks at 128
 # (20-48), the mma.sync forward 128x32 with 4 warps at 128 (4), the mma.sync dQ above 192 (128x32: 32 bytes causal with
 # masks; 64x32: 24 causal), fwd_sm90 at two blocks per SM at head_dim 64 (8 with masks). Not timed against others.
 _DROPOUT_PREFERENCES = {
@@ -272,7 +281,6 @@ _DROPOUT_PREFERENCES = {
     "fwd_sm90_ws": [(0, 256, [(128, 64, 12)])],
     "bwd_dq": [(192, 256, [(64, 16, 4)])],
 }
-DROPOUT_WS_MAX_HEAD_DIM = 192
 # Tilings of a user's score_mod that reads tensors (spec.KernelSpec.score_mod), family -> (lo, hi, tilings) for
 # lo < head_dim <= hi, ahead of every table above (the long-rows one aside: not taken with a score_mod). Chosen by
 # spills of the compile proof's expressions (tests/test_compile.py: a capped score, an ALiBi-like one over a slopes

@@ -67,9 +67,12 @@ def _reference(torch, q, k, v, do, causal, mask, cu, rng, p):
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("impl", ["split", "fused"])
+@pytest.mark.parametrize("no_sm90", [False, True], ids=["default-kernels", "mma-sync"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_dropout_matches_float64_reference(torch, case, impl, p):
+def test_dropout_matches_float64_reference(torch, monkeypatch, case, no_sm90, impl, p):
     import cupy
+    if no_sm90:
+        monkeypatch.setenv("FLASHRT_NO_SM90", "1")
     B, Sq, Sk, H, Hkv, D, causal, dtype, mask = case
     seed = zlib.crc32(repr(case).encode())
     q, k, v, do, _ = _inputs(torch, B, Sq, Sk, H, Hkv, D, dtype, seed)
@@ -92,6 +95,28 @@ def test_dropout_matches_float64_reference(torch, case, impl, p):
     # a wrong mask is no small error: the same inputs under another rng's mask are far off
     other = reference.dropout_mask((rng[0].item() + 1, rng[1].item()), p, B, H, Sq, Sk, xp=cupy)
     assert float(cupy.abs(other - reference.dropout_mask(rng.tolist(), p, B, H, Sq, Sk, xp=cupy)).max()) > 1
+
+
+@pytest.mark.parametrize("mod", ["softcap", "alibi", "score_mod"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_dropout_with_score_modifications_matches_reference(torch, D, mod):
+    # dropout beside softcap / ALiBi (the wgmma backward) and a score_mod expression (the mma.sync backward)
+    import cupy
+    B, S, H, Hkv = 2, 160, 4, 2
+    q, k, v, do, _ = _inputs(torch, B, S, S, H, Hkv, D, "bf16", D + len(mod))
+    slopes = torch.rand(H, device="cuda")
+    kw = {"softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=slopes),
+          "score_mod": dict(score_mod="s - 0.5f * fabsf(kf - qf) * 0.1f")}[mod]
+    ref_kw = {"softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=_f64(slopes)),
+              "score_mod": dict(score_mod=lambda s, b, h, i, j, lq, lk: s - 0.05 * abs(j - i))}[mod]
+    rng = flashrt.dropout_rng(q)
+    out, lse = flashrt.forward(q, k, v, causal=True, dropout_p=0.2, dropout_rng=rng, **kw)
+    grads = flashrt.backward(do, q, k, v, out, lse, causal=True, dropout_p=0.2, dropout_rng=rng, **kw)
+    drop = reference.dropout_mask(rng.tolist(), 0.2, B, H, S, S, xp=cupy)
+    ref = reference.attention(*(_f64(x) for x in (q, k, v)), causal=True, dout=_f64(do), dropout=drop, **ref_kw)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:])):
+        e = reference.rel_error(_f64(x), r)
+        assert e < 2e-2, f"{name}: rel err {e:.2e}"
 
 
 def test_dropout_mask_is_bitwise_repeatable_and_new_per_rng(torch):

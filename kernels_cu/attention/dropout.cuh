@@ -93,14 +93,46 @@ struct Dropout {
             }
         }
     }
-    // The same as bits: bit i set where element i is dropped.
+    // The same as a word: bit i set where element i is dropped. One draw at a time (a rolled loop: the kernels that
+    // take the word keep their accumulators live, and ptxas interleaving the unrolled draws spilled the wgmma dK / dV
+    // kernels 16-156 bytes, NVRTC 12.9).
     template <int N8, bool TRANSPOSED = false>
     FRT_DEVICE typename BitsOf<4 * N8>::type bits(int row, int col) const {
+        static_assert(N8 % 2 == 0, "dropout draws cover 16 columns");
         using Bits = typename BitsOf<4 * N8>::type;
+        const u32 g = row & 7, t = (col >> 1) & 3, rb = row >> 4, cb = col >> 4;
         Bits out = 0;
-        each<N8, TRANSPOSED>(row, col, [&](int i, u32 d) { out |= (Bits)d << i; });
+#pragma unroll 1
+        for (int d = 0; d < (TRANSPOSED ? N8 : N8 / 2); ++d) {
+            const int u = TRANSPOSED ? d >> 1 : d, e = d & 1;  // (transposed: draw e of column block u)
+            const uint4 r = TRANSPOSED ? draw(32 * rb + 4 * (2 * t + e) + (g >> 1), cb + u)
+                                       : draw(32 * (cb + u) + 4 * g + t, rb);
+            const u32 w[4] = {r.x, r.y, r.z, r.w};
+            u32 eight = 0;  // bit 4 c + 2 hh + e' of the 8 elements of column block u this draw gives
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int i = 4 * c + 2 * hh + x;
+                        if constexpr (TRANSPOSED)  // (c: the query half v, x: the draw's own e)
+                            eight |= x == 0 ? dropped(w[2 * c + hh], g & 1) << (i + e) : 0u;
+                        else
+                            eight |= dropped(w[2 * hh + c], x) << i;
+                    }
+            out |= (Bits)eight << (8 * u);
+        }
         return out;
     }
 };
+
+// dP (or dP^T) of a thread's fragment in the probabilities before dropout: 0 where `dropped` (Dropout::bits) has element
+// i's bit, the kept ones times the scale.
+template <int N, class Bits>
+FRT_DEVICE void kept_dp(float (&dp)[N], Bits dropped, float scale) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dp[i] = (dropped >> i & 1) ? 0.f : dp[i] * scale;
+}
 
 }  // namespace frt

@@ -85,6 +85,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
     const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, b, 0, tile.vis) : ScoreMod();  // (the head: each pair's)
+    const Dropout drop = FRT_DROPOUT ? Dropout(p, b, 0) : Dropout();             // (the head: each pair's)
+    static_assert(!(FRT_DROPOUT && FRT_SCORE_MOD), "bwd_dkdv_sm90: no variant with dropout and score_mod");
 
     const i64 krow0 = tile.vis.k_row0 + n0;
     load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, tid);
@@ -149,6 +151,11 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             const u32 sA = wg == 0 ? sK : sV, sB = wg == 0 ? sQ : sdO;
             wgmma_abt<BM, BN, D / 16, T::BF16>(x, sA, sB);
             wgmma_commit();
+            u32 dropped = 0;  // (FRT_DROPOUT, under the wgmma: both warpgroups hold the same elements)
+            if constexpr (FRT_DROPOUT) {
+                const auto pr = tile.pair(p, it);
+                dropped = dropped_bits<BM>(drop.head(b, pr.h, p.H), key_base, pr.m * BM, t);
+            }
             wgmma_wait<0>();
             fence_operand(x);
             float4* xch = reinterpret_cast<float4*>(smem + (sXch - smem_base)) + wtid;
@@ -173,9 +180,14 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                         xch[q * 128] = make_float4(x[4 * q], x[4 * q + 1], x[4 * q + 2], x[4 * q + 3]);
                 }
                 bar_arrive<3, 256>();  // P^T -> warpgroup 1
+                if constexpr (FRT_DROPOUT) {
+                    pack_kept<BM, T::BF16>(x, a, dropped, drop.scale);
+                } else {
 #pragma unroll
-                for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(x, kk, a[kk]);
+                    for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(x, kk, a[kk]);
+                }
             } else {
+                if constexpr (FRT_DROPOUT) kept_dp(x, dropped, drop.scale);
                 bar_wait<3, 256>();
                 // dS^T = P^T o (dP^T - delta[query]), with P^T in fp32 (and the softcap's derivative: ds_from_dp;
                 // FRT_SCORE_MOD: warpgroup 0 sent P^T f').
@@ -204,6 +216,9 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 sw128_to_a_frags<BN, D>(sKw, ka, w, g, t);
                 sw128_to_a_frags<BN, D>(sVw, va, w, g, t);
             }
+            const auto pr = tile.pair(p, it);
+            u32 dropped = 0;  // (FRT_DROPOUT)
+            if constexpr (FRT_DROPOUT) dropped = dropped_bits<BM>(drop.head(b, pr.h, p.H), key_base, pr.m * BM, t);
             float s[BM / 2], dp[BM / 2];
             wgmma_fence();  // orders the accumulator and fragment writes before the wgmmas
             wgmma_abt<BM, D / 16, T::BF16>(s, ka, sQ);
@@ -212,7 +227,6 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             wgmma_commit();  // (empty for the first pair: three groups in every iteration)
             wgmma_abt<BM, D / 16, T::BF16>(dp, va, sdO);
             wgmma_commit();
-            const auto pr = tile.pair(p, it);
             const u32 hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0u;
 
             if constexpr (FRT_SCORE_MOD) {  // (P^T and dS^T at once: mod_ds)
@@ -229,11 +243,13 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
                 wgmma_wait<0>();
                 fence_operand(dp);
                 fence_acc_and_frags(acc, pa, dsa);  // the previous pair's wgmmas are done with them
+                if constexpr (FRT_DROPOUT) kept_dp(dp, dropped, drop.scale);
                 ds_from_dp<BM>(dp, s, s_delta, t, s_lse2, cap);
             }
+            if constexpr (FRT_DROPOUT) pack_kept<BM, T::BF16>(s, pa, dropped, drop.scale);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {
-                acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
+                if constexpr (!FRT_DROPOUT) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
                 acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);
             }
             sQ_prev = sQ;
@@ -250,6 +266,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             wgmma_commit();
             wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
             wgmma_commit();
+            u32 dropped = 0;  // (FRT_DROPOUT, under the wgmmas)
+            if constexpr (FRT_DROPOUT) dropped = dropped_bits<BM>(drop.head(b, pr.h, p.H), key_base, pr.m * BM, t);
 
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)
             fence_operand(s);
@@ -259,8 +277,12 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             } else {
                 add_alibi<BM>(s, p, tile, pr.h, pr.m, key_base, t);
                 probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
+                if constexpr (FRT_DROPOUT) {
+                    pack_kept<BM, T::BF16>(s, pa, dropped, drop.scale);
+                } else {
 #pragma unroll
-                for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
+                    for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
+                }
             }
             // dV += P^T dO now, under dS^T's arithmetic (fused: 1.03-1.05x, docs/perf-notes.md: Backward: fused wgmma)
             wgmma_fence();
@@ -268,6 +290,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             wgmma_commit();
             wgmma_wait<1>();  // dP^T is complete (dV may not be)
             fence_operand(dp);
+            if constexpr (FRT_DROPOUT) kept_dp(dp, dropped, drop.scale);
             ds_from_dp<BM>(dp, s, s_delta, t, s_lse2, cap);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);

@@ -12,6 +12,7 @@
 // warpgroups' dP wgmmas are done (dP is issued before S for that), while S, P, dS and dQ += dS K of
 // the same tile run. Each block also computes its rows' delta and lse2 (bwd_preprocess.cu's work:
 // row_stats) and writes them for the dK/dV pass, launched after it.
+#include "attention/dropout.cuh"
 #include "attention/params.cuh"
 #include "attention/score_mod.cuh"
 #include "common/wgmma.cuh"
@@ -165,6 +166,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
     const Alibi alibi = FRT_ALIBI ? Alibi(p, tile.b, h, tile.vis.shift) : Alibi();
     const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, tile.b, h, tile.vis) : ScoreMod();
+    const Dropout drop = FRT_DROPOUT ? Dropout(p, tile.b, h) : Dropout();
 
     float dq[D / 2];
 #pragma unroll
@@ -211,9 +213,11 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             if (tile.needs_mask(it, j)) with_element_test<BN, IV>(tile, row_base, n0, t, h, HiddenBits<BN>{hidden});
         }
         wgmma_fence();  // orders the dQ accumulator writes (zeroing, last tile) before the wgmmas
+        typename BitsOf<BN / 2>::type dropped = 0;  // (FRT_DROPOUT, under the wgmmas)
         if constexpr (T::ONE_V) {
             issue_dp();
             issue_s();
+            if constexpr (FRT_DROPOUT) dropped = drop.bits<BN / 8>(row_base, n0 + 2 * t);
             wgmma_wait<1>();  // dP is complete (S may not be)
             fence_operand(dp);
             __syncthreads();  // both warpgroups' dP wgmmas have read V: refill it with the next tile's
@@ -223,6 +227,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
         } else {
             issue_s();
             issue_dp();
+            if constexpr (FRT_DROPOUT) dropped = drop.bits<BN / 8>(row_base, n0 + 2 * t);
             wgmma_wait<1>();  // S is complete (dP may not be)
         }
         fence_operand(s);
@@ -258,7 +263,8 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
             wgmma_wait<0>();
             fence_operand(dp);
         }
-        // dS = P o (dP - delta[row]).
+        // dS = P o (dP - delta[row]) (FRT_DROPOUT: dP of the probabilities before dropout).
+        if constexpr (FRT_DROPOUT) kept_dp(dp, dropped, drop.scale);
 #pragma unroll
         for (int jj = 0; jj < BN / 8; ++jj)
 #pragma unroll

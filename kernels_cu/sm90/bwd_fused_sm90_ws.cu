@@ -163,6 +163,8 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     const int b = tile.b, hk = tile.hk, n0 = tile.n0;
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
     const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, tile.b, 0, tile.vis) : ScoreMod();  // (the head: each pair's)
+    const Dropout drop = FRT_DROPOUT ? Dropout(p, tile.b, 0) : Dropout();             // (the head: each pair's)
+    static_assert(!(FRT_DROPOUT && FRT_SCORE_MOD), "bwd_fused_sm90: no variant with dropout and score_mod");
     const float* stat_base = reinterpret_cast<const float*>(smem + (sStat - smem_base));
     // This warpgroup's 64 keys: rows 64 wg.. of every column block of the K and V tiles; accumulator layouts as in
     // bwd_dkdv_sm90.cu (S^T / dP^T element [4 j + 2 hh + e]: key 16 w + g + 8 hh, query 8 j + 2 t + e).
@@ -203,6 +205,8 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
         }
         wgmma_commit();
+        HiddenWord<BM> dropped = 0;  // (FRT_DROPOUT, under the wgmmas)
+        if constexpr (FRT_DROPOUT) dropped = dropped_bits<BM>(drop.head(b, pr.h, p.H), key_base, pr.m * BM, t);
         wgmma_wait<1>();  // S^T is complete
         fence_operand(sc);
         // (FRT_SCORE_MOD: P^T packed here and P^T f' left in sc for ds_from_dp: mod_probabilities_packed)
@@ -215,7 +219,9 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             probabilities<BM>(sc, s_lse2, p.scale_log2, hidden, t, cap);
         }
         auto pack_p = [&] {
-            if constexpr (!FRT_SCORE_MOD) {
+            if constexpr (FRT_DROPOUT) {
+                pack_kept<BM, T::BF16>(sc, pa, dropped, drop.scale);
+            } else if constexpr (!FRT_SCORE_MOD) {
 #pragma unroll
                 for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(sc, kk, pa[kk]);
             }
@@ -233,6 +239,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             wgmma_wait<0>();  // dP^T is complete; dV after dS^T (P^T's fragments beside S^T and dP^T spilled)
         }
         fence_operand(dp);
+        if constexpr (FRT_DROPOUT) kept_dp(dp, dropped, drop.scale);
         ds_from_dp<BM>(dp, sc, s_delta, t, s_lse2, cap);
         if constexpr (T::WIDE) pack_p();
 #pragma unroll

@@ -2,6 +2,7 @@
 // hidden bits of S^T, ALiBi, P^T and dS^T on the accumulator fragments, the dV / dK wgmmas, fp32 partials, and the
 // fused kernel's dQ staging and ordered counters.
 #pragma once
+#include "attention/dropout.cuh"
 #include "attention/params.cuh"
 #include "attention/score_mod.cuh"
 #include "common/wgmma.cuh"
@@ -183,6 +184,27 @@ FRT_DEVICE void mod_ds(float (&s)[BM / 2], float (&dp)[BM / 2], const float* s_l
     mod_probabilities<BM>(s, s_lse2, hidden, mod, key_base, q0, t, [&](int i, float pg) {
         dp[i] = pg * (dp[i] - s_delta[8 * (i >> 2) + 2 * t + (i & 1)]);
     });
+}
+
+// FRT_DROPOUT: which of a thread's BM / 2 S^T elements (keys from key_base, queries from q0, the pair's query head's
+// dropout d) the mask drops (dropout.cuh), made while the S^T / dP^T wgmmas run.
+template <int BM>
+FRT_DEVICE HiddenWord<BM> dropped_bits(const Dropout& d, int key_base, int q0, int t) {
+    return d.bits<BM / 8, true>(key_base, q0 + 2 * t);
+}
+
+// FRT_DROPOUT: P^T as the A fragments of dV's wgmma (acc_to_a_frag's layout) with the dropped elements 0 and the kept
+// ones times the scale; s keeps P^T for dS^T.
+template <int BM, bool BF16>
+FRT_DEVICE void pack_kept(const float (&s)[BM / 2], u32 (&pa)[BM / 16][4], HiddenWord<BM> dropped, float scale) {
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int j = 8 * kk + 2 * i;
+            pa[kk][i] = Elem<BF16>::pack((dropped >> j & 1) ? 0.f : s[j] * scale,
+                                         (dropped >> (j + 1) & 1) ? 0.f : s[j + 1] * scale);
+        }
 }
 
 // Unscaled fp32 partials of a split (bwd_dkdv_reduce.cu sums them in split order): the rows < rows
