@@ -117,14 +117,15 @@ def alibi_bias(B, Sq, Sk, slopes, *, align="bottom_right", seqlens_q=None, seqle
 _M32 = 0xFFFFFFFF
 
 
-def philox4x32_10(counter, key, xp=None):
-    """Philox-4x32-10 (Salmon et al., SC 2011) of counters (4 broadcasting integer arrays of 32-bit words) under a key
-    (2 ints): its 4 output words, as uint64 arrays (kernels_cu/attention/dropout.cuh: philox4x32_10)."""
+def philox4x32(counter, key, rounds=10, xp=None):
+    """Philox-4x32 with `rounds` rounds (Salmon et al., SC 2011) of counters (4 broadcasting integer arrays of 32-bit
+    words) under a key (2 ints): its 4 output words, as uint64 arrays (kernels_cu/attention/dropout.cuh: philox4x32;
+    dropout takes 7 rounds)."""
     import numpy
     xp = xp or numpy
     c0, c1, c2, c3 = (xp.asarray(c).astype(xp.uint64) & _M32 for c in counter)
     k0, k1 = (int(x) & _M32 for x in key)
-    for r in range(10):
+    for r in range(rounds):
         if r:
             k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
         p0, p1 = c0 * xp.uint64(0xD2511F53), c2 * xp.uint64(0xCD9E8D57)
@@ -148,8 +149,8 @@ def dropout_mask(rng, dropout_p, B, H, Sq, Sk, *, at=None, xp=None):
     shape = (B, H, Sq, Sk)
     q, k = xp.broadcast_to(i, shape), xp.broadcast_to(j, shape)
     bh = xp.broadcast_to(b, shape) * H + h
-    words = philox4x32_10((32 * (k >> 4) + 4 * (q & 7) + ((k & 7) >> 1), q >> 4, bh, xp.full(shape, offset & _M32)),
-                          (seed & _M32, (seed >> 32) ^ (offset >> 32)), xp)
+    words = philox4x32((32 * (k >> 4) + 4 * (q & 7) + ((k & 7) >> 1), q >> 4, bh, xp.full(shape, offset & _M32)),
+                       (seed & _M32, (seed >> 32) ^ (offset >> 32)), 7, xp)
     pick = 2 * ((q >> 3) & 1) + ((k >> 3) & 1)
     word = xp.where(pick == 0, words[0], xp.where(pick == 1, words[1], xp.where(pick == 2, words[2], words[3])))
     draw = (word >> (16 * (k & 1)).astype(xp.uint64)) & xp.uint64(0xFFFF)

@@ -58,10 +58,12 @@ _SCORE_MOD_MASK_LIMITS = {
 
 
 # ... with dropout (the draws' registers; NVRTC 12.9): the warp-specialised forward above head_dim 192 (12-28 bytes of
-# spills with 64-key tiles, 64 with 80-key ones), the wgmma dK/dV kernel at 128 with segment ids (8 bytes).
+# spills with 64-key tiles, 64 with 80-key ones), the wgmma dK/dV kernel at 128 with segment ids (8 bytes), the wgmma
+# dQ at 256 with block or segment ids (4-8 bytes causal).
 _DROPOUT_MASK_LIMITS = {
     "fwd_sm90_ws": ((192, 256, 0),),
     "bwd_dkdv_sm90": ((64, 128, MASK_BITS["segments"]),),
+    "bwd_dq_sm90": ((192, 256, MASK_BITS["block_ids"]), (192, 256, MASK_BITS["segments"])),
 }
 
 

@@ -1,12 +1,12 @@
 // Attention dropout (FRT_DROPOUT): each probability P[q, k] is kept with probability ~1 - p and scaled by its inverse,
-// or dropped, by a mask that every kernel regenerates from a counter-based RNG (Philox-4x32-10), whatever its
+// or dropped, by a mask that every kernel regenerates from a counter-based RNG (Philox-4x32, 7 rounds), whatever its
 // fragment layout: the forward's (rows: queries) and the backward's transposed scores (rows: keys) alike. One
 // definition for every kernel that computes P; flashrt/reference.py (dropout_mask) is the same function in numpy.
 //
 // The mask of (sequence b, query head h, query q, key k): the pairs fall into draws of 8, the query rows
 // {q0, q0 + 8} (q0 = 16 qb + g, g < 8) by the keys {k0, k0 + 1, k0 + 8, k0 + 9} (k0 = 16 kb + 2 t, t < 4): the
 // elements one thread of an m16n8 fragment (mma.sync or wgmma) holds of a 16 x 16 block. A draw is
-// Philox-4x32-10 of the counter (32 kb + 4 g + t, qb, b H + h, offset) under the key (seed, offset's high
+// Philox-4x32-7 of the counter (32 kb + 4 g + t, qb, b H + h, offset) under the key (seed, offset's high
 // word xored into the seed's), and element (q0 + 8 a, k0 + 8 c + e) takes 16 bits, half e of word 2 a + c; it is kept
 // where those bits are under keep = round((1 - p) 2^16). A transposed fragment (rows: keys) holds 4 elements of each of
 // two draws, and makes both (two draws per 8 elements against the forward's one).
@@ -20,11 +20,14 @@
 
 namespace frt {
 
-// Philox-4x32-10 (Salmon et al., SC 2011): ten rounds of two 32 x 32 -> 64-bit products, the key bumped by the Weyl
-// constants between rounds.
-FRT_DEVICE uint4 philox4x32_10(uint4 c, u32 k0, u32 k1) {
+// Philox-4x32-R (Salmon et al., SC 2011): R rounds of two 32 x 32 -> 64-bit products, the key bumped by the Weyl
+// constants between rounds. Dropout takes R = 7 (kDropoutRounds), which the paper found to pass TestU01's BigCrush
+// (10, cuRAND's, adds margin; FlashAttention-2's dropout uses 7): a tenth of the forward's time at head_dim 64.
+constexpr int kDropoutRounds = 7;
+template <int R>
+FRT_DEVICE uint4 philox4x32(uint4 c, u32 k0, u32 k1) {
 #pragma unroll
-    for (int r = 0; r < 10; ++r) {
+    for (int r = 0; r < R; ++r) {
         if (r > 0) k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
         const u32 lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
         const u32 lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
@@ -51,49 +54,42 @@ struct Dropout {
         d.bh = (u32)b * (u32)H + (u32)h;
         return d;
     }
-    // (The key passes through an opaque move per draw: ptxas would otherwise hoist the ten rounds' keys out of the
-    // kernels' loops, 18 registers held throughout, and the warp-specialised forward spilled 8-64 bytes, NVRTC 12.9.)
+    // OPAQUE: the key passes through an opaque move, so that ptxas cannot hoist the rounds' keys out of the caller's
+    // loop (bits' rolled one: there, held throughout, they spilled the wgmma backward 12-96 bytes, NVRTC 12.9); the
+    // forward's unrolled draws keep them hoisted, two adds per round fewer.
+    template <bool OPAQUE = false>
     FRT_DEVICE uint4 draw(u32 atom, u32 qb) const {
         u32 a = k0, b = k1;
-        asm volatile("mov.b32 %0, %0;" : "+r"(a));
-        asm volatile("mov.b32 %0, %0;" : "+r"(b));
-        return philox4x32_10(make_uint4(atom, qb, bh, off), a, b);
+        if constexpr (OPAQUE) {
+            asm volatile("mov.b32 %0, %0;" : "+r"(a));
+            asm volatile("mov.b32 %0, %0;" : "+r"(b));
+        }
+        return philox4x32<kDropoutRounds>(make_uint4(atom, qb, bh, off), a, b);
     }
     FRT_DEVICE u32 dropped(u32 word, int half) const { return ((word >> (16 * half)) & 0xFFFFu) >= keep; }
 
-    // Each element of a thread's fragment of N8 8-column groups (N8 even; mask.cuh: Fragments) with whether it is
-    // dropped: f(4 jj + 2 hh + e, dropped) for element (row + 8 hh, col + 8 jj + e); row = 16 x + g, col = 16 y + 2 t.
-    // TRANSPOSED: rows are keys, columns queries (the backward's S^T); else rows are queries. Positions in the
-    // sequence.
-    template <int N8, bool TRANSPOSED = false, class F>
+    // Each element of a thread's fragment of N8 8-column groups (N8 even; mask.cuh: Fragments), rows queries and columns
+    // keys (the forward's), with whether it is dropped: f(4 jj + 2 hh + e, dropped) for element (row + 8 hh,
+    // col + 8 jj + e); row = 16 x + g, col = 16 y + 2 t; positions in the sequence.
+    template <int N8, class F>
     FRT_DEVICE void each(int row, int col, const F& f) const {
         static_assert(N8 % 2 == 0, "dropout draws cover 16 columns");
         const u32 g = row & 7, t = (col >> 1) & 3, rb = row >> 4, cb = col >> 4;
 #pragma unroll
         for (int u = 0; u < N8 / 2; ++u) {
-            if constexpr (!TRANSPOSED) {
-                const uint4 r = draw(32 * (cb + u) + 4 * g + t, rb);
-                const u32 w[4] = {r.x, r.y, r.z, r.w};
+            const uint4 r = draw(32 * (cb + u) + 4 * g + t, rb);
+            const u32 w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-                for (int c = 0; c < 2; ++c)
+            for (int c = 0; c < 2; ++c)
 #pragma unroll
-                    for (int hh = 0; hh < 2; ++hh)
+                for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) f(4 * (2 * u + c) + 2 * hh + e, dropped(w[2 * hh + c], e));
-            } else {  // element (key row + 8 hh, query col + 8 (2 u + v) + e): draw (query g 2 t + e, key t g / 2)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const uint4 r = draw(32 * rb + 4 * (2 * t + e) + (g >> 1), cb + u);
-                    const u32 w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-                    for (int v = 0; v < 2; ++v)
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) f(4 * (2 * u + v) + 2 * hh + e, dropped(w[2 * v + hh], g & 1));
-                }
-            }
+                    for (int e = 0; e < 2; ++e) f(4 * (2 * u + c) + 2 * hh + e, dropped(w[2 * hh + c], e));
         }
     }
-    // The same as a word: bit i set where element i is dropped. One draw at a time (a rolled loop: the kernels that
+    // The same as a word (TRANSPOSED: rows are keys, columns queries, the backward's S^T: element (key row + 8 hh,
+    // query col + 8 (2 u + v) + e) is in draw e of column block u, (query g 2 t + e, key t g / 2)): bit i set where
+    // element i is dropped. One draw at a time (a rolled loop: the kernels that
     // take the word keep their accumulators live, and ptxas interleaving the unrolled draws spilled the wgmma dK / dV
     // kernels 16-156 bytes, NVRTC 12.9).
     template <int N8, bool TRANSPOSED = false>
@@ -105,8 +101,8 @@ struct Dropout {
 #pragma unroll 1
         for (int d = 0; d < (TRANSPOSED ? N8 : N8 / 2); ++d) {
             const int u = TRANSPOSED ? d >> 1 : d, e = d & 1;  // (transposed: draw e of column block u)
-            const uint4 r = TRANSPOSED ? draw(32 * rb + 4 * (2 * t + e) + (g >> 1), cb + u)
-                                       : draw(32 * (cb + u) + 4 * g + t, rb);
+            const uint4 r = TRANSPOSED ? draw<true>(32 * rb + 4 * (2 * t + e) + (g >> 1), cb + u)
+                                       : draw<true>(32 * (cb + u) + 4 * g + t, rb);
             const u32 w[4] = {r.x, r.y, r.z, r.w};
             u32 eight = 0;  // bit 4 c + 2 hh + e' of the 8 elements of column block u this draw gives
 #pragma unroll
