@@ -273,15 +273,15 @@ _SCORE_MOD_PREFERENCES = {
 }
 # Tilings of dropout variants (spec.KernelSpec.dropout), family -> (lo, hi, tilings) for lo < head_dim <= hi, ahead of
 # the tables above, where the draws' registers (kernels_cu/attention/dropout.cuh) made the preferred tilings spill
-# (NVRTC 12.9): the warp-specialised forward with 128- or 80-key tiles (8-64 bytes; with 64-key ones none up to head_dim
-# 192, 12-28 bytes at 256, which takes fwd_sm90: _DROPOUT_MASK_LIMITS), fwd_sm90 with 128-key tiles and masks at 128
-# (20-48), the mma.sync forward 128x32 with 4 warps at 128 (4), the mma.sync dQ above 192 (128x32: 32 bytes causal with
-# masks; 64x32: 24 causal), fwd_sm90 at two blocks per SM at head_dim 64 (8 with masks). Not timed against others.
+# (NVRTC 12.9): the mma.sync forward 128x32 with 4 warps at head_dim 128 (4 bytes), fwd_sm90 at two blocks per SM at 64
+# (12 with masks), the mma.sync dQ above 192 (128x32: 24 bytes causal with masks), the fused wgmma backward's 128-query
+# tiles at 64 (20). Not timed against other tilings. (The warp-specialised forward's 192-row tiles are not taken with
+# dropout and masks beyond lengths: 8 bytes; candidates.)
 _DROPOUT_PREFERENCES = {
     "fwd": [(112, 128, [(128, 64, 8)])],
-    "fwd_sm90": [(0, 256, [(128, 64, 8)])],
-    "fwd_sm90_ws": [(0, 256, [(128, 64, 12)])],
+    "fwd_sm90": [(0, 64, [(128, 64, 8)])],
     "bwd_dq": [(192, 256, [(64, 16, 4)])],
+    "bwd_fused_sm90": [(0, 64, [(64, 128, 12)])],
 }
 # Tilings of a user's score_mod that reads tensors (spec.KernelSpec.score_mod), family -> (lo, hi, tilings) for
 # lo < head_dim <= hi, ahead of every table above (the long-rows one aside: not taken with a score_mod). Chosen by
@@ -384,15 +384,16 @@ def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
                alibi: bool = False, long: bool = False, score_mod: tuple = (),
                dropout: bool = False) -> list[tuple[int, int, int, int]]:
     """(block_m, block_n, warps, min_blocks) of `family` at `head_dim` in order of preference (`long`: for long query
-    sequences, long_rows; `dropout` takes the score modifications' tilings)."""
+    sequences, long_rows; `dropout`: _DROPOUT_PREFERENCES first)."""
     table = _PREFERENCES[family]
-    if long and not score_mod and head_dim in _LONG_PREFERENCES.get(family, (0, {}))[1]:
+    if (long and not score_mod and not (dropout and mask & ~MASK_BITS["lengths"])
+            and head_dim in _LONG_PREFERENCES.get(family, (0, {}))[1]):
         table = [(head_dim, _LONG_PREFERENCES[family][1][head_dim])]
     if mask & ~MASK_BITS["lengths"]:
         table = _MASKED_PREFERENCES.get(family, table)
     if mask & MASK_BITS["mod"]:
         table = _MOD_PREFERENCES.get(family, table)
-    if softcap or alibi or score_mod or dropout:
+    if softcap or alibi or score_mod:
         table = _SCORE_MOD_PREFERENCES.get(family, table)
     if score_mod and score_mod[2]:  # (it reads tensors)
         table = [(256, prefs) for lo, hi, prefs in _USER_MOD_PREFERENCES.get(family, ()) if lo < head_dim <= hi] + table

@@ -112,6 +112,9 @@ def _variants():
                     if tiles.applies(family, d, arch, mask, dropout=True):
                         out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
                                              dropout=True))
+                        if family == "fwd_sm90_ws" and tiles.long_rows(family, d, 1 << 30):  # (192-row tiles)
+                            out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[90], mask, long=True,
+                                                 dropout=True))
     return sorted(out, key=lambda s: s.name)
 
 
