@@ -2,7 +2,7 @@
 
     out, lse = flashrt.forward(q, k, v, causal=True)
     dq, dk, dv = flashrt.backward(dout, q, k, v, out, lse, causal=True)
-    out = flashrt.attention(q, k, v, causal=True)      # torch autograd
+    out = flashrt.attention(q, k, v, causal=True)      # torch autograd (dropout_p=, softcap=, sinks=, masks ...)
     out = flashrt.torch.scaled_dot_product_attention(q, k, v, is_causal=True)  # torch's (B, H, S, D) SDPA API
     out = flashrt.decode(q, k_cache, v_cache, cache_seqlens=lens, k=k_new, v=v_new)  # KV-cache decoding
     out, lse = flashrt.combine(out_parts, lse_parts)  # merge attention over disjoint key ranges
@@ -25,7 +25,7 @@ def synchronize() -> None:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, impl="auto", deterministic=True,
-              softcap=None, alibi_slopes=None, sinks=None, validate=True, **mask_args):
+              softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, validate=True, **mask_args):
     """Differentiable attention for torch tensors (imports torch on first use).
 
     A torch custom op with an autograd formula: works under torch.compile(fullgraph=True),
@@ -36,8 +36,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, im
     dtype, not differentiable (pass alibi_slopes.detach()); sinks: (H,) attention-sink logits (flashrt.forward), a
     differentiable tensor of any floating dtype. score_mod="..." (a CUDA float expression over s, the scaled score,
     and b, h, q, k, Lq, Lk), score_mod_grad (its derivative in s; default: derived automatically) and score_tensors
-    (at most 4 float32 / int32 tensors it reads, not differentiable: pass them .detach()), as flashrt.forward takes
-    them; not with softcap or alibi_slopes.
+    (at most 4 float32 / int32 tensors it reads; a float32 one that requires grad gets its gradient), as
+    flashrt.forward takes them; not with softcap or alibi_slopes. dropout_p: attention dropout, its mask drawn per call
+    from torch's generator (flashrt.forward's dropout_p; pass 0.0 to evaluate).
     """
     try:
         from .torch_ops import attention as _attention
@@ -47,7 +48,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, im
         raise _torch_missing("flashrt.attention") from exc
     return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, impl=impl,
                       deterministic=deterministic, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                      validate=validate, **mask_args)
+                      dropout_p=dropout_p, validate=validate, **mask_args)
 
 
 def _install_hint(extra: str) -> str:

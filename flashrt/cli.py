@@ -152,28 +152,30 @@ def _check_nvrtc_arch(arch: str) -> None:
 
 
 def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: bool = False,
-           alibi: bool = False) -> list[KernelSpec]:
+           alibi: bool = False, dropout: bool = False) -> list[KernelSpec]:
     """Every kernel the forward and backward passes may launch for these head_dims and dtypes, causal or not; with
     `masks` (MASK_NAMES), also every kernel of every combination of them (causal and not only if "causal" is named:
-    the unmasked ones are always both); with `softcap` / `alibi`, also the softcapped / ALiBi ones
-    (spec.SOFTCAP_FAMILIES; never both in one kernel). mask_mod's kernels need their expression: a manifest prewarms
-    them."""
+    the unmasked ones are always both); with `softcap` / `alibi` / `dropout`, also the softcapped / ALiBi / dropout ones
+    (spec.SOFTCAP_FAMILIES, DROPOUT_FAMILIES; one of them per kernel). mask_mod's kernels need their expression: a
+    manifest prewarms them."""
     bits = [MASK_NAMES[n] for n in masks if n != "causal"]
     combos = [(0, c) for c in (False, True)]
     combos += [(sum(subset), c) for r in range(1, len(bits) + 1) for subset in itertools.combinations(bits, r)
                for c in ((False, True) if "causal" in masks else (False,))]
-    # score modifications: (softcap, alibi) of the variants of a family that computes scores
-    mods = [(False, False)] + [(True, False)] * softcap + [(False, True)] * alibi
+    # score modifications and dropout: (softcap, alibi, dropout) of the variants of a family that computes scores
+    mods = [(False, False, False)] + [(True, False, False)] * softcap + [(False, True, False)] * alibi
+    mods += [(False, False, True)] * dropout
     # (mask_mod's classifiers need an expression)
     # (and the tilings for long query sequences, tiles.long_rows)
-    specs = {tiles.tiling(f, d, t, c, arch, smem_limit, mask, softcap=cap, alibi=ali, long=long)
+    specs = {tiles.tiling(f, d, t, c, arch, smem_limit, mask, softcap=cap, alibi=ali, long=long, dropout=drop)
              for mask, c in combos for f in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS) for d in head_dims
-             for t in dtypes for cap, ali in (mods if f in SOFTCAP_FAMILIES else mods[:1])
+             for t in dtypes for cap, ali, drop in (mods if f in SOFTCAP_FAMILIES else mods[:1])
              for long in (False, True)[:1 + tiles.long_rows(f, d, 1 << 30)]
-             if tiles.applies(f, d, arch, mask, cap, ali) and not (mask and f in ELEMENTWISE) and f != "combine_f32"}
+             if tiles.applies(f, d, arch, mask, cap, ali, dropout=drop) and not (mask and f in ELEMENTWISE)
+             and f != "combine_f32"}
     # (flashrt.combine of fp32 parts: no 16-bit dtype, compiled as bf16 whatever the dtypes)
     specs.add(tiles.tiling("combine_f32", 256, "bf16", False, arch, smem_limit))
-    specs.update(s for d in head_dims for t in dtypes for cap, ali in mods
+    specs.update(s for d in head_dims for t in dtypes for cap, ali, drop in mods if not drop
                  for s in tiles.decode_variants(d, t, arch, smem_limit, cap, ali))
     specs.add(tiles.check_spec(arch))
     return sorted(specs, key=lambda s: s.name)
@@ -266,9 +268,9 @@ def _nvrtc_version() -> str:
 
 
 def prewarm(arch: str | None, head_dims, dtypes, jobs: int, quiet: bool = False, masks=(),
-            softcap: bool = False, alibi: bool = False) -> dict:
+            softcap: bool = False, alibi: bool = False, dropout: bool = False) -> dict:
     arch, smem = _target(arch)
-    specs = matrix(arch, smem, head_dims, dtypes, masks, softcap, alibi)
+    specs = matrix(arch, smem, head_dims, dtypes, masks, softcap, alibi, dropout)
     if not quiet:
         print(f"flashrt {__version__}: {len(specs)} kernels for {arch} (NVRTC {_nvrtc_version()})"
               f", cache {cache.cache_dir()}")
@@ -296,7 +298,8 @@ def cmd_prewarm(args) -> int:
     tty = False if args.verbose else None  # log lines and an in-place bar do not mix
     if args.manifest is not None:
         given = [o for o, v in (("--head-dims", args.head_dims), ("--dtypes", args.dtypes), ("--masks", args.masks),
-                                 ("--softcap", args.softcap or None), ("--alibi", args.alibi or None))
+                                 ("--softcap", args.softcap or None), ("--alibi", args.alibi or None),
+                                 ("--dropout", args.dropout or None))
                  if v is not None]
         if given:
             raise CliError(f"flashrt prewarm: error: --manifest compiles exactly the manifest's variants; drop "
@@ -310,7 +313,7 @@ def cmd_prewarm(args) -> int:
         head_dims = args.head_dims if args.head_dims is not None else list(HEAD_DIMS)
         dtypes = args.dtypes if args.dtypes is not None else list(DTYPES)
         arch, smem = _target(args.arch)
-        specs = matrix(arch, smem, head_dims, dtypes, args.masks or (), args.softcap, args.alibi)
+        specs = matrix(arch, smem, head_dims, dtypes, args.masks or (), args.softcap, args.alibi, args.dropout)
         label = f"for {arch}"
     if args.list:
         for s in specs:
@@ -536,6 +539,8 @@ def _parser() -> argparse.ArgumentParser:
                                                           "softcap=)")
     p.add_argument("--alibi", action="store_true", help="also the variants with ALiBi (flashrt.forward's "
                                                         "alibi_slopes=)")
+    p.add_argument("--dropout", action="store_true", help="also the variants with dropout (flashrt.forward's "
+                                                          "dropout_p=)")
     p.add_argument("--manifest", metavar="PATH", help="compile exactly the variants of this JSON manifest "
                                                       "(FLASHRT_RECORD, flashrt cache export)")
     p.add_argument("--jobs", type=jobs_type, default=os.cpu_count() or 1, help="compiles at once (default: CPUs)")

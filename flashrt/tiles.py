@@ -58,11 +58,12 @@ _SCORE_MOD_MASK_LIMITS = {
 
 
 # ... with dropout (the draws' registers; NVRTC 12.9): the warp-specialised forward above head_dim 192 (12-28 bytes of
-# spills with 64-key tiles, 64 with 80-key ones), the wgmma dK/dV kernel at 128 with segment ids (8 bytes), the wgmma
-# dQ at 256 with block or segment ids (4-8 bytes causal).
+# spills with 64-key tiles, 64 with 80-key ones), the wgmma dK/dV kernel at 128 (causal: 8-36 bytes wherever its bits are
+# made; backward_impl takes the fused kernel there), the wgmma dQ at 256 with block or segment ids (4-8 bytes causal).
+# A split pair with one of them limited runs both on mma.sync (split_families).
 _DROPOUT_MASK_LIMITS = {
     "fwd_sm90_ws": ((192, 256, 0),),
-    "bwd_dkdv_sm90": ((64, 128, MASK_BITS["segments"]),),
+    "bwd_dkdv_sm90": ((64, 128, 0),),
     "bwd_dq_sm90": ((192, 256, MASK_BITS["block_ids"]), (192, 256, MASK_BITS["segments"])),
 }
 
@@ -106,9 +107,12 @@ def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0, dro
     (bwd_dq_sm90, bwd_dkdv_sm90).
     """
     no_sm90 = _env.no_sm90()
-    return tuple(sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, no_sm90, mask)
+    pair = tuple(sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, no_sm90, mask)
                  and applies(sm90, head_dim, arch, mask, dropout=dropout) else mma
                  for sm90, mma in (("bwd_dq_sm90", "bwd_dq"), ("bwd_dkdv_sm90", "bwd_dkdv")))
+    if dropout and pair[0].endswith("_sm90") != pair[1].endswith("_sm90"):  # (one of them limited: both mma.sync)
+        return "bwd_dq", "bwd_dkdv"
+    return pair
 
 
 def fused_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, softcap: bool = False,
@@ -273,14 +277,16 @@ _SCORE_MOD_PREFERENCES = {
 }
 # Tilings of dropout variants (spec.KernelSpec.dropout), family -> (lo, hi, tilings) for lo < head_dim <= hi, ahead of
 # the tables above, where the draws' registers (kernels_cu/attention/dropout.cuh) made the preferred tilings spill
-# (NVRTC 12.9): the mma.sync forward 128x32 with 4 warps at head_dim 128 (4 bytes), fwd_sm90 at two blocks per SM at 64
-# (12 with masks), the mma.sync dQ above 192 (128x32: 24 bytes causal with masks), the fused wgmma backward's 128-query
-# tiles at 64 (20). Not timed against other tilings. (The warp-specialised forward's 192-row tiles are not taken with
+# (NVRTC 12.9): the mma.sync forward at head_dim 56 (128x64 with 4 warps: 24 bytes), 104 and 128 (128x32 with 4
+# warps: 4-12) and 216 (128x64: 40), fwd_sm90 at two blocks per SM at 64 (12 with masks), the mma.sync dQ above 192
+# (128x32: 24 bytes causal with masks), the mma.sync fused backward at 96 (64x128: 4), the fused wgmma backward's
+# 128-query tiles at 64 (20). Not timed against other tilings. (The warp-specialised forward's 192-row tiles are not taken with
 # dropout and masks beyond lengths: 8 bytes; candidates.)
 _DROPOUT_PREFERENCES = {
-    "fwd": [(112, 128, [(128, 64, 8)])],
+    "fwd": [(48, 64, [(128, 64, 8)]), (96, 128, [(128, 64, 8)]), (208, 224, [(128, 32, 8)])],
     "fwd_sm90": [(0, 64, [(128, 64, 8)])],
     "bwd_dq": [(192, 256, [(64, 16, 4)])],
+    "bwd_fused": [(88, 96, [(64, 64, 8)])],
     "bwd_fused_sm90": [(0, 64, [(64, 128, 12)])],
 }
 # Tilings of a user's score_mod that reads tensors (spec.KernelSpec.score_mod), family -> (lo, hi, tilings) for

@@ -11,7 +11,7 @@ import pytest
 from conftest import HAS_GPU
 from flashrt import cache, cli, tiles
 from flashrt._version import __version__
-from flashrt.spec import MASK_BITS, PACKED_ROWS, SOFTCAP_FAMILIES
+from flashrt.spec import DROPOUT_FAMILIES, MASK_BITS, PACKED_ROWS, SOFTCAP_FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 SMEM80 = cli.SMEM_OPTIN[80]
@@ -429,3 +429,18 @@ def test_recorded_masked_workload_runs_from_its_manifest_without_compiling(tmp_p
     again = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "ok" in again.stdout, again.stderr
     assert sorted(h["name"] for _, h in _entries(fresh)) == names, "the run compiled or the prewarm added something"
+
+
+def test_dropout_adds_its_variants(tmp_path):
+    args = ("prewarm", "--arch", "sm_90a", "--head-dims", "128,256", "--dtypes", "bf16", "--list")
+    base, drop = run(*args, cache_dir=tmp_path), run(*args, "--dropout", cache_dir=tmp_path)
+    assert base.returncode == 0 and drop.returncode == 0, drop.stderr
+    added = set(drop.stdout.split()) - set(base.stdout.split())
+    assert added and all("_drop_" in n for n in added), added
+    # every family that computes P but decode's, causal and not; the warp-specialised forward only at 128
+    # (tiles._DROPOUT_MASK_LIMITS), fwd_sm90 at 256 in its place
+    assert {n.split("_hd")[0].removeprefix("flashrt_") for n in added} == set(DROPOUT_FAMILIES)
+    assert not any(n.startswith("flashrt_fwd_sm90_ws_hd256") for n in added)
+    assert any(n.startswith("flashrt_fwd_sm90_hd256") for n in added)
+    assert_usage_error(run("prewarm", "--manifest", str(tmp_path / "m.json"), "--dropout", cache_dir=tmp_path),
+                       "drop --dropout")

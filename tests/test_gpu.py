@@ -500,14 +500,15 @@ def test_dynamic_smem_attribute_matches_spec(torch):
 
 
 def test_prewarmed_matrix_has_no_spills(torch):
-    """Compile the full matrix for this GPU (in parallel), softcapped and ALiBi variants included, then check every
-    kernel's local memory."""
+    """Compile the full matrix for this GPU (in parallel), softcapped, ALiBi and dropout variants included, then check
+    every kernel's local memory."""
     from flashrt import cli
     dev = launch.device(torch.cuda.current_device())
     cli.prewarm(None, list(range(8, 257, 8)), ["bf16", "fp16"], jobs=os.cpu_count() or 1, quiet=True, softcap=True,
-                alibi=True)
+                alibi=True, dropout=True)
     spilled = []
-    for spec in cli.matrix(dev.arch, dev.smem_optin, range(8, 257, 8), ["bf16", "fp16"], softcap=True, alibi=True):
+    for spec in cli.matrix(dev.arch, dev.smem_optin, range(8, 257, 8), ["bf16", "fp16"], softcap=True, alibi=True,
+                           dropout=True):
         attrs = launch.function_attributes(spec, dev)
         if attrs["local_size_bytes"] > tiles.spill_allowance(spec):
             spilled.append(f"{spec.name}: {attrs}")
