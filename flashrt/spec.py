@@ -181,6 +181,8 @@ class KernelSpec:
             raise ValueError(f"{self.family} has no dropout variant")
         if self.dropout and self.score_mod and self.family in ("bwd_dkdv_sm90", "bwd_fused_sm90"):
             raise ValueError(f"{self.family} has no variant with dropout and a score_mod")
+        if self.dropout and self.family == "bwd_dkdv_sm90" and self.head_dim == 128:  # (tiles._DROPOUT_MASK_LIMITS)
+            raise ValueError("bwd_dkdv_sm90 has no dropout variant at head_dim 128")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
             raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
         if self.score_mod:

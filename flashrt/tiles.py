@@ -58,9 +58,9 @@ _SCORE_MOD_MASK_LIMITS = {
 
 
 # ... with dropout (the draws' registers; NVRTC 12.9): the warp-specialised forward above head_dim 192 (12-28 bytes of
-# spills with 64-key tiles, 64 with 80-key ones), the wgmma dK/dV kernel at 128 (causal: 8-36 bytes wherever its bits are
-# made; backward_impl takes the fused kernel there), the wgmma dQ at 256 with block or segment ids (4-8 bytes causal).
-# A split pair with one of them limited runs both on mma.sync (split_families).
+# spills with 64-key tiles, 64 with 80-key ones), the wgmma dK/dV kernel at 128 (causal: 8-36 bytes wherever its bits
+# are made; backward_impl takes the fused kernel there), the wgmma dQ at 256 with block or segment ids (4-8 bytes
+# causal). A split pair with one of them limited runs both on mma.sync (split_families).
 _DROPOUT_MASK_LIMITS = {
     "fwd_sm90_ws": ((192, 256, 0),),
     "bwd_dkdv_sm90": ((64, 128, 0),),
@@ -280,8 +280,8 @@ _SCORE_MOD_PREFERENCES = {
 # (NVRTC 12.9): the mma.sync forward at head_dim 56 (128x64 with 4 warps: 24 bytes), 104 and 128 (128x32 with 4
 # warps: 4-12) and 216 (128x64: 40), fwd_sm90 at two blocks per SM at 64 (12 with masks), the mma.sync dQ above 192
 # (128x32: 24 bytes causal with masks), the mma.sync fused backward at 96 (64x128: 4), the fused wgmma backward's
-# 128-query tiles at 64 (20). Not timed against other tilings. (The warp-specialised forward's 192-row tiles are not taken with
-# dropout and masks beyond lengths: 8 bytes; candidates.)
+# 128-query tiles at 64 (20). Not timed against other tilings. (The warp-specialised forward's 192-row tiles are not
+# taken with dropout and masks beyond lengths: 8 bytes; candidates.)
 _DROPOUT_PREFERENCES = {
     "fwd": [(48, 64, [(128, 64, 8)]), (96, 128, [(128, 64, 8)]), (208, 224, [(128, 32, 8)])],
     "fwd_sm90": [(0, 64, [(128, 64, 8)])],

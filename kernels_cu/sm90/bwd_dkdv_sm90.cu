@@ -87,6 +87,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     const ScoreMod smod = FRT_SCORE_MOD ? ScoreMod(p, b, 0, tile.vis) : ScoreMod();  // (the head: each pair's)
     const Dropout drop = FRT_DROPOUT ? Dropout(p, b, 0) : Dropout();             // (the head: each pair's)
     static_assert(!(FRT_DROPOUT && FRT_SCORE_MOD), "bwd_dkdv_sm90: no variant with dropout and score_mod");
+    // (nor at head_dim 128, whose bits spilled causal wherever they were made: tiles._DROPOUT_MASK_LIMITS)
+    static_assert(!FRT_DROPOUT || T::ROLES || T::PIPELINED, "bwd_dkdv_sm90: no dropout variant at head_dim 128");
 
     const i64 krow0 = tile.vis.k_row0 + n0;
     load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, tid);
@@ -266,8 +268,6 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             wgmma_commit();
             wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
             wgmma_commit();
-            u32 dropped = 0;  // (FRT_DROPOUT, under the wgmmas)
-            if constexpr (FRT_DROPOUT) dropped = dropped_bits<BM>(drop.head(b, pr.h, p.H), key_base, pr.m * BM, t);
 
             wgmma_wait<1>();  // S^T is complete (dP^T may not be: its registers are not touched yet)
             fence_operand(s);
@@ -277,12 +277,8 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             } else {
                 add_alibi<BM>(s, p, tile, pr.h, pr.m, key_base, t);
                 probabilities<BM>(s, s_lse2, p.scale_log2, hidden, t, cap);
-                if constexpr (FRT_DROPOUT) {
-                    pack_kept<BM, T::BF16>(s, pa, dropped, drop.scale);
-                } else {
 #pragma unroll
-                    for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
-                }
+                for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(s, kk, pa[kk]);
             }
             // dV += P^T dO now, under dS^T's arithmetic (fused: 1.03-1.05x, docs/perf-notes.md: Backward: fused wgmma)
             wgmma_fence();
@@ -290,7 +286,6 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
             wgmma_commit();
             wgmma_wait<1>();  // dP^T is complete (dV may not be)
             fence_operand(dp);
-            if constexpr (FRT_DROPOUT) kept_dp(dp, dropped, drop.scale);
             ds_from_dp<BM>(dp, s, s_delta, t, s_lse2, cap);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);
