@@ -9,7 +9,7 @@
 // Philox-4x32-7 of the counter (32 kb + 4 g + t, qb, b H + h, offset) under the key (seed, offset's high
 // word xored into the seed's), and element (q0 + 8 a, k0 + 8 c + e) takes 16 bits, half e of word 2 a + c; it is kept
 // where those bits are under keep = round((1 - p) 2^16). A transposed fragment (rows: keys) holds 4 elements of each of
-// two draws, and makes both (two draws per 8 elements against the forward's one).
+// two draws, which the warp's lanes pass on (Dropout::transposed_eight): one draw per 8 elements in every kernel.
 #pragma once
 #include "attention/mask.cuh"
 #include "common/common.cuh"
@@ -87,11 +87,10 @@ struct Dropout {
                     for (int e = 0; e < 2; ++e) f(4 * (2 * u + c) + 2 * hh + e, dropped(w[2 * hh + c], e));
         }
     }
-    // The same as a word (TRANSPOSED: rows are keys, columns queries, the backward's S^T: element (key row + 8 hh,
-    // query col + 8 (2 u + v) + e) is in draw e of column block u, (query g 2 t + e, key t g / 2)): bit i set where
-    // element i is dropped. One draw at a time (a rolled loop: the kernels that
-    // take the word keep their accumulators live, and ptxas interleaving the unrolled draws spilled the wgmma dK / dV
-    // kernels 16-156 bytes, NVRTC 12.9).
+    // The same as a word: bit i set where element i is dropped (TRANSPOSED: rows are keys, columns queries, the
+    // backward's S^T). One draw at a time, in a rolled loop (the kernels that take the word keep their accumulators
+    // live, and ptxas interleaving unrolled draws spilled the wgmma dK / dV kernels 16-156 bytes, NVRTC 12.9). Every
+    // lane of the warp calls it together.
     template <int N8, bool TRANSPOSED = false>
     FRT_DEVICE typename BitsOf<4 * N8>::type bits(int row, int col) const {
         static_assert(N8 % 2 == 0, "dropout draws cover 16 columns");
@@ -99,27 +98,51 @@ struct Dropout {
         const u32 g = row & 7, t = (col >> 1) & 3, rb = row >> 4, cb = col >> 4;
         Bits out = 0;
 #pragma unroll 1
-        for (int d = 0; d < (TRANSPOSED ? N8 : N8 / 2); ++d) {
-            const int u = TRANSPOSED ? d >> 1 : d, e = d & 1;  // (transposed: draw e of column block u)
-            const uint4 r = TRANSPOSED ? draw<true>(32 * rb + 4 * (2 * t + e) + (g >> 1), cb + u)
-                                       : draw<true>(32 * (cb + u) + 4 * g + t, rb);
-            const u32 w[4] = {r.x, r.y, r.z, r.w};
-            u32 eight = 0;  // bit 4 c + 2 hh + e' of the 8 elements of column block u this draw gives
+        for (int u = 0; u < N8 / 2; ++u) {
+            if constexpr (!TRANSPOSED) {
+                const uint4 r = draw<true>(32 * (cb + u) + 4 * g + t, rb);
+                const u32 w[4] = {r.x, r.y, r.z, r.w};
+                u32 eight = 0;  // bit 4 c + 2 hh + e of column block u
 #pragma unroll
-            for (int c = 0; c < 2; ++c)
+                for (int c = 0; c < 2; ++c)
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh)
+                    for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-                    for (int x = 0; x < 2; ++x) {
-                        const int i = 4 * c + 2 * hh + x;
-                        if constexpr (TRANSPOSED)  // (c: the query half v, x: the draw's own e)
-                            eight |= x == 0 ? dropped(w[2 * c + hh], g & 1) << (i + e) : 0u;
-                        else
-                            eight |= dropped(w[2 * hh + c], x) << i;
-                    }
-            out |= (Bits)eight << (8 * u);
+                        for (int e = 0; e < 2; ++e) eight |= dropped(w[2 * hh + c], e) << (4 * c + 2 * hh + e);
+                out |= (Bits)eight << (8 * u);
+            } else {
+                out |= (Bits)transposed_eight(rb, cb + u, g, t) << (8 * u);
+            }
         }
         return out;
+    }
+
+    // A transposed fragment's 8 elements of column block qb (keys 16 kb + g + 8 hh, queries 16 qb + 8 v + 2 t + e): bit
+    // 4 v + 2 hh + e. They lie in two draws, (query g 2 t + e, key t g / 2) for e = 0, 1, 4 elements in each: each lane
+    // makes the draw of its own (g, t) and the warp passes the halves on by shuffles (4 a lane) instead of every lane
+    // making two. The two lanes that read a draw want opposite halves of its words (half g & 1 of the reader), so in
+    // round one the even-g readers take their e = 0 draw and the odd ones their e = 1 draw, and a lane offers the
+    // halves its reader in that round wants (its own g even: the low ones); round two the other way.
+    FRT_DEVICE u32 transposed_eight(u32 kb, u32 qb, u32 g, u32 t) const {
+        const uint4 r = draw<true>(32 * kb + 4 * g + t, qb);
+        // halves (h0 | h1 << 16) and (h2 | h3 << 16) of words 0..3, low or high
+        const u32 lo01 = __byte_perm(r.x, r.y, 0x5410), lo23 = __byte_perm(r.z, r.w, 0x5410);
+        const u32 hi01 = __byte_perm(r.x, r.y, 0x7632), hi23 = __byte_perm(r.z, r.w, 0x7632);
+        const bool odd = g & 1;
+        const int first = 4 * (2 * t + odd) + (g >> 1), second = 4 * (2 * t + !odd) + (g >> 1);
+        const u32 a01 = __shfl_sync(0xFFFFFFFFu, odd ? hi01 : lo01, first);
+        const u32 a23 = __shfl_sync(0xFFFFFFFFu, odd ? hi23 : lo23, first);
+        const u32 b01 = __shfl_sync(0xFFFFFFFFu, odd ? lo01 : hi01, second);
+        const u32 b23 = __shfl_sync(0xFFFFFFFFu, odd ? lo23 : hi23, second);
+        // draw e's halves for (v, hh): word 2 v + hh's, from round one for e = g & 1
+        const u32 e0[2] = {odd ? b01 : a01, odd ? b23 : a23}, e1[2] = {odd ? a01 : b01, odd ? a23 : b23};
+        u32 eight = 0;
+#pragma unroll
+        for (int v = 0; v < 2; ++v)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                eight |= dropped(e0[v], hh) << (4 * v + 2 * hh) | dropped(e1[v], hh) << (4 * v + 2 * hh + 1);
+        return eight;
     }
 };
 
