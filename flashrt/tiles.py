@@ -279,14 +279,14 @@ _SCORE_MOD_PREFERENCES = {
 # the tables above, where the draws' registers (kernels_cu/attention/dropout.cuh) made the preferred tilings spill
 # (NVRTC 12.9): the mma.sync forward at head_dim 56 (128x64 with 4 warps: 24 bytes), 104 and 128 (128x32 with 4
 # warps: 4-12) and 216 (128x64: 40), fwd_sm90 at two blocks per SM at 64 (12 with masks), the mma.sync dQ above 192
-# (128x32: 24 bytes causal with masks), the mma.sync fused backward at 96 (64x128: 4), the fused wgmma backward's
+# (128x32: 24 bytes causal with masks), the mma.sync fused backward at 96-128 (64x128: 4-12), the fused wgmma backward's
 # 128-query tiles at 64 (20). Not timed against other tilings. (The warp-specialised forward's 192-row tiles are not
 # taken with dropout and masks beyond lengths: 8 bytes; candidates.)
 _DROPOUT_PREFERENCES = {
     "fwd": [(48, 64, [(128, 64, 8)]), (96, 128, [(128, 64, 8)]), (208, 224, [(128, 32, 8)])],
     "fwd_sm90": [(0, 64, [(128, 64, 8)])],
     "bwd_dq": [(192, 256, [(64, 16, 4)])],
-    "bwd_fused": [(88, 96, [(64, 64, 8)])],
+    "bwd_fused": [(88, 128, [(64, 64, 8)])],
     "bwd_fused_sm90": [(0, 64, [(64, 128, 12)])],
 }
 # Tilings of a user's score_mod that reads tensors (spec.KernelSpec.score_mod), family -> (lo, hi, tilings) for
