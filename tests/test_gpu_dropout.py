@@ -12,6 +12,7 @@ import pytest
 import flashrt
 from flashrt import reference
 
+from test_gpu import f64, poison  # noqa: F401  (fixture)
 from test_gpu_score_mods import LENGTHS_K, LENGTHS_Q, _f64, _inputs, _mask
 
 pytestmark = pytest.mark.gpu
@@ -193,3 +194,20 @@ def test_dropout_keeps_the_expected_fraction(torch):
     out, _ = flashrt.forward(q, q, v, dropout_p=0.5, dropout_rng=flashrt.dropout_rng(q))
     kept = out[..., 0].float()
     assert abs(kept.mean().item() - 1) < 0.01 and 0.02 < kept.std().item() < 0.04
+
+
+def test_cupy_arrays_take_dropout(torch, poison):  # noqa: F811
+    # CuPy inputs (views of torch memory) and a CuPy rng from flashrt.dropout_rng; outputs from the poisoned pool
+    import cupy
+    q, k, v, do, _ = _inputs(torch, 2, 150, 170, 4, 2, 128, "bf16", 23)
+    cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
+    rng = flashrt.dropout_rng(cq)
+    assert isinstance(rng, cupy.ndarray) and rng.dtype == cupy.int64 and rng.shape == (2,)
+    out, lse = flashrt.forward(cq, ck, cv, causal=True, dropout_p=0.3, dropout_rng=rng)
+    grads = flashrt.backward(cdo, cq, ck, cv, out, lse, causal=True, dropout_p=0.3, dropout_rng=rng)
+    drop = reference.dropout_mask(rng.tolist(), 0.3, 2, 4, 150, 170, xp=cupy)
+    ref = reference.attention(f64(q), f64(k), f64(v), causal=True, dout=f64(do), dropout=drop)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:])):
+        assert isinstance(x, cupy.ndarray)
+        e = reference.rel_error(f64(x), r)
+        assert e < 2e-2, f"{name}: rel err {e:.2e}"
