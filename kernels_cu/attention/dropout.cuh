@@ -22,7 +22,8 @@ namespace frt {
 
 // Philox-4x32-R (Salmon et al., SC 2011): R rounds of two 32 x 32 -> 64-bit products, the key bumped by the Weyl
 // constants between rounds. Dropout takes R = 7 (kDropoutRounds), which the paper found to pass TestU01's BigCrush
-// (10, cuRAND's, adds margin; FlashAttention-2's dropout uses 7): a tenth of the forward's time at head_dim 64.
+// (10, cuRAND's, adds margin; FlashAttention-2's dropout uses 7). With the forward's keys hoisted, 7 rounds took the
+// dropout forward 10-20% faster than 10 (H200, docs/perf-notes.md: Dropout).
 constexpr int kDropoutRounds = 7;
 template <int R>
 FRT_DEVICE uint4 philox4x32(uint4 c, u32 k0, u32 k1) {
