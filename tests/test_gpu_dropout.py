@@ -13,7 +13,8 @@ import flashrt
 from flashrt import reference
 
 from test_gpu import f64, poison  # noqa: F401  (fixture)
-from test_gpu_score_mods import LENGTHS_K, LENGTHS_Q, _f64, _inputs, _mask
+from test_gpu_score_mods import CASES as SCORE_MOD_CASES
+from test_gpu_score_mods import _f64, _id, _inputs, _mask, _reference
 
 pytestmark = pytest.mark.gpu
 
@@ -23,47 +24,10 @@ def torch():
     return pytest.importorskip("torch")
 
 
-# (B, Sq, Sk, H, Hkv, D, causal, dtype, mask): the warp-specialised forward at 64 / 128 (128-key tiles) and 256
-# (80-key), the mma.sync one at 96 / 72 / 40, the plain wgmma one with block ids, ragged lengths, GQA / MQA, Sq > Sk
-# causal (rows that see no key), a window, padding and packed varlen.
-CASES = [
-    (2, 200, 300, 4, 4, 64, True, "bf16", None),
-    (1, 300, 100, 8, 2, 128, True, "bf16", None),
-    (2, 257, 257, 4, 4, 256, False, "fp16", None),
-    (1, 130, 190, 4, 1, 192, True, "bf16", None),
-    (1, 128, 513, 4, 1, 96, True, "bf16", None),
-    (2, 70, 45, 2, 1, 72, False, "fp16", None),
-    (1, 96, 160, 2, 2, 40, False, "bf16", None),
-    (1, 400, 400, 8, 2, 128, False, "bf16", "window"),
-    (1, 300, 300, 4, 2, 64, True, "bf16", "varlen"),
-    (2, 200, 260, 4, 2, 128, True, "bf16", "lengths"),
-]
-
-
-def _id(c):
-    B, Sq, Sk, H, Hkv, D, causal, dtype, mask = c
-    return f"B{B}-Sq{Sq}-Sk{Sk}-H{H}-Hkv{Hkv}-D{D}-{'causal' if causal else 'full'}-{dtype}" + (f"-{mask}" if mask
-                                                                                                 else "")
-
-
-def _reference(torch, q, k, v, do, causal, mask, cu, rng, p):
-    """float64 (out, lse, dq, dk, dv) with flashrt's dropout mask of `rng` (its values), batch-shaped like q."""
-    import cupy
-    B, Sq, H, _ = q.shape
-    Sk = k.shape[1]
-    m, at = None, None
-    if mask == "window":
-        m = reference.visible(B, Sq, Sk, window=(50, 20), xp=cupy)
-    elif mask == "lengths":
-        m = reference.visible(B, Sq, Sk, causal=causal, seqlens_q=LENGTHS_Q, seqlens_k=LENGTHS_K, xp=cupy)
-    elif mask == "varlen":
-        doc = torch.searchsorted(cu[1:], torch.arange(Sq, device="cuda", dtype=torch.int32), right=True)
-        ids = cupy.asarray(doc.to(torch.int32))[None]
-        m = reference.visible(B, Sq, Sk, segment_ids_q=ids, segment_ids_k=ids, xp=cupy)
-        at = reference.positions(B, Sq, Sk, cu_seqlens_q=cupy.asarray(cu), cu_seqlens_k=cupy.asarray(cu), xp=cupy)
-    drop = reference.dropout_mask(rng, p, B, H, Sq, Sk, at=at, xp=cupy)
-    return reference.attention(_f64(q), _f64(k), _f64(v), causal=causal and mask != "lengths", dout=_f64(do), mask=m,
-                               dropout=drop)
+# (B, Sq, Sk, H, Hkv, D, causal, dtype, mask): the score modifications' shapes (the forward kernels at their head dims,
+# GQA / MQA, Sq > Sk causal, one query row, which with dropout takes the forward kernels, not decode's, a window,
+# padding, packed varlen) and head_dim 40.
+CASES = SCORE_MOD_CASES + [(1, 96, 160, 2, 2, 40, False, "bf16", None)]
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
@@ -84,7 +48,7 @@ def test_dropout_matches_float64_reference(torch, monkeypatch, case, no_sm90, im
     out, lse = flashrt.forward(*(packed(x) for x in (q, k, v)), causal=causal, **drop, **kw)
     dq, dk, dv = flashrt.backward(packed(do), *(packed(x) for x in (q, k, v)), out, lse, causal=causal, impl=impl,
                                   **drop, **kw)
-    ro, rlse, rdq, rdk, rdv = _reference(torch, q, k, v, do, causal, mask, cu, rng.tolist(), p)
+    ro, rlse, rdq, rdk, rdv = _reference(torch, q, k, v, do, None, causal, mask, cu, drop=(rng.tolist(), p))
     if cu is not None:
         out, lse, dq, dk, dv = out[None], lse[None], dq[None], dk[None], dv[None]
     empty = ~cupy.isfinite(rlse)

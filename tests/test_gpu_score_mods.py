@@ -77,9 +77,10 @@ def _mask(torch, mask, S):
 LENGTHS_Q, LENGTHS_K = [200, 131], [260, 170]  # (the "lengths" case's valid rows and keys per batch entry)
 
 
-def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False, softcap=None, alibi=None):
+def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False, softcap=None, alibi=None, drop=None):
     """float64 (out, lse, dq, dk, dv[, dsinks]), batch-shaped like q (forward_only: (out, lse)); alibi: the slopes
-    (each batch entry's or packed sequence's own lengths align them, bottom-right)."""
+    (each batch entry's or packed sequence's own lengths align them, bottom-right); drop: dropout's (rng values, p),
+    its mask keyed by each sequence's own positions (reference.dropout_mask)."""
     import cupy
     B, Sq, H, D = q.shape
     Sk = k.shape[1]
@@ -97,9 +98,14 @@ def _reference(torch, q, k, v, do, sinks, causal, mask, cu, forward_only=False, 
         doc = torch.searchsorted(cu[1:], torch.arange(Sq, device="cuda", dtype=torch.int32), right=True)
         ids = cupy.asarray(doc.to(torch.int32))[None]
         m = reference.visible(B, Sq, Sk, segment_ids_q=ids, segment_ids_k=ids, xp=cupy)
+    if drop is not None:
+        at = (reference.positions(B, Sq, Sk, cu_seqlens_q=cupy.asarray(cu), cu_seqlens_k=cupy.asarray(cu), xp=cupy)
+              if mask == "varlen" else None)
+        drop = reference.dropout_mask(*drop, B, q.shape[2], Sq, Sk, at=at, xp=cupy)
     causal = causal and mask != "lengths"  # (there the mask holds each batch entry's own causal alignment)
     return reference.attention(_f64(q), _f64(k), _f64(v), causal=causal, dout=None if forward_only else _f64(do),
-                               mask=m, sinks=None if sinks is None else _f64(sinks), softcap=softcap, bias=bias)
+                               mask=m, sinks=None if sinks is None else _f64(sinks), softcap=softcap, bias=bias,
+                               dropout=drop)
 
 
 def _dsinks_scale(sinks, lse, dout, out):

@@ -49,15 +49,9 @@ def test_gradients_match_finite_differences(causal, mask):
     def loss(q_, k_, v_):
         return float((reference.attention(q_, k_, v_, causal=causal, mask=mask)[0] * do).sum())
 
-    eps = 1e-6
-    for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
+    for grad, i in ((dq, 0), (dk, 1), (dv, 2)):
         for idx in [(0, 1, 1, 3), (0, 3, 0, 7), (0, 0, 1, 0)]:
-            args = [q.copy(), k.copy(), v.copy()]
-            args[i][idx] += eps
-            up = loss(*args)
-            args[i][idx] -= 2 * eps
-            down = loss(*args)
-            assert abs((up - down) / (2 * eps) - grad[idx]) < 1e-6
+            assert abs(_central_difference(loss, (q, k, v), i, idx) - grad[idx]) < 1e-6
 
 
 def test_rel_error():
@@ -155,19 +149,11 @@ def test_sinks_join_the_denominator_and_their_gradient_matches_finite_difference
     def loss(q_, k_, v_, s_):
         return float((reference.attention(q_, k_, v_, causal=causal, sinks=s_)[0] * do).sum())
 
-    eps = 1e-6
     for h in range(4):
-        up, down = sinks.copy(), sinks.copy()
-        up[h] += eps
-        down[h] -= eps
-        assert abs((loss(q, k, v, up) - loss(q, k, v, down)) / (2 * eps) - dsinks[h]) < 1e-6
-    for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
+        assert abs(_central_difference(loss, (q, k, v, sinks), 3, (h,)) - dsinks[h]) < 1e-6
+    for grad, i in ((dq, 0), (dk, 1), (dv, 2)):
         idx = (1, 2, 1, 3)
-        args = [q.copy(), k.copy(), v.copy()]
-        args[i][idx] += eps
-        up = loss(*args, sinks)
-        args[i][idx] -= 2 * eps
-        assert abs((up - loss(*args, sinks)) / (2 * eps) - grad[idx]) < 1e-6
+        assert abs(_central_difference(loss, (q, k, v, sinks), i, idx) - grad[idx]) < 1e-6
 
 
 def test_softcap_caps_the_scaled_scores_and_its_gradients_match_finite_differences():
@@ -182,14 +168,9 @@ def test_softcap_caps_the_scaled_scores_and_its_gradients_match_finite_differenc
     def loss(q_, k_, v_):
         return float((reference.attention(q_, k_, v_, causal=True, softcap=2.0)[0] * do).sum())
 
-    eps = 1e-6
-    for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
+    for grad, i in ((dq, 0), (dk, 1), (dv, 2)):
         for idx in [(0, 1, 1, 3), (0, 3, 0, 7)]:
-            args = [q.copy(), k.copy(), v.copy()]
-            args[i][idx] += eps
-            up = loss(*args)
-            args[i][idx] -= 2 * eps
-            assert abs((up - loss(*args)) / (2 * eps) - grad[idx]) < 1e-6
+            assert abs(_central_difference(loss, (q, k, v), i, idx) - grad[idx]) < 1e-6
 
 
 def _alibi_loop(q, k, v, slopes, causal, scale, shift):
@@ -444,11 +425,6 @@ def test_dropout_in_attention_scales_the_kept_probabilities_and_its_gradients_ma
     def loss(q_, k_, v_):
         return float((reference.attention(q_, k_, v_, causal=True, dropout=drop)[0] * do).sum())
 
-    eps = 1e-6
-    for x, grad, i in ((q, dq, 0), (k, dk, 1), (v, dv, 2)):
+    for grad, i in ((dq, 0), (dk, 1), (dv, 2)):
         for idx in [(0, 1, 1, 3), (0, 5, 0, 7)]:
-            args = [q.copy(), k.copy(), v.copy()]
-            args[i][idx] += eps
-            up = loss(*args)
-            args[i][idx] -= 2 * eps
-            assert abs((up - loss(*args)) / (2 * eps) - grad[idx]) < 1e-6
+            assert abs(_central_difference(loss, (q, k, v), i, idx) - grad[idx]) < 1e-6

@@ -6,7 +6,6 @@ input to tiles.backward_impl's choice with a modification.
 
     python3 scripts/probes/bwd_mods_impl.py [--rounds 5] [--seqlens 1024,4096,16384] [--head-dims 128]
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,32 +17,26 @@ import flashrt  # noqa: E402
 from flashrt import launch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from score_mod_cost import medians, modifications  # noqa: E402
+from score_mod_cost import grid, grid_args, medians, modifications  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--seqlens", default="1024,4096,16384")
-    ap.add_argument("--head-dims", default="128")
+    ap = grid_args(rounds=5, head_dims="128")
     a = ap.parse_args()
     rows = []
-    for D in map(int, a.head_dims.split(",")):
-        for S in map(int, a.seqlens.split(",")):
-            B, H = 16384 // S, 2048 // D
-            q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            mods = {m: kw for m, kw in modifications(H, S)[0].items() if m != "sinks"}
-            for causal in (False, True):
-                fwd = {m: flashrt.forward(q, k, v, causal=causal, **kw) for m, kw in mods.items()}
-                cases = {}
-                for m, kw in mods.items():
-                    for det in (False, True):
-                        for impl in ("split", "fused"):
-                            def run(m=m, kw=kw, det=det, impl=impl):
-                                flashrt.backward(do, q, k, v, *fwd[m], causal=causal, impl=impl, deterministic=det,
-                                                 **kw)
-                            cases[(m, det, impl)] = run
-                rows.append((D, S, causal, medians(cases, a.rounds), list(mods)))
+    for D, S, H, q, k, v, do in grid(a):
+        mods = {m: kw for m, kw in modifications(H, S)[0].items() if m != "sinks"}
+        for causal in (False, True):
+            fwd = {m: flashrt.forward(q, k, v, causal=causal, **kw) for m, kw in mods.items()}
+            cases = {}
+            for m, kw in mods.items():
+                for det in (False, True):
+                    for impl in ("split", "fused"):
+                        def run(m=m, kw=kw, det=det, impl=impl):
+                            flashrt.backward(do, q, k, v, *fwd[m], causal=causal, impl=impl, deterministic=det,
+                                             **kw)
+                        cases[(m, det, impl)] = run
+            rows.append((D, S, causal, medians(cases, a.rounds), list(mods)))
     print(f"{torch.cuda.get_device_name()}, bf16, B*S = 16k, H*D = 2048, flashrt.backward alone, medians of "
           f"{a.rounds} interleaved rounds; per modification and determinism: split ms, fused / split\n")
     _, _, _, _, names = rows[0]

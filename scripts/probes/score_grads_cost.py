@@ -7,7 +7,6 @@ not. Prints ms and ratios (each learned form against the detached one of the sam
 
     python3 scripts/probes/score_grads_cost.py [--rounds 5] [--seqlens 4096,16384] [--head-dims 64,128] [--no-flex]
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -17,36 +16,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import flashrt  # noqa: E402
-from score_mod_cost import add_if_runs, medians  # noqa: E402
+from score_mod_cost import add_if_runs, grid, grid_args, medians  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--seqlens", default="4096,16384")
-    ap.add_argument("--head-dims", default="64,128")
+    ap = grid_args(rounds=5, seqlens="4096,16384")
     ap.add_argument("--no-flex", action="store_true")
     a = ap.parse_args()
     rows = []
-    for D in map(int, a.head_dims.split(",")):
-        for S in map(int, a.seqlens.split(",")):
-            B, H = 16384 // S, 2048 // D
-            q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            bias = torch.randn(H, 2 * S - 1, device="cuda")
-            dbias = torch.zeros_like(bias)
-            expr = f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]"
-            for causal in (False, True):
-                kw = dict(causal=causal, score_mod=expr, score_tensors={"bias": bias})
+    for D, S, H, q, k, v, do in grid(a):
+        bias = torch.randn(H, 2 * S - 1, device="cuda")
+        dbias = torch.zeros_like(bias)
+        expr = f"s + bias[h * {2 * S - 1} + k - q + {S - 1}]"
+        for causal in (False, True):
+            kw = dict(causal=causal, score_mod=expr, score_tensors={"bias": bias})
 
-                def run(grads=None, det=False, kw=kw):
-                    out, lse = flashrt.forward(q, k, v, **kw)
-                    flashrt.backward(do, q, k, v, out, lse, deterministic=det, **kw,
-                                     **({"score_grads": grads} if grads is not None else {}))
-                cases = {"detached": run, "learned": lambda: run({"bias": dbias}),
-                         "detached det": lambda: run(det=True), "learned det": lambda: run({"bias": dbias}, True)}
-                if not a.no_flex:
-                    add_flex(cases, q, k, v, do, causal, bias)
-                rows.append((D, S, causal, medians(cases, a.rounds)))
+            def run(grads=None, det=False, kw=kw):
+                out, lse = flashrt.forward(q, k, v, **kw)
+                flashrt.backward(do, q, k, v, out, lse, deterministic=det, **kw,
+                                 **({"score_grads": grads} if grads is not None else {}))
+            cases = {"detached": run, "learned": lambda: run({"bias": dbias}),
+                     "detached det": lambda: run(det=True), "learned det": lambda: run({"bias": dbias}, True)}
+            if not a.no_flex:
+                add_flex(cases, q, k, v, do, causal, bias)
+            rows.append((D, S, causal, medians(cases, a.rounds)))
     print(f"{torch.cuda.get_device_name()}, bf16, B*S = 16k, H*D = 2048, forward+backward, medians of {a.rounds} "
           f"interleaved rounds; a relative-position bias table, detached or learned\n")
     print("| D | S | causal | detached ms | learned ms | learned / detached | det: detached ms | learned ms | "

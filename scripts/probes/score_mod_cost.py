@@ -39,11 +39,26 @@ def timed(fn) -> float:
     return a.elapsed_time(b)
 
 
-def main():
+def grid_args(rounds: int = 7, seqlens: str = "1024,4096,16384", head_dims: str = "64,128") -> argparse.ArgumentParser:
+    """The probes' parser with their grid's options: --rounds, --seqlens, --head-dims (comma-separated)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--seqlens", default="1024,4096,16384")
-    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--seqlens", default=seqlens)
+    ap.add_argument("--head-dims", default=head_dims)
+    return ap
+
+
+def grid(a):
+    """(D, S, H, q, k, v, do) per head_dim and sequence length of the options `a` (grid_args): bf16 N(0, 1) inputs of
+    16k tokens (B = 16k / S) and H * D = 2048."""
+    for D in map(int, a.head_dims.split(",")):
+        for S in map(int, a.seqlens.split(",")):
+            B, H = 16384 // S, 2048 // D
+            yield D, S, H, *(torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+
+
+def main():
+    ap = grid_args()
     ap.add_argument("--tanh-exact", action="store_true")
     ap.add_argument("--fa4", action="store_true")
     ap.add_argument("--flex", action="store_true")
@@ -57,28 +72,25 @@ def main():
         from flashrt import spec
         spec.NVRTC_OPTIONS = (*spec.NVRTC_OPTIONS, "-DFRT_TANH_EXACT=1")
     rows = []
-    for D in map(int, a.head_dims.split(",")):
-        for S in map(int, a.seqlens.split(",")):
-            B, H = 16384 // S, 2048 // D
-            q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            mods, slopes, bias = modifications(H, S)
-            mods = {m: kw for m, kw in mods.items() if m == "plain" or m in cols}
-            for causal in (False, True):
-                def fwd(kw):
-                    return lambda: flashrt.forward(q, k, v, causal=causal, **kw)
+    for D, S, H, q, k, v, do in grid(a):
+        mods, slopes, bias = modifications(H, S)
+        mods = {m: kw for m, kw in mods.items() if m == "plain" or m in cols}
+        for causal in (False, True):
+            def fwd(kw):
+                return lambda: flashrt.forward(q, k, v, causal=causal, **kw)
 
-                def fb(kw):
-                    def run():
-                        out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
-                        flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
-                    return run
-                cases = {(pas, m): (fwd if pas == "fwd" else fb)(kw) for pas in ("fwd", "fwd+bwd")
-                         for m, kw in mods.items()}
-                if fa4 is not None:
-                    cases.update(fa4_cases(fa4, q, k, v, do, causal, mods))
-                if a.flex:
-                    cases.update(flex_cases(q, k, v, do, causal, mods, slopes, bias))
-                rows.append((D, S, causal, medians(cases, a.rounds)))
+            def fb(kw):
+                def run():
+                    out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
+                    flashrt.backward(do, q, k, v, out, lse, causal=causal, **kw)
+                return run
+            cases = {(pas, m): (fwd if pas == "fwd" else fb)(kw) for pas in ("fwd", "fwd+bwd")
+                     for m, kw in mods.items()}
+            if fa4 is not None:
+                cases.update(fa4_cases(fa4, q, k, v, do, causal, mods))
+            if a.flex:
+                cases.update(flex_cases(q, k, v, do, causal, mods, slopes, bias))
+            rows.append((D, S, causal, medians(cases, a.rounds)))
     print(f"{torch.cuda.get_device_name()}, bf16, B*S = 16k, H*D = 2048, medians of {a.rounds} interleaved rounds; "
           f"softcap 30{' (exact tanh)' if a.tanh_exact else ''}; ratios against the same library's plain time"
           + ("; 'vs FA4': flashrt's time over FlashAttention-4's, same modification" if fa4 else "")
