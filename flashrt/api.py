@@ -417,10 +417,10 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
     if not dropout and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
         return decoding.forward_plan(Q4, K4, V4, m, scale, sinks, softcap, alibi, bstride)
     dev = launch.device(Q.device)
-    spec = _kernel_for(tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits, bool(dropout)), D, Q, m, dev,
-                       bool(softcap), alibi, bool(dropout))
+    family = tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits, bool(dropout))
+    spec = _kernel_for(family, tiles.sm90_head_dim(family, D), Q, m, dev, bool(softcap), alibi, bool(dropout))
     _compiled_score_mod(m, [spec])
-    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=bstride,
+    p = dict(H=H, Hkv=Hkv, head_dim=D, scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=bstride,
              **_dropout_fields(dropout), **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     if spec.family in ("fwd_sm90", "fwd_sm90_ws"):
@@ -637,7 +637,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         return _Plan([], (), allocs, [], None)
     rows = math.prod(m.lse_shape(H))
     scratch = [("lse2", rows), ("delta", rows)]  # fp32, in one allocation (_Alloc.parts)
-    p = dict(H=H, Hkv=Hkv, scale_log2=scale * _LOG2E, scale=scale, softcap=softcap / scale, alibi_bstride=bstride,
+    p = dict(H=H, Hkv=Hkv, head_dim=D, scale_log2=scale * _LOG2E, scale=scale, softcap=softcap / scale,
+             alibi_bstride=bstride,
              **_dropout_fields(dropout), **m.kernel_fields(H), **_contiguous_fields("dq", Q.shape),
              **_contiguous_fields("dk", K.shape), **_contiguous_fields("dv", K.shape))
     dO4 = _as_batch(dO)
@@ -650,11 +651,15 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     if drop and m.score_mod:  # (the wgmma backward has no variant with both: spec.DROPOUT_FAMILIES)
         dq_family, dkdv_family, fused_family = "bwd_dq", "bwd_dkdv", "bwd_fused"
     if impl == "auto":
-        fused_bm = _kernel_for(fused_family, D, Q, m, dev, bool(softcap), alibi, drop).block_m
-        impl = tiles.backward_impl(D, bool(deterministic), m.ordered_dq_ok, dkdv_family == "bwd_dkdv_sm90",
-                                   fused_family == "bwd_fused_sm90", bool(m.causal), m.Sq, m.bits, fused_bm,
-                                   bool(softcap or alibi or m.score_mod or drop))
-    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, D, Q, m, dev, bool(softcap), alibi, drop)
+        fused_bm = _kernel_for(fused_family, tiles.sm90_head_dim(fused_family, D), Q, m, dev, bool(softcap), alibi,
+                               drop).block_m
+        impl = tiles.backward_impl(tiles.sm90_head_dim(dkdv_family, D), bool(deterministic), m.ordered_dq_ok,
+                                   dkdv_family == "bwd_dkdv_sm90", fused_family == "bwd_fused_sm90", bool(m.causal),
+                                   m.Sq, m.bits, fused_bm, bool(softcap or alibi or m.score_mod or drop))
+    # The kernels' head_dim: the tensors' D, or the wgmma instance a family pads it to (tiles.sm90_head_dim); the
+    # helper kernels (spec.ELEMENTWISE) take the main kernel's, DK: the layout of the fp32 buffers it shares with them.
+    DK = tiles.sm90_head_dim(fused_family if impl == "fused" else dkdv_family, D)
+    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, DK, Q, m, dev, bool(softcap), alibi, drop)
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else tiles.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
@@ -662,7 +667,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
         p["sched_key_pairs"] = tiles.key_item_chunk(dev, m.B, m.Sq, D, H, Hkv, splits)
     if splits > 1:
-        scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * D))
+        scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * DK))
     allocs.append(None)  # the scratch, allocs[3] (backward's _sink_grad reads its delta)
     maps = []
     if main.family == "bwd_fused_sm90" and not _env.no_tma():  # its TMA maps of q, dout, k, v
@@ -671,7 +676,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
                 (("q", "q", Q4, main.block_m), ("do", "dout", dO4, main.block_m), ("k", "k", K4, main.block_n),
                  ("v", "v", V4, main.block_n))]
     if impl == "fused":
-        scratch.append(("dq_accum", m.total_q * H * D))  # zeroed by bwd_preprocess
+        scratch.append(("dq_accum", m.total_q * H * DK))  # zeroed by bwd_preprocess
         p["dq_swizzle"] = int(fused_family == "bwd_fused_sm90")
         if deterministic:  # a counter per query tile
             allocs.append(_Alloc(("dq_sem",), (m.B, H, -(-m.Sq // main.block_m)), "i32", 0))
@@ -685,7 +690,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         families.append("bwd_dkdv_reduce")
     rowwise = m.elementwise_fields(H)
     launches = []
-    specs = {family: _kernel_for(family, D, Q, m, dev, bool(softcap), alibi, drop) for family in families}
+    specs = {family: _kernel_for(family, DK if family in ELEMENTWISE else tiles.sm90_head_dim(family, D), Q, m, dev,
+                                 bool(softcap), alibi, drop) for family in families}
     if score_grads:  # the dQ kernel's tensor-gradient pass, after lse2 and delta are made (spec.KernelSpec.score_grads)
         expr, _, typed = m.score_mod
         names = [n for n, _ in typed]
@@ -716,7 +722,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     if m.mask_mod:
         needs = [(main, "mask_cols")]
         if impl != "fused":
-            needs.append((_kernel_for(dq_family, D, Q, m, dev, bool(softcap), alibi, drop), "mask_rows"))
+            needs.append((specs[dq_family], "mask_rows"))
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, *needs))
     if mode and m.checked:

@@ -167,8 +167,10 @@ def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: boo
     mods += [(False, False, True)] * dropout
     # (mask_mod's classifiers need an expression)
     # (and the tilings for long query sequences, tiles.long_rows)
+    # (a wgmma family's kernel for a head_dim it pads: the instance's, tiles.sm90_head_dim)
     specs = {tiles.tiling(f, d, t, c, arch, smem_limit, mask, softcap=cap, alibi=ali, long=long, dropout=drop)
-             for mask, c in combos for f in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS) for d in head_dims
+             for mask, c in combos for f in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS)
+             for d in {tiles.sm90_head_dim(f, d) for d in head_dims}
              for t in dtypes for cap, ali, drop in (mods if f in SOFTCAP_FAMILIES else mods[:1])
              for long in (False, True)[:1 + tiles.long_rows(f, d, 1 << 30)]
              if tiles.applies(f, d, arch, mask, cap, ali, dropout=drop) and not (mask and f in ELEMENTWISE)

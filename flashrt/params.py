@@ -61,6 +61,8 @@ _SCORE = [(f"score_t{i}", _PTR) for i in range(4)]
 # Dropout (kernels_cu/attention/dropout.cuh): the (seed, offset) pair in device memory, the 16-bit keep threshold and
 # 1 / (1 - p), last in both structs.
 _DROPOUT = [("drop_rng", _PTR), ("drop_keep", _I32), ("drop_scale", _F32)]
+# The tensors' head_dim, which a wgmma kernel may pad (tiles.sm90_head_dim), last in both structs.
+_HEAD_DIM = [("head_dim", _I32)]
 
 FWD = np.dtype(
     [(n, _MAP) for n in ("q_map", "k_map", "v_map")]
@@ -71,7 +73,7 @@ FWD = np.dtype(
     + [("scale_log2", _F32)]
     + _MOD
     + [("sched_pairs", _I32), ("sched", _PTR), ("use_tma", _I32), ("sinks", _PTR), ("softcap", _F32)]
-    + _ALIBI + _SCORE + _DROPOUT,
+    + _ALIBI + _SCORE + _DROPOUT + _HEAD_DIM,
     align=True,
 )
 # The C struct's size is a multiple of its alignment, 64 with the maps (numpy's align=True goes to 8); BWD's too.
@@ -90,7 +92,7 @@ BWD = np.dtype(
     + _MOD
     + [("softcap", _F32)]
     + _ALIBI + _SCORE + [(f"score_g{i}", _PTR) for i in range(4)] + [(f"score_n{i}", _I64) for i in range(4)]
-    + _DROPOUT,
+    + _DROPOUT + _HEAD_DIM,
     # (the score tensors' gradients and sizes: bwd_dq.cu's tensor-gradient pass)
     align=True,
 )

@@ -68,6 +68,23 @@ _DROPOUT_MASK_LIMITS = {
 }
 
 
+# Padded head_dims: a head_dim between the wgmma instances (spec.SM90_HEAD_DIMS) runs the next instance up in these
+# families, from PADDED_FROM on: the tiles' columns past it are loaded as zeros (the TMA maps' bounds, cp.async with
+# source size 0) and not stored (kernels_cu/attention/params.cuh: head_dim), so that one cubin serves the instance and
+# every head_dim padded to it. Measured against mma.sync's own variant at that head_dim: docs/perf-notes.md, "Padded
+# head_dims".
+PADDED_FAMILIES = ("fwd_sm90", "fwd_sm90_ws", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90")
+PADDED_FROM = 32
+
+
+def sm90_head_dim(family: str, head_dim: int) -> int:
+    """The head_dim of `family`'s kernel for the tensors' `head_dim`: the next wgmma instance up where the family pads
+    (PADDED_FAMILIES, from PADDED_FROM), else head_dim itself."""
+    if family not in PADDED_FAMILIES or head_dim < PADDED_FROM:
+        return head_dim
+    return next((d for d in SM90_HEAD_DIMS[family] if d >= head_dim), head_dim)
+
+
 def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool = False, alibi: bool = False,
             score_mod: tuple = (), dropout: bool = False) -> bool:
     """Whether `family` has a kernel for this head_dim, arch and mask (MASK_BITS) (and softcap, ALiBi or a score_mod;
@@ -86,29 +103,31 @@ def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool 
 def forward_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, dropout: bool = False) -> str:
     """The forward's kernel family: the wgmma one on Hopper where it exists and fits (FLASHRT_NO_SM90=1: never);
     its warp-specialised form where that has a variant for `mask` (MASK_BITS; _SM90_MASK_LIMITS) and `dropout`
-    (_DROPOUT_MASK_LIMITS) and fits.
+    (_DROPOUT_MASK_LIMITS) and fits; at the tensors' `head_dim` padded as the family pads it (sm90_head_dim).
 
     H200, B=2 S=8192 H=16 bf16 (scripts/probes/probe_sm90.py, docs/perf-notes.md: Forward: wgmma (fwd_sm90)): head_dim
     128 422 TFLOP/s against 279 for fwd.cu, head_dim 64 333 against ~300; warp-specialised ("Forward:
     warp-specialised persistent (fwd_sm90_ws)") 564 at head_dim 128.
     """
-    no_sm90 = _env.no_sm90()
-    if (_sm90_fits("fwd_sm90_ws", head_dim, arch, smem_limit, no_sm90, mask)
-            and applies("fwd_sm90_ws", head_dim, arch, mask, dropout=dropout)):
+    no_sm90, ws = _env.no_sm90(), sm90_head_dim("fwd_sm90_ws", head_dim)
+    if (_sm90_fits("fwd_sm90_ws", ws, arch, smem_limit, no_sm90, mask)
+            and applies("fwd_sm90_ws", ws, arch, mask, dropout=dropout)):
         return "fwd_sm90_ws"
-    return "fwd_sm90" if _sm90_fits("fwd_sm90", head_dim, arch, smem_limit, no_sm90) else "fwd"
+    plain = _sm90_fits("fwd_sm90", sm90_head_dim("fwd_sm90", head_dim), arch, smem_limit, no_sm90)
+    return "fwd_sm90" if plain else "fwd"
 
 
 def split_families(head_dim: int, arch: str, smem_limit: int, mask: int = 0, dropout: bool = False) -> tuple[str, str]:
     """The split backward's (dQ, dK/dV) kernel families: each the wgmma one on Hopper where it exists (for
-    this `mask`, MASK_BITS, and `dropout`) and fits, else the mma.sync one.
+    this `mask`, MASK_BITS, and `dropout`) and fits, else the mma.sync one; at the tensors' `head_dim` padded as the
+    families pad it (sm90_head_dim).
 
     FLASHRT_NO_SM90=1: the mma.sync pair everywhere. Measurements: docs/perf-notes.md, Backward: wgmma split
     (bwd_dq_sm90, bwd_dkdv_sm90).
     """
     no_sm90 = _env.no_sm90()
-    pair = tuple(sm90 if _sm90_fits(sm90, head_dim, arch, smem_limit, no_sm90, mask)
-                 and applies(sm90, head_dim, arch, mask, dropout=dropout) else mma
+    pair = tuple(sm90 if _sm90_fits(sm90, sm90_head_dim(sm90, head_dim), arch, smem_limit, no_sm90, mask)
+                 and applies(sm90, sm90_head_dim(sm90, head_dim), arch, mask, dropout=dropout) else mma
                  for sm90, mma in (("bwd_dq_sm90", "bwd_dq"), ("bwd_dkdv_sm90", "bwd_dkdv")))
     if dropout and pair[0].endswith("_sm90") != pair[1].endswith("_sm90"):  # (one of them limited: both mma.sync)
         return "bwd_dq", "bwd_dkdv"
@@ -119,9 +138,10 @@ def fused_family(head_dim: int, arch: str, smem_limit: int, mask: int = 0, softc
                  alibi: bool = False, score_mod: tuple = ()) -> str:
     """The fused backward's kernel family: the wgmma one (bwd_fused_sm90, head_dim 64 / 128) on Hopper where it fits
     (and has a variant for the mask with a softcap / ALiBi / score_mod: _SCORE_MOD_MASK_LIMITS), else the mma.sync one
-    (FLASHRT_NO_SM90=1: always)."""
-    sm90 = (applies("bwd_fused_sm90", head_dim, arch, mask, softcap, alibi, score_mod)
-            and _sm90_fits("bwd_fused_sm90", head_dim, arch, smem_limit, _env.no_sm90(), mask))
+    (FLASHRT_NO_SM90=1: always); at the tensors' `head_dim` padded as the family pads it (sm90_head_dim)."""
+    padded = sm90_head_dim("bwd_fused_sm90", head_dim)
+    sm90 = (applies("bwd_fused_sm90", padded, arch, mask, softcap, alibi, score_mod)
+            and _sm90_fits("bwd_fused_sm90", padded, arch, smem_limit, _env.no_sm90(), mask))
     return "bwd_fused_sm90" if sm90 else "bwd_fused"
 
 

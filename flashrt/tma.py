@@ -53,12 +53,11 @@ def _aligned_scratch() -> int:
 
 class TileMap:
     """The map of a (B, S, H, D) tensor of 16-bit elements, strides in elements (D's is 1), read in tiles of
-    `rows` rows by 64 columns of one head of one batch entry (the box 64 x 1 x rows x 1 over dims D, H, S, B)."""
+    `rows` rows by 64 columns of one head of one batch entry (the box 64 x 1 x rows x 1 over dims D, H, S, B). A box
+    past D (a head_dim the kernel pads: tiles.sm90_head_dim) lands as zeros."""
 
     def __init__(self, name: str, shape: tuple, strides: tuple, rows: int):
         B, S, H, D = shape
-        if D % _BOX_COLS:
-            raise ValueError(f"TMA tiles hold whole 64-column blocks, head_dim {D}")
         # An axis of size 1 is never stepped along: any valid stride, the contiguous one here.
         natural = (S * H * D, H * D, D)
         byte_strides = [2 * (s if n > 1 else c) for n, s, c in zip((B, S, H), strides[:3], natural)]

@@ -84,6 +84,29 @@ def dropout_cases():
     torch.cuda.synchronize()
 
 
+def padded_cases():
+    """Head_dims the wgmma kernels pad to the next instance (tiles.sm90_head_dim): q, k, v, dout as views of wider
+    tensors (the columns past head_dim never read), by TMA and by cp.async (FLASHRT_NO_TMA=1); ragged, GQA, lengths;
+    the forward, the split backward (dK/dV splits at MQA), the fused one ordered and not."""
+    import os
+    for no_tma in ("0", "1"):
+        os.environ["FLASHRT_NO_TMA"] = no_tma
+        for B, Sq, Sk, H, Hkv, D, causal in ((1, 70, 150, 4, 2, 72, True), (2, 130, 100, 2, 1, 160, False),
+                                             (1, 200, 200, 2, 2, 224, True), (1, 90, 140, 2, 1, 40, False),
+                                             (1, 300, 300, 8, 1, 96, True)):
+            q, k, v, do = (torch.randn(B, s, h, D + 24, device="cuda", dtype=torch.bfloat16)[..., :D]
+                           for s, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H)))
+            lengths = dict(seqlens_k=torch.tensor([Sk - 5] * B, device="cuda", dtype=torch.int32))
+            out, lse = flashrt.forward(q, k, v, causal=causal, **lengths)
+            for impl, det in (("split", True), ("fused", False), ("fused", True)):
+                flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, deterministic=det, **lengths)
+    os.environ.pop("FLASHRT_NO_TMA")
+    torch.cuda.synchronize()
+
+
+if sys.argv[1:] == ["padded"]:  # (that part alone)
+    padded_cases()
+    sys.exit(0)
 if sys.argv[1:] == ["dropout"]:  # (that part alone)
     dropout_cases()
     sys.exit(0)
@@ -227,3 +250,4 @@ flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
 flashrt.combine(torch.stack([p[0].float() for p in parts]), torch.stack([p[1] for p in parts]))
 torch.cuda.synchronize()
 score_mod_cases()
+padded_cases()

@@ -163,6 +163,63 @@ def test_forward_over_several_l2_chunks(torch, poison, D, causal):
     assert float(cupy.abs(f64(lse) - rlse).max()) < 1e-3
 
 
+@pytest.mark.parametrize("D", [40, 72, 96, 112, 160, 200, 248])
+@pytest.mark.parametrize("loads", ["tma", "cp.async"])
+def test_padded_head_dims_read_and_write_only_their_columns(torch, poison, monkeypatch, D, loads):
+    """On Hopper a head_dim between the wgmma instances runs the next one up (tiles.sm90_head_dim), forward and
+    backward: its tiles' columns past head_dim load as zeros (the TMA maps' bounds; cp.async with FLASHRT_NO_TMA=1) and
+    are not stored. q, k, v, out and dout are views of wider NaN-filled tensors, so a column read past head_dim shows;
+    the outputs come from the poisoned pool, so a column not written shows, and one written past head_dim lands in the
+    next head's. Ragged, GQA, causal, padding lengths (split, fused, ordered fused backward), and a window over packed
+    sequences; float64 reference."""
+    import cupy
+    dev = launch.device(torch.cuda.current_device())
+    family = tiles.forward_family(D, dev.arch, dev.smem_optin)
+    if tiles.sm90_head_dim(family, D) == D:
+        pytest.skip(f"head_dim {D} runs a kernel of its own here ({family} on {dev.arch})")
+    monkeypatch.setenv("FLASHRT_NO_TMA", "1" if loads == "cp.async" else "0")
+
+    def widened(x):
+        x = x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+        wide = torch.full((*x.shape[:-1], D + 24), float("nan"), dtype=x.dtype, device="cuda")
+        wide[..., :D] = x
+        return cupy.from_dlpack(wide)[..., :D]
+
+    B, Sq, Sk, H, Hkv = 2, 300, 517, 4, 2
+    q, k, v, do = (widened(x) for x in make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D))
+    lengths = cupy.asarray([Sk, 250], dtype=cupy.int32)
+    out, lse = flashrt.forward(q, k, v, causal=True, seqlens_k=lengths)
+    assert any(n.startswith(f"flashrt_{family}_hd{tiles.sm90_head_dim(family, D)}_") for n, _ in launch._functions)
+    keep = reference.visible(B, Sq, Sk, causal=True, seqlens_k=lengths, xp=cupy)
+    ro, rlse, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), mask=keep, dout=f64(do))
+    assert not bool(cupy.isnan(f64(out)).any()), "out has NaN: a column read past head_dim, or one not written"
+    assert reference.rel_error(f64(out), ro) < 2e-2
+    seen = cupy.isfinite(rlse)  # (batch entry 1's first 50 rows see no key: lse -inf)
+    assert bool((lse[~seen] == -cupy.inf).all())
+    assert float(cupy.abs(cupy.where(seen, f64(lse) - rlse, 0)).max()) < 1e-3
+    for impl, det in (("split", True), ("fused", False), ("fused", True)):
+        grads = flashrt.backward(do, q, k, v, widened(out), lse, causal=True, seqlens_k=lengths, impl=impl,
+                                 deterministic=det)
+        for name, x, r in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+            assert not bool(cupy.isnan(f64(x)).any()), f"{impl} {name} has NaN: a column read past head_dim, or one " \
+                                                       "not written"
+            assert reference.rel_error(f64(x), r) < 2e-2, f"{impl} {name}"
+    split = tiles.split_families(D, dev.arch, dev.smem_optin)
+    assert any(n.startswith(f"flashrt_{split[1]}_hd{tiles.sm90_head_dim(split[1], D)}_") for n, _ in launch._functions)
+
+    lens = [200, 1, 384, 77]  # packed sequences, a window
+    cu = cupy.asarray([0, *itertools.accumulate(lens)], dtype=cupy.int32)
+    q, k, v = (widened(x[0]) for x in make_inputs(torch, 1, sum(lens), sum(lens), H, Hkv, D, "bf16", seed=D + 1)[:3])
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    out, _ = flashrt.forward(q, k, v, window=(64, 0), **packed)
+    assert not bool(cupy.isnan(f64(out)).any()), "packed out has NaN"
+    for b, (lo, hi) in enumerate(zip(cu.get()[:-1], cu.get()[1:])):
+        n = int(hi - lo)
+        keep = reference.visible(1, n, n, window=(64, 0), xp=cupy)
+        ro = reference.attention(*(f64(x[lo:hi])[None] for x in (q, k, v)), mask=keep)[0]
+        assert reference.rel_error(f64(out[lo:hi])[None], ro) < 2e-2, f"sequence {b}"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", ["ragged", "padded", "varlen"])
 def test_long_query_tiling_matches_float64(torch, poison, causal, case):

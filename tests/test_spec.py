@@ -111,8 +111,9 @@ def test_tiling_fits_every_head_dim(arch, limit):
                 continue  # the split backward is bwd_dq.cu / bwd_dkdv.cu there
             if family == "bwd_fused_sm90" and family != tiles.fused_family(d, arch, limit):
                 continue  # the fused backward is bwd_dkdv.cu's there
-            s = tiles.tiling(family, d, "bf16", True, arch, limit)
-            assert s.smem_bytes <= limit and s.head_dim == (256 if family in ANY_HEAD_DIM else d) and s.arch == arch
+            s = tiles.tiling(family, tiles.sm90_head_dim(family, d), "bf16", True, arch, limit)
+            instance = 256 if family in ANY_HEAD_DIM else tiles.sm90_head_dim(family, d)
+            assert s.smem_bytes <= limit and s.head_dim == instance and s.arch == arch
             assert s.layout_problem() is None
 
 
@@ -320,7 +321,16 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
         assert tiles.tiling("fwd_sm90_ws", 64, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, long=True).block_m == 128
     with pytest.raises(ValueError, match="block_n 64 or 80 above head_dim 128"):
         KernelSpec("fwd_sm90_ws", 192, "bf16", 128, 128, 12, True, "sm_90a")
-    assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90]) == "fwd"      # no wgmma kernel at 96
+    # between the instances: the next one up (tiles.sm90_head_dim), from tiles.PADDED_FROM, forward and backward (the
+    # fused wgmma backward's instances end at 128); the mma.sync families have every head_dim
+    for d, up in ((tiles.PADDED_FROM, 64), (56, 64), (96, 128), (136, 192), (160, 192), (200, 256), (248, 256)):
+        assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90]) == "fwd_sm90_ws"
+        assert tiles.split_families(d, "sm_90a", SMEM_OPTIN[90]) == ("bwd_dq_sm90", "bwd_dkdv_sm90")
+        assert tiles.fused_family(d, "sm_90a", SMEM_OPTIN[90]) == ("bwd_fused_sm90" if up <= 128 else "bwd_fused")
+        assert {tiles.sm90_head_dim(f, d) for f in tiles.PADDED_FAMILIES if f != "bwd_fused_sm90" or up <= 128} == {up}
+        assert tiles.sm90_head_dim("fwd", d) == tiles.sm90_head_dim("bwd_dkdv", d) == d
+    assert tiles.PADDED_FROM > 24 and tiles.forward_family(24, "sm_90a", SMEM_OPTIN[90]) == "fwd"
+    assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90], MASK_BITS["mod"] | MASK_BITS["segments"]) == "fwd_sm90"
     assert tiles.forward_family(128, "sm_80", SMEM_OPTIN[80]) == "fwd"      # not Hopper
     assert tiles.forward_family(128, "sm_90a", 64 * 1024) == "fwd"          # does not fit
     monkeypatch.setenv("FLASHRT_NO_SM90", "1")
@@ -354,7 +364,7 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
         assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], MASK_BITS[bit]) == wgmma
     masks = MASK_BITS["lengths"] | MASK_BITS["window"] | MASK_BITS["mod"]
     assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], masks) == wgmma
-    assert tiles.split_families(96, "sm_90a", SMEM_OPTIN[90]) == mma
+    assert tiles.split_families(24, "sm_90a", SMEM_OPTIN[90]) == mma        # not padded (tiles.PADDED_FROM)
     assert tiles.split_families(128, "sm_80", SMEM_OPTIN[80]) == mma       # not Hopper
     assert tiles.split_families(128, "sm_90a", 100 * 1024) == mma          # does not fit
     # auto takes the split pair when it is the wgmma one, deterministic or not, any mask; with the wgmma fused kernel

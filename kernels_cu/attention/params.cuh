@@ -74,6 +74,10 @@ struct FwdParams {
     const u64* drop_rng;
     int drop_keep;
     float drop_scale;
+    // The tensors' head_dim: the kernel's D or less where a wgmma kernel runs a padded one (tiles.sm90_head_dim): its
+    // tiles' columns from head_dim on are zeros in shared memory (wgmma.cuh: load_tile_sw128, the TMA maps' bounds)
+    // and are not stored (sw128_rows_to_global).
+    int head_dim;
 };
 
 struct BwdParams {
@@ -154,6 +158,7 @@ struct BwdParams {
     const u64* drop_rng;  // FRT_DROPOUT: as FwdParams'
     int drop_keep;
     float drop_scale;
+    int head_dim;  // as FwdParams'
 };
 
 // mask_check.cu: a call's mask arrays (the pointers of FwdParams / BwdParams, null when not given), the

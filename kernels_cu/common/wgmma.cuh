@@ -60,13 +60,14 @@ FRT_DEVICE u32 sw128_offset(int r, int c) {
 FRT_DEVICE u32 align_atom(u32 addr) { return (addr + (kAtomBytes - 1)) & ~(u32)(kAtomBytes - 1); }
 
 // Copy a ROWS x COLS tile of 16-bit elements (row stride g_stride elements, columns contiguous)
-// into a sw128 tile at s_tile (1024-byte aligned); rows >= rows_valid lie past the tensor and are
-// zeroed (cp.async with source size 0), not read. Consecutive threads take consecutive 16-byte
+// into a sw128 tile at s_tile (1024-byte aligned); rows >= rows_valid lie past the tensor and
+// columns >= cols_valid (a multiple of 8: a head_dim the kernel pads, params.cuh: head_dim) past its rows: both
+// are zeroed (cp.async with source size 0), not read. Consecutive threads take consecutive 16-byte
 // chunks of a row: coalesced global reads, and each 8-lane phase writes 8 distinct chunk slots
 // of one 128-byte row (no bank conflicts).
 // UNROLL: the copy loop's unroll factor (0: in full); a producer warpgroup with few registers takes 4.
 template <int ROWS, int COLS, int NTHREADS, int UNROLL = 0>
-FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int tid) {
+FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int cols_valid, int tid) {
     constexpr int CPR = COLS / 8, TOTAL = ROWS * CPR;  // 16-byte chunks per row, in all
     static_assert(COLS % kBlockCols == 0, "sw128 tiles hold whole 64-column blocks");
     static_assert(ROWS % 8 == 0, "sw128 tiles hold whole 8-row atoms");
@@ -82,9 +83,10 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
         const u32 s0 = s_tile + sw128_offset<ROWS>(r0, c);
         const u16* src = g + (i64)r0 * g_stride + c * 8;
         const i64 step = (i64)RSTEP * g_stride;
+        const int rows_ok = c * 8 < cols_valid ? rows_valid : 0;
 #pragma unroll
         for (int i = 0; i < TOTAL / NTHREADS; ++i, src += step) {
-            const bool ok = r0 + i * RSTEP < rows_valid;
+            const bool ok = r0 + i * RSTEP < rows_ok;
             cp_async16(s0 + i * RSTEP * kSwizzleBytes, ok ? src : g, ok);
         }
     } else if constexpr (NTHREADS % CPR == 0 && UNROLL > 0) {
@@ -96,10 +98,11 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
         const int c = (int)(ut % CPR), r0 = (int)(ut / CPR);
         const u16* src = g + (i64)r0 * g_stride + c * 8;
         const i64 step = (i64)RSTEP * g_stride;
+        const int rows_ok = c * 8 < cols_valid ? rows_valid : 0;
 #pragma unroll UNROLL
         for (int i = 0; i < TOTAL / NTHREADS; ++i, src += step) {
             const int r = r0 + i * RSTEP;
-            cp_async16(s_tile + sw128_offset<ROWS>(r, c), r < rows_valid ? src : g, r < rows_valid);
+            cp_async16(s_tile + sw128_offset<ROWS>(r, c), r < rows_ok ? src : g, r < rows_ok);
         }
     } else {
         // (fwd_sm90_ws's producer at head_dim 192, 12 chunks of K or V and 24 of Q a thread, spilled 752 bytes
@@ -109,25 +112,25 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
         for (int i = 0; i < TOTAL / NTHREADS; ++i) {
             const int idx = tid + i * NTHREADS;
             const int r = idx / CPR, c = idx % CPR;
-            const bool ok = r < rows_valid;
+            const bool ok = r < rows_valid && c * 8 < cols_valid;
             cp_async16(s_tile + sw128_offset<ROWS>(r, c), ok ? g + (i64)r * g_stride + c * 8 : g, ok);
         }
     }
 }
 
-// load_tile_sw128's tile by one warp of a warp-specialised loader, in few registers: a loop, not unrolled, over the
+// load_tile_sw128's tile (rows_valid, cols_valid as there) by one warp of a warp-specialised loader, in few registers: a loop, not unrolled, over the
 // tile's 16-byte chunks (lane l copies chunks l, l + 32, ...), each address found afresh; by loads and shared stores,
 // so that the warp's mbarrier arrivals after them order them before the readers' waits (compute-sanitizer's
 // racecheck follows mbarriers, and flagged cp.async copies waited for by cp.async.wait_group before the arrival).
 template <int ROWS, int COLS>
-FRT_DEVICE void copy_tile_sw128_warp(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int lane) {
+FRT_DEVICE void copy_tile_sw128_warp(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int cols_valid, int lane) {
     constexpr int CPR = COLS / 8;
     static_assert(COLS % kBlockCols == 0 && ROWS % 8 == 0, "sw128 tiles hold whole 64-column blocks and 8-row atoms");
 #pragma unroll 1
     for (int i = lane; i < ROWS * CPR; i += 32) {
         const int r = i / CPR, c = i % CPR;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < rows_valid) v = *reinterpret_cast<const uint4*>(g + r * g_stride + c * 8);
+        if (r < rows_valid && c * 8 < cols_valid) v = *reinterpret_cast<const uint4*>(g + r * g_stride + c * 8);
         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
                      :: "r"(s_tile + sw128_offset<ROWS>(r, c)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
     }
@@ -558,15 +561,15 @@ FRT_DEVICE void a_frags_to_sw128(u32 s_rows, const u32 (&a)[K / 16][4], int w, i
                      "r"(a[kk][2]), "r"(a[kk][3]));
 }
 
-// Epilogue, step 2: rows [0, rows_valid) of a warpgroup's 64 rows of a sw128 tile (ROWS rows, COLS
-// columns; s_rows: its first row) to global memory (row stride `stride` elements), 16 bytes per
-// store; wtid is the thread's index in the warpgroup. The stores are .cs (streaming: first out of
+// Epilogue, step 2: rows [0, rows_valid) and columns [0, cols_valid) (a multiple of 8: params.cuh, head_dim) of a
+// warpgroup's 64 rows of a sw128 tile (ROWS rows, COLS columns; s_rows: its first row) to global memory (row stride
+// `stride` elements), 16 bytes per store; wtid is the thread's index in the warpgroup. The stores are .cs (streaming: first out of
 // L2): a kernel never reads its outputs, and in the forward they evicted the K / V that other blocks
 // were about to read (docs/perf-notes.md: Per-item fixed cost).
 // The shared loads go in batches of up to 8 before their stores (all 64 rows are staged: the rows past
 // rows_valid are read and not stored): one at a time, each store waited for its load (docs/perf-notes.md: Per-item fixed cost).
 template <int ROWS, int COLS>
-FRT_DEVICE void sw128_rows_to_global(u16* g, i64 stride, u32 s_rows, int rows_valid, int wtid) {
+FRT_DEVICE void sw128_rows_to_global(u16* g, i64 stride, u32 s_rows, int rows_valid, int cols_valid, int wtid) {
     constexpr int CPR = COLS / 8, N = 64 * CPR / 128, BATCH = 8;
 #pragma unroll
     for (int i0 = 0; i0 < N; i0 += BATCH) {
@@ -581,7 +584,7 @@ FRT_DEVICE void sw128_rows_to_global(u16* g, i64 stride, u32 s_rows, int rows_va
 #pragma unroll
         for (int i = 0; i < BATCH && i0 + i < N; ++i) {
             const int idx = wtid + (i0 + i) * 128, r = idx / CPR, c = idx % CPR;
-            if (r < rows_valid)
+            if (r < rows_valid && c * 8 < cols_valid)
                 asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};\n"
                              :: "l"(g + (i64)r * stride + c * 8), "r"(val[i].x), "r"(val[i].y), "r"(val[i].z),
                              "r"(val[i].w) : "memory");

@@ -1,7 +1,8 @@
 // Attention backward, dK/dV reduction for a split dK/dV pass (see bwd_dkdv.cu):
 //   dK = scale * sum_s partial_dK[s],   dV = sum_s partial_dV[s]
 // summed in split order s = 0, 1, ... (fixed, so the result is deterministic).
-// One thread per 8 consecutive head_dim elements of one (b, key, kv head) row.
+// One thread per 8 consecutive head_dim elements of one (b, key, kv head) row: T::D in the partials, of which dk and
+// dv hold the first p.head_dim (fewer where the backward kernels pad it, tiles.sm90_head_dim).
 #include "attention/params.cuh"
 
 namespace frt {
@@ -14,6 +15,7 @@ __device__ void bwd_dkdv_reduce(const BwdParams& p) {
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < total; c += stride) {
         const int col = (int)(c % CHUNKS) * 8;
+        if (col >= p.head_dim) continue;
         const i64 row = c / CHUNKS;  // (b, hk, key) row of the partial layout
         const int key = (int)(row % p.Sk);
         const i64 bh = row / p.Sk;

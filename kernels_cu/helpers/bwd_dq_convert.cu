@@ -1,6 +1,7 @@
 // Attention backward, last step of the fused variants (bwd_dkdv.cu, bwd_dkdv_sm90.cu):
 //   dQ = scale * dq_accum, cast to 16-bit and written through dq's strides.
-// One thread per 8 consecutive head_dim elements of one (b, h, query) row.
+// One thread per 8 consecutive head_dim elements of one (b, h, query) row: T::D in dq_accum, of which dq holds the
+// first p.head_dim (fewer where the backward kernels pad it, tiles.sm90_head_dim).
 #include "attention/params.cuh"
 
 namespace frt {
@@ -16,6 +17,7 @@ __device__ void bwd_dq_convert(const BwdParams& p) {
         const int i = (int)(row % p.Sq);
         const i64 bh = row / p.Sq;
         const int h = (int)(bh % p.H), b = (int)(bh / p.H);
+        if (col >= p.head_dim) continue;
         // bwd_fused_sm90: the row's 16-byte chunks are permuted, chunk c at c ^ (row % 8) (sm90/bwd_sm90.cuh: stage_dq)
         const int sw = p.dq_swizzle ? (int)(row & 7) : 0, chunk = col >> 2;
         const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * T::D);

@@ -58,7 +58,8 @@ FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, f
             const u16* d = p.dout + tile.b * p.do_sb + row * p.do_ss + tile.h * p.do_sh;
 #pragma unroll
             for (int c = 8 * t; c < D; c += 32) {
-                acc = dot8<BF16>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d + c), acc);
+                if (c < p.head_dim)  // (a padded head_dim: tiles.sm90_head_dim)
+                    acc = dot8<BF16>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d + c), acc);
             }
         }
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
@@ -139,16 +140,17 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     if (tile.rows <= 0) return;
     const int n_blocks = tile.n_blocks, b = tile.b, h = tile.h;
 
-    load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.live, tid);
+    load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.live, p.head_dim, tid);
     load_tile_sw128<BM, D, NT>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss, tile.live,
-                               tid);
+                               p.head_dim, tid);
     const u16* gk = p.k + b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
     const u16* gv = p.v + b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
     auto load_k = [&](int stage, int j) {
-        load_tile_sw128<BN, D, NT>(sKV + stage * K_STRIDE, gk + (i64)j * BN * p.k_ss, p.k_ss, tile.vis.Lk - j * BN, tid);
+        load_tile_sw128<BN, D, NT>(sKV + stage * K_STRIDE, gk + (i64)j * BN * p.k_ss, p.k_ss, tile.vis.Lk - j * BN,
+                                   p.head_dim, tid);
     };
     auto load_v = [&](u32 sV, int j) {
-        load_tile_sw128<BN, D, NT>(sV, gv + (i64)j * BN * p.v_ss, p.v_ss, tile.vis.Lk - j * BN, tid);
+        load_tile_sw128<BN, D, NT>(sV, gv + (i64)j * BN * p.v_ss, p.v_ss, tile.vis.Lk - j * BN, p.head_dim, tid);
     };
     if (n_blocks > 0) {
         load_k(0, tile.key_tile(0));
@@ -290,7 +292,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     else
         warpgroup_bar<2>();
     sw128_rows_to_global<BM, D>(p.dq + b * p.dq_sb + (tile.row0 + 64 * wg) * p.dq_ss + h * p.dq_sh, p.dq_ss, sQw,
-                                rows_wg, tid & 127);
+                                rows_wg, p.head_dim, tid & 127);
 }
 
 }  // namespace frt

@@ -43,14 +43,14 @@ __device__ void fwd_sm90(const FwdParams& p) {
     const int n_blocks = block_uniform(tile.n_blocks);  // (with id masks it comes from shared memory)
 
     load_tile_sw128<BM, D, NT>(sQ, p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss, tile.rows,
-                               tid);
+                               p.head_dim, tid);
     const u16* gk = p.k + tile.b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
     const u16* gv = p.v + tile.b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
     // Stage s holds a K tile and, KV_BYTES after it, a V tile. Key tile it's K is loaded one
     // iteration ahead of its S wgmma and its V one iteration ahead of its P V wgmma (which runs in
     // iteration it + 1, under that iteration's softmax), so both tiles of tile it live in stage it & 1.
     auto load = [&](u32 s_tile, const u16* g, i64 stride, int j) {  // key tile j of K or V
-        load_tile_sw128<BN, D, NT>(s_tile, g + (i64)j * BN * stride, stride, tile.vis.Lk - j * BN, tid);
+        load_tile_sw128<BN, D, NT>(s_tile, g + (i64)j * BN * stride, stride, tile.vis.Lk - j * BN, p.head_dim, tid);
     };
     if (n_blocks > 0) load(sKV, gk, p.k_ss, tile.key_tile(0));
     cp_async_commit();

@@ -94,10 +94,11 @@ FRT_DEVICE int key_tile(const Tile& tile, int it) {
 // A producer's fill of one ROWS x D tile at s_tile, completing the mbarrier `full` (one arrival per producer):
 // by TMA from `map` at (head h, row, batch entry b) when by_tma (all its rows inside the sequence: thread 0
 // issues and announces the bytes, the others arrive), else by the zero-filling cp.async copy of its first
-// `rows` rows from g (row stride `stride`).
+// `rows` rows and `cols` columns from g (row stride `stride`). (The map's bounds are the tensor's: TMA fills the
+// columns past a padded head_dim with zeros and counts their bytes.)
 template <int ROWS, int D, int PRODUCERS>
 FRT_DEVICE void fill_tile(u32 s_tile, u32 full, bool by_tma, const void* map, int h, int row, int b, const u16* g,
-                          i64 stride, int rows, int ptid) {
+                          i64 stride, int rows, int cols, int ptid) {
     using namespace sm90;
     if (by_tma) {
         if (ptid == 0) {
@@ -107,7 +108,7 @@ FRT_DEVICE void fill_tile(u32 s_tile, u32 full, bool by_tma, const void* map, in
             mbar_arrive(full);
         }
     } else {
-        load_tile_sw128<ROWS, D, PRODUCERS, 4>(s_tile, g, stride, rows, ptid);  // (by 4: its few registers)
+        load_tile_sw128<ROWS, D, PRODUCERS, 4>(s_tile, g, stride, rows, cols, ptid);  // (by 4: its few registers)
         mbar_arrive_cp_async(full);
     }
 }
@@ -166,7 +167,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             fill_tile<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES, q_full, p.use_tma && tile.rows == BM, &p.q_map, tile.h,
                                            (int)tile.row0, map_b,
                                            p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
-                                           tile.rows, ptid);
+                                           tile.rows, p.head_dim, ptid);
             if (ptid == 0) {
                 st_shared_s32(slots + T::SLOT_BYTES * qs, item);
                 st_shared_item(slots + T::SLOT_BYTES * qs + 16, wi);
@@ -181,10 +182,10 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                 const bool by_tma = p.use_tma && rows >= BN;
                 mbar_wait(bar(T::K_EMPTY, s), empty);
                 fill_tile<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, k_full, by_tma, &p.k_map, tile.hk, krow, map_b,
-                                               gk + (i64)j * BN * p.k_ss, p.k_ss, rows, ptid);
+                                               gk + (i64)j * BN * p.k_ss, p.k_ss, rows, p.head_dim, ptid);
                 mbar_wait(bar(T::V_EMPTY, s), empty);
                 fill_tile<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, v_full, by_tma, &p.v_map, tile.hk, krow, map_b,
-                                               gv + (i64)j * BN * p.v_ss, p.v_ss, rows, ptid);
+                                               gv + (i64)j * BN * p.v_ss, p.v_ss, rows, p.head_dim, ptid);
             }
             // The next item, for all four warps: thread 0 claims it and writes it to shared memory
             // (after the Q slots' items), which none of them reads before the barrier below. (Named
