@@ -19,7 +19,7 @@ import struct
 
 from . import _env, cache, interop, launch, masks, nvrtc, params, tiles, tma
 from .interop import Array
-from .spec import ELEMENTWISE
+from .spec import ELEMENTWISE, V_DIM_FAMILIES
 
 _LOG2E = 1.4426950408889634
 
@@ -72,26 +72,29 @@ def _check_qkv(Q: Array, K: Array, V: Array) -> dict:
         raise TypeError(f"q, k, v must share one dtype, got q: {Q.dtype}, k: {K.dtype}, v: {V.dtype}")
     B, Sq, H, D = Q.shape
     Bk, Sk, Hkv, Dk = K.shape
-    if K.shape != V.shape:
-        raise ValueError(f"k and v must have the same shape, got k: {K.shape}, v: {V.shape}")
+    Dv = V.shape[-1]
+    if K.shape[:-1] != V.shape[:-1]:
+        raise ValueError(f"k and v must agree on every axis but head_dim (v's may differ), got k: {K.shape}, "
+                         f"v: {V.shape}")
     if Bk != B or Dk != D:
         raise ValueError(f"q {Q.shape} and k {K.shape} must agree on batch (axis 0) and head_dim (axis 3)")
-    if D % 8 or not 8 <= D <= 256:
-        raise ValueError(f"head_dim must be a multiple of 8 between 8 and 256, got {D}")
+    for d, what in ((D, "head_dim"), (Dv, "v's head_dim")):
+        if d % 8 or not 8 <= d <= 256:
+            raise ValueError(f"{what} must be a multiple of 8 between 8 and 256, got {d}")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"q's heads ({H}) must be a multiple of k/v's heads ({Hkv}) (GQA/MQA)")
     for a, name in ((Q, "q"), (K, "k"), (V, "v")):
         _check_layout(a, name)
-    return dict(B=B, Sq=Sq, Sk=Sk, H=H, Hkv=Hkv, D=D)
+    return dict(B=B, Sq=Sq, Sk=Sk, H=H, Hkv=Hkv, D=D, Dv=Dv)
 
 
-def _check_grad_inputs(Q: Array, dO: Array, O: Array, L: Array, lse_shape: tuple) -> None:
-    """The rules for backward's dout, out and lse, given a valid q."""
+def _check_grad_inputs(Q: Array, dO: Array, O: Array, L: Array, lse_shape: tuple, o_shape: tuple) -> None:
+    """The rules for backward's dout, out and lse, given a valid q; out's shape is `o_shape` (q's with v's head_dim)."""
     for a, name in ((dO, "dout"), (O, "out")):
         _check_tensor(a, name, len(Q.shape))
-        if a.shape != Q.shape or a.dtype != Q.dtype or a.lib != Q.lib or a.device != Q.device:
-            raise ValueError(f"{name} must match q: expected {Q.lib} {Q.dtype} {Q.shape} on cuda:{Q.device}, "
-                             f"got {a.lib} {a.dtype} {a.shape} on cuda:{a.device}")
+        if a.shape != o_shape or a.dtype != Q.dtype or a.lib != Q.lib or a.device != Q.device:
+            raise ValueError(f"{name} must match q (with v's head_dim): expected {Q.lib} {Q.dtype} {o_shape} on "
+                             f"cuda:{Q.device}, got {a.lib} {a.dtype} {a.shape} on cuda:{a.device}")
         _check_layout(a, name)
     if L.shape != lse_shape or L.dtype != "float32" or L.lib != Q.lib or L.device != Q.device:
         raise ValueError(f"lse must be {Q.lib} float32 of shape {lse_shape} on cuda:{Q.device} (as returned by "
@@ -108,17 +111,26 @@ def _tensor_fields(p: dict, **arrays: Array) -> None:
         p[f"{prefix}_sb"], p[f"{prefix}_ss"], p[f"{prefix}_sh"] = _strides(a)
 
 
+def _out_shape(Q: Array, V: Array) -> tuple:
+    """out's (and dout's) shape: q's with v's head_dim."""
+    return (*Q.shape[:-1], V.shape[-1])
+
+
 def _as_batch(a: Array) -> Array:
     """A packed (total, H, D) array as one batch entry (1, total, H, D) with batch stride 0."""
     return dataclasses.replace(a, shape=(1, *a.shape), strides=(0, *a.strides)) if len(a.shape) == 3 else a
 
 
 def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False, alibi: bool = False,
-                dropout: bool = False):
+                dropout: bool = False, head_dims: tuple = ()):
     """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi, score_mod, dropout and query length
-    (tiles.long_rows)."""
-    return tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi,
+    (tiles.long_rows); `head_dims`: q's and v's head_dims, which a spec.V_DIM_FAMILIES kernel takes where they
+    differ."""
+    spec = tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi,
                             tiles.long_rows(family, D, m.Sq), m.score_mod, dropout)
+    if family in V_DIM_FAMILIES and head_dims and head_dims[0] != head_dims[1]:
+        spec = dataclasses.replace(spec, head_dims=tuple(head_dims))
+    return spec
 
 
 def _check_score_mod(m: masks.Masking, softcap: float, alibi: bool) -> None:
@@ -395,7 +407,8 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
                   softcap: float = 0.0, alibi: bool = False, dropout: float = 0.0) -> "_Plan":
     q, k, v = tensors[:3]
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
-    H, Hkv, D = s["H"], s["Hkv"], s["D"]
+    H, Hkv, D, Dv = s["H"], s["Hkv"], s["D"], s["Dv"]
+    Dm, o_shape = max(D, Dv), _out_shape(Q, V)  # (the kernels' head_dim: the larger of q's and v's, or above it)
     _check_score_mod(m, softcap, alibi)
     if sinks:
         _check_sinks(interop.describe(tensors[3], "sinks"), Q, H)
@@ -407,24 +420,26 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
     # attend to: out = 0, lse = -inf, no launch.
     empty = m.B * m.Sq * H == 0 or m.Sk == 0
     fill = (0.0, -math.inf) if m.varlen or empty else (None, None)
-    allocs = [_Alloc(("o",), Q.shape, "like", fill[0]), _Alloc(("lse",), m.lse_shape(H), "f32", fill[1])]
+    allocs = [_Alloc(("o",), o_shape, "like", fill[0]), _Alloc(("lse",), m.lse_shape(H), "f32", fill[1])]
     if empty:
         if sinks and m.Sk == 0 and m.B * m.Sq * H:  # every row sees the sink alone: lse = the sink
             raise ValueError("sinks with no keys (k has 0 tokens): every row would see its sink alone; pass at least "
                              "one key")
         return _Plan([], (), allocs, [], None)
     from . import decoding  # (it imports this module)
-    if not dropout and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
+    if not dropout and Dv == D and not _env.no_decode_forward() and decoding.forward_applies(m, Q4, K4, V4):
         return decoding.forward_plan(Q4, K4, V4, m, scale, sinks, softcap, alibi, bstride)
     dev = launch.device(Q.device)
-    family = tiles.forward_family(D, dev.arch, dev.smem_optin, m.bits, bool(dropout))
-    spec = _kernel_for(family, tiles.sm90_head_dim(family, D), Q, m, dev, bool(softcap), alibi, bool(dropout))
+    family = tiles.forward_family(Dm, dev.arch, dev.smem_optin, m.bits, bool(dropout))
+    spec = _kernel_for(family, tiles.sm90_head_dim(family, Dm), Q, m, dev, bool(softcap), alibi, bool(dropout),
+                       (D, Dv))
     _compiled_score_mod(m, [spec])
-    p = dict(H=H, Hkv=Hkv, head_dim=D, scale_log2=scale * _LOG2E, softcap=softcap / scale, alibi_bstride=bstride,
-             **_dropout_fields(dropout), **m.kernel_fields(H), **_contiguous_fields("o", Q.shape))
+    p = dict(H=H, Hkv=Hkv, head_dim=D, head_dim_v=Dv, scale_log2=scale * _LOG2E, softcap=softcap / scale,
+             alibi_bstride=bstride, **_dropout_fields(dropout), **m.kernel_fields(H),
+             **_contiguous_fields("o", o_shape))
     _tensor_fields(p, q=Q4, k=K4, v=V4)
     if spec.family in ("fwd_sm90", "fwd_sm90_ws"):
-        p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
+        p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, Dm, H, Hkv)
     maps, counter = [], None
     if spec.family == "fwd_sm90_ws":  # its work-item counter (launch.sched_counter); its TMA maps of q, k, v
         counter = (0, "sched")
@@ -440,7 +455,7 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
         structs, allocs, launches, keep = _with_lists(m, tensors, inputs, structs, allocs, launches, dev,
                                                       _classify(p, m, H, dev, (spec, "mask_rows")))
     if mode and m.checked:
-        _add_check(structs, launches, m, dev, False, (("o", Q.shape, Q.itemsize), ("lse", m.lse_shape(H), 4)))
+        _add_check(structs, launches, m, dev, False, (("o", o_shape, Q.itemsize), ("lse", m.lse_shape(H), 4)))
     return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep,
                  maps=maps, counter=counter)
 
@@ -617,11 +632,12 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     score_grads, arrays = mask_args.get("score_grads"), _mask_arrays(mask_args)  # (the plan's pointer fields)
     mask_args = {n: a for n, a in mask_args.items() if n != "score_grads"}
     Q, K, V, Q4, K4, V4, s, m = _prepare(q, k, v, dict(mask_args, causal=causal))
-    H, Hkv, D = s["H"], s["Hkv"], s["D"]
+    H, Hkv, D, Dv = s["H"], s["Hkv"], s["D"], s["Dv"]
+    Dm = max(D, Dv)  # (the kernels' head_dim: the larger of q's and v's, or above it)
     _check_score_mod(m, softcap, alibi)
     scale = _scale(softmax_scale, D)
     dO, O, L = interop.describe(dout, "dout"), interop.describe(out, "out"), interop.describe(lse, "lse")
-    _check_grad_inputs(Q, dO, O, L, m.lse_shape(H))
+    _check_grad_inputs(Q, dO, O, L, m.lse_shape(H), _out_shape(Q, V))
     bstride = _check_alibi(interop.describe(tensors[6], "alibi_slopes"), Q, H, m.B) if alibi else 0
     if dropout:  # (after dout, q, k, v, out, lse and the slopes; the mask arrays follow)
         _check_dropout_rng(interop.describe(tensors[6 + alibi], "dropout_rng"), Q)
@@ -632,40 +648,41 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     # Varlen: rows outside every sequence are not written by the kernels. Nothing to attend to: zeros.
     empty = m.B * m.Sq * H == 0 or m.Sk == 0
     fill = 0.0 if m.varlen or empty else None
-    allocs = [_Alloc((n,), shape, "like", fill) for n, shape in (("dq", Q.shape), ("dk", K.shape), ("dv", K.shape))]
+    allocs = [_Alloc((n,), shape, "like", fill) for n, shape in (("dq", Q.shape), ("dk", K.shape), ("dv", V.shape))]
     if empty:
         return _Plan([], (), allocs, [], None)
     rows = math.prod(m.lse_shape(H))
     scratch = [("lse2", rows), ("delta", rows)]  # fp32, in one allocation (_Alloc.parts)
-    p = dict(H=H, Hkv=Hkv, head_dim=D, scale_log2=scale * _LOG2E, scale=scale, softcap=softcap / scale,
+    p = dict(H=H, Hkv=Hkv, head_dim=D, head_dim_v=Dv, scale_log2=scale * _LOG2E, scale=scale, softcap=softcap / scale,
              alibi_bstride=bstride,
              **_dropout_fields(dropout), **m.kernel_fields(H), **_contiguous_fields("dq", Q.shape),
-             **_contiguous_fields("dk", K.shape), **_contiguous_fields("dv", K.shape))
+             **_contiguous_fields("dk", K.shape), **_contiguous_fields("dv", V.shape))
     dO4 = _as_batch(dO)
     _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=dO4)
 
     dev = launch.device(Q.device)
     drop = bool(dropout)
-    dq_family, dkdv_family = tiles.split_families(D, dev.arch, dev.smem_optin, m.bits, drop)
-    fused_family = tiles.fused_family(D, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi, m.score_mod)
+    dq_family, dkdv_family = tiles.split_families(Dm, dev.arch, dev.smem_optin, m.bits, drop)
+    fused_family = tiles.fused_family(Dm, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi, m.score_mod)
     if drop and m.score_mod:  # (the wgmma backward has no variant with both: spec.DROPOUT_FAMILIES)
         dq_family, dkdv_family, fused_family = "bwd_dq", "bwd_dkdv", "bwd_fused"
     if impl == "auto":
-        fused_bm = _kernel_for(fused_family, tiles.sm90_head_dim(fused_family, D), Q, m, dev, bool(softcap), alibi,
+        fused_bm = _kernel_for(fused_family, tiles.sm90_head_dim(fused_family, Dm), Q, m, dev, bool(softcap), alibi,
                                drop).block_m
-        impl = tiles.backward_impl(tiles.sm90_head_dim(dkdv_family, D), bool(deterministic), m.ordered_dq_ok,
+        impl = tiles.backward_impl(tiles.sm90_head_dim(dkdv_family, Dm), bool(deterministic), m.ordered_dq_ok,
                                    dkdv_family == "bwd_dkdv_sm90", fused_family == "bwd_fused_sm90", bool(m.causal),
                                    m.Sq, m.bits, fused_bm, bool(softcap or alibi or m.score_mod or drop))
     # The kernels' head_dim: the tensors' D, or the wgmma instance a family pads it to (tiles.sm90_head_dim); the
     # helper kernels (spec.ELEMENTWISE) take the main kernel's, DK: the layout of the fp32 buffers it shares with them.
-    DK = tiles.sm90_head_dim(fused_family if impl == "fused" else dkdv_family, D)
-    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, DK, Q, m, dev, bool(softcap), alibi, drop)
+    DK = tiles.sm90_head_dim(fused_family if impl == "fused" else dkdv_family, Dm)
+    main = _kernel_for(fused_family if impl == "fused" else dkdv_family, DK, Q, m, dev, bool(softcap), alibi, drop,
+                       (D, Dv))
     # Varlen: one split (a block past its sequence's end has no partials to write).
     splits = 1 if m.varlen else tiles.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
     p["splits"] = splits
     if m.causal:  # the causal blocks' order (kernels_cu/attention/params.cuh: query_block, key_block)
-        p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, D, H, Hkv)
-        p["sched_key_pairs"] = tiles.key_item_chunk(dev, m.B, m.Sq, D, H, Hkv, splits)
+        p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, Dm, H, Hkv)
+        p["sched_key_pairs"] = tiles.key_item_chunk(dev, m.B, m.Sq, Dm, H, Hkv, splits)
     if splits > 1:
         scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * DK))
     allocs.append(None)  # the scratch, allocs[3] (backward's _sink_grad reads its delta)
@@ -690,8 +707,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         families.append("bwd_dkdv_reduce")
     rowwise = m.elementwise_fields(H)
     launches = []
-    specs = {family: _kernel_for(family, DK if family in ELEMENTWISE else tiles.sm90_head_dim(family, D), Q, m, dev,
-                                 bool(softcap), alibi, drop) for family in families}
+    specs = {family: _kernel_for(family, DK if family in ELEMENTWISE else tiles.sm90_head_dim(family, Dm), Q, m, dev,
+                                 bool(softcap), alibi, drop, (D, Dv)) for family in families}
     if score_grads:  # the dQ kernel's tensor-gradient pass, after lse2 and delta are made (spec.KernelSpec.score_grads)
         expr, _, typed = m.score_mod
         names = [n for n, _ in typed]
@@ -706,7 +723,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         grads = dataclasses.replace(m, score_mod=(expr, "", tuple((n, kind if n in score_grads else t)
                                                                   for n, t in typed)))
         families.append("score_grads")
-        specs["score_grads"] = _kernel_for("bwd_dq", D, Q, grads, dev, dropout=drop)
+        specs["score_grads"] = _kernel_for("bwd_dq", Dm, Q, grads, dev, dropout=drop, head_dims=(D, Dv))
     _compiled_score_mod(m, list(specs.values()))
     for family in families:
         spec = specs[family]
@@ -727,7 +744,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
                                                       _classify(p, m, H, dev, *needs))
     if mode and m.checked:
         _add_check(structs, launches, m, dev, True, tuple((n, shape, Q.itemsize) for n, shape in
-                                                         (("dq", Q.shape), ("dk", K.shape), ("dv", K.shape))))
+                                                         (("dq", Q.shape), ("dk", K.shape), ("dv", V.shape))))
     return _Plan(structs, inputs, allocs, launches, dev, reusable=not (keep and launch._capturing(dev)), keep=keep,
                  maps=maps)
 

@@ -371,9 +371,10 @@ _TYPES = {"str": str, "int": int, "bool": bool, "tuple": tuple}  # KernelSpec's 
 
 
 def spec_fields(spec: KernelSpec) -> dict:
-    """A variant's KernelSpec fields as JSON values (mod_tensors and score_mod lists), what a manifest and an entry's
-    header hold."""
-    return dict(spec.key_fields(), mod_tensors=list(spec.mod_tensors), score_mod=_lists(spec.score_mod))
+    """A variant's KernelSpec fields as JSON values (mod_tensors, score_mod and head_dims lists), what a manifest and an
+    entry's header hold."""
+    return dict(spec.key_fields(), mod_tensors=list(spec.mod_tensors), score_mod=_lists(spec.score_mod),
+                head_dims=list(spec.head_dims))
 
 
 def spec_from_fields(fields) -> KernelSpec:
@@ -387,16 +388,19 @@ def spec_from_fields(fields) -> KernelSpec:
             ([f"unknown fields {', '.join(unknown)}"] if unknown else [])
             + ([f"missing fields {', '.join(missing)}"] if missing else [])))
     values = dict(fields)
-    if isinstance(values.get("mod_tensors"), list):
-        values["mod_tensors"] = tuple(values["mod_tensors"])
+    for name in ("mod_tensors", "head_dims"):
+        if isinstance(values.get(name), list):
+            values[name] = tuple(values[name])
     if isinstance(values.get("score_mod"), list):  # [expression, derivative, [[name, type], ...]]
         values["score_mod"] = _tuples(values["score_mod"])
+    items = {"mod_tensors": (str, "strings"), "head_dims": (int, "integers")}  # (tuple fields: their items' type)
     for name, value in values.items():
         want = _TYPES.get(str(_FIELDS[name].type), object)  # (a field of another type: KernelSpec checks it)
+        item, items_are = items.get(name, (object, ""))
         if not isinstance(value, want) or (want is int and isinstance(value, bool)) or (
-                want is tuple and name != "score_mod" and not all(isinstance(t, str) for t in value)):
+                want is tuple and not all(isinstance(t, item) and not isinstance(t, bool) for t in value)):
             shown = json.dumps(list(value) if isinstance(value, tuple) else value)
-            raise ValueError(f"field {name} must be {'a list of strings' if want is tuple else want.__name__}, "
+            raise ValueError(f"field {name} must be {f'a list of {items_are}' if want is tuple else want.__name__}, "
                              f"got {shown}")
     return KernelSpec(**values)  # its own checks: family, dtype, head_dim, arch, mask bits, tiling
 

@@ -112,7 +112,9 @@ def _decode_plan(tensors, new: bool, paged: bool, causal, window, softmax_scale,
     if D % 8 or not 8 <= D <= 256:
         raise ValueError(f"head_dim must be a multiple of 8 between 8 and 256, got {D}")
     if KC.shape != VC.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {KC.shape} and {VC.shape}")
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {KC.shape} and {VC.shape}"
+                         + ("; flashrt.decode does not take a v head_dim of its own yet (flashrt.forward does)"
+                            if KC.shape[:-1] == VC.shape[:-1] else ""))
     slots, S_cache, Hkv, Dk = KC.shape
     if Dk != D:
         raise ValueError(f"k_cache's head_dim (axis 3) is {Dk}, q's is {D}")

@@ -451,7 +451,9 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
                          f"got {tuple(q.shape)}; for a batch of sequences, pass segment_ids (B, S_local)")
     if k.shape != v.shape or k.dim() != 4 or q.dim() != 4 or k.shape[:2] != q.shape[:2]:
         raise ValueError(f"k and v must have one shape (B, S_local, Hkv, D), with q's batch and S_local: got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+                         + ("; the context-parallel functions do not take a v head_dim of its own yet (flashrt.attention"
+                            " does)" if k.shape[:-1] == v.shape[:-1] else ""))
     g = _group(group)
     q, k, v = torch_ops._autocast(q, k, v)
     if sinks is not None:

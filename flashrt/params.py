@@ -61,8 +61,9 @@ _SCORE = [(f"score_t{i}", _PTR) for i in range(4)]
 # Dropout (kernels_cu/attention/dropout.cuh): the (seed, offset) pair in device memory, the 16-bit keep threshold and
 # 1 / (1 - p), last in both structs.
 _DROPOUT = [("drop_rng", _PTR), ("drop_keep", _I32), ("drop_scale", _F32)]
-# The tensors' head_dim, which a wgmma kernel may pad (tiles.sm90_head_dim), last in both structs.
-_HEAD_DIM = [("head_dim", _I32)]
+# The tensors' head_dims, q's and k's and v's (a kernel's D is their larger or the wgmma instance above it:
+# tiles.sm90_head_dim), last in both structs.
+_HEAD_DIM = [("head_dim", _I32), ("head_dim_v", _I32)]
 
 FWD = np.dtype(
     [(n, _MAP) for n in ("q_map", "k_map", "v_map")]

@@ -237,7 +237,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None
     ds = p * (dp - delta) * cap_grad * mod_grad
     dq = xp.einsum("bhqk,bkhd->bqhd", ds, ke) * scale
     dk = xp.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-    fold = lambda g: g.reshape(B, Sk, Hkv, group, D).sum(axis=3)  # noqa: E731  (sum over the GQA group)
+    fold = lambda g: g.reshape(B, Sk, Hkv, group, g.shape[-1]).sum(axis=3)  # noqa: E731  (sum over the GQA group)
     if sink is None:
         return out, lse, dq, fold(dk), fold(dv)
     p_sink = xp.exp(sink[..., 0] - lse)  # (B, H, Sq): the sink's probability in each row

@@ -66,6 +66,10 @@ SCORE_GRAD_FAMILIES = KEY_PARALLEL + ("bwd_dq", "bwd_dq_sm90")
 # Families that apply attention dropout when compiled with it (kernels_cu/attention/dropout.cuh): every one that
 # computes P but decode's (the wgmma backward's not with a score_mod: flashrt/api.py sends those to mma.sync).
 DROPOUT_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
+# Families compiled for a v whose head_dim differs from q's and k's (KernelSpec.head_dims: the columns each tile loads
+# and stores at compile time, kernels_cu/attention/params.cuh: FRT_QK_DIM, FRT_V_DIM); the wgmma ones take them at run
+# time (params.cuh: head_dim, head_dim_v), as the helper kernels do: one variant serves every pair.
+V_DIM_FAMILIES = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_fused")
 # wgmma families (sm_90a only; kernels_cu/common/wgmma.cuh) and the head_dims each has a variant at (layout_problem
 # rejects the others; tiles.applies chooses among them).
 SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192, 256),
@@ -149,6 +153,8 @@ class KernelSpec:
     # ((tensor name, element type in SCORE_TENSOR_TYPES), ...)), or () for none
     score_mod: tuple = ()
     dropout: bool = False           # attention dropout (DROPOUT_FAMILIES; p and the seed are run-time arguments)
+    # (q's and k's head_dim, v's) where they differ (V_DIM_FAMILIES; the larger is head_dim), or () for both head_dim
+    head_dims: tuple = ()
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -183,6 +189,11 @@ class KernelSpec:
             raise ValueError(f"{self.family} has no variant with dropout and a score_mod")
         if self.dropout and self.family == "bwd_dkdv_sm90" and self.head_dim == 128:  # (tiles._DROPOUT_MASK_LIMITS)
             raise ValueError("bwd_dkdv_sm90 has no dropout variant at head_dim 128")
+        if self.head_dims and (self.family not in V_DIM_FAMILIES or len(self.head_dims) != 2
+                               or max(self.head_dims) != self.head_dim or self.head_dims[0] == self.head_dims[1]
+                               or any(d not in HEAD_DIMS for d in self.head_dims)):
+            raise ValueError(f"head_dims (q's and k's, v's) must differ, their larger being head_dim "
+                             f"({self.head_dim}), for {V_DIM_FAMILIES}; got {self.head_dims!r} for {self.family}")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
             raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
         if self.score_mod:
@@ -227,6 +238,8 @@ class KernelSpec:
             mask += "_smod" + hashlib.sha256(repr(self.score_mod).encode()).hexdigest()[:12]
         if self.dropout:
             mask += "_drop"
+        if self.head_dims:
+            mask += f"_qk{self.head_dims[0]}v{self.head_dims[1]}"
         what = self.family if self.family in CLASSIFY else f"{self.family}_hd{self.head_dim}_{self.dtype}"
         occupancy = f"b{self.min_blocks}" if self.min_blocks > 1 else ""
         return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}{occupancy}_{self.arch}"
@@ -366,6 +379,8 @@ class KernelSpec:
             "FRT_DROPOUT": int(self.dropout),
             **FAMILIES[self.family][2],
         }
+        if self.head_dims:  # (kernels_cu/attention/params.cuh)
+            defines["FRT_QK_DIM"], defines["FRT_V_DIM"] = self.head_dims
         if self.score_mod:
             defines["FRT_SCORE_MOD"] = 1
             if self.score_grads:  # (score_mod.cuh: tensor_grad_add)

@@ -91,8 +91,8 @@ def _lse_shape(q, mask_tensors):
 def _fwd_fake(q, k, v, causal, softmax_scale, impl, deterministic, window, max_seqlen_q, max_seqlen_k, validate,
               mask_tensors, mask_mod, mod_names, score_mod, score_mod_grad, score_names, score_learned, learned,
               softcap, alibi_slopes, sinks, dropout_p, dropout_rng):
-    # api.forward allocates both outputs contiguous, whatever q's strides.
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
+    # api.forward allocates both outputs contiguous, whatever q's strides; out has v's head_dim.
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(_lse_shape(q, mask_tensors), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashrt::bwd", mutates_args=())

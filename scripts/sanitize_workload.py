@@ -87,7 +87,8 @@ def dropout_cases():
 def padded_cases():
     """Head_dims the wgmma kernels pad to the next instance (tiles.sm90_head_dim): q, k, v, dout as views of wider
     tensors (the columns past head_dim never read), by TMA and by cp.async (FLASHRT_NO_TMA=1); ragged, GQA, lengths;
-    the forward, the split backward (dK/dV splits at MQA), the fused one ordered and not."""
+    the forward, the split backward (dK/dV splits at MQA), the fused one ordered and not; v with a head_dim of its
+    own."""
     import os
     for no_tma in ("0", "1"):
         os.environ["FLASHRT_NO_TMA"] = no_tma
@@ -100,6 +101,14 @@ def padded_cases():
             out, lse = flashrt.forward(q, k, v, causal=causal, **lengths)
             for impl, det in (("split", True), ("fused", False), ("fused", True)):
                 flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, deterministic=det, **lengths)
+        # v's head_dim of its own (MLA's 192 / 128; and the reverse): v, dout as views of wider tensors
+        for D, Dv in ((192, 128), (64, 96)):
+            q, k = (torch.randn(1, 150, h, D, device="cuda", dtype=torch.bfloat16) for h in (4, 2))
+            v = torch.randn(1, 150, 2, Dv + 24, device="cuda", dtype=torch.bfloat16)[..., :Dv]
+            do = torch.randn(1, 150, 4, Dv + 24, device="cuda", dtype=torch.bfloat16)[..., :Dv]
+            out, lse = flashrt.forward(q, k, v, causal=True)
+            for impl, det in (("split", True), ("fused", False), ("fused", True)):
+                flashrt.backward(do, q, k, v, out, lse, causal=True, impl=impl, deterministic=det)
     os.environ.pop("FLASHRT_NO_TMA")
     torch.cuda.synchronize()
 

@@ -36,7 +36,9 @@ QKV_ERRORS = {
     "rank": (dict(q=dict(shape=(64, 8, 64))), ValueError, r"q must have 4 dimensions .* got shape \(64, 8, 64\)"),
     "batch": (dict(k=dict(shape=(3, 80, 2, 64)), v=dict(shape=(3, 80, 2, 64))), ValueError,
               r"agree on batch \(axis 0\) and head_dim"),
-    "k vs v": (dict(v=dict(shape=(2, 81, 2, 64))), ValueError, r"k and v must have the same shape"),
+    "k vs v": (dict(v=dict(shape=(2, 81, 2, 64))), ValueError, r"k and v must agree on every axis but head_dim"),
+    "v's head_dim 20": (dict(v=dict(shape=(2, 80, 2, 20))), ValueError,
+                        r"v's head_dim must be a multiple of 8 between 8 and 256, got 20"),
     "head_dim 264": (dict(q=dict(shape=(2, 64, 8, 264)), k=dict(shape=(2, 80, 2, 264)),
                           v=dict(shape=(2, 80, 2, 264))), ValueError, r"multiple of 8 between 8 and 256, got 264"),
     "head_dim 12": (dict(q=dict(shape=(2, 64, 8, 12)), k=dict(shape=(2, 80, 2, 12)),
@@ -47,6 +49,13 @@ QKV_ERRORS = {
     "stride": (dict(v=dict(strides=(80 * 2 * 68, 2 * 68, 68, 1))), ValueError, r"v has stride 68 on axis 2"),
     "alignment": (dict(q=dict(ptr=0x10008)), ValueError, r"q's data pointer 0x10008 is not 16-byte aligned"),
 }
+
+
+def test_v_may_have_its_own_head_dim():
+    """v's head_dim may differ from q's and k's (out and dout take it); the kernels' head_dim is the larger."""
+    dims = api._check_qkv(arr(shape=Q), arr(shape=KV), arr(shape=(*KV[:3], 128)))
+    assert (dims["D"], dims["Dv"]) == (64, 128)
+    assert api._out_shape(arr(shape=Q), arr(shape=(*KV[:3], 128))) == (*Q[:3], 128)
 
 
 @pytest.mark.parametrize("case", QKV_ERRORS)
@@ -101,11 +110,12 @@ def test_softcap_with_alibi_is_refused_before_any_work():
 
 
 def test_valid_qkv_gives_the_dimensions():
-    assert api._check_qkv(arr(Q), arr(KV), arr(KV)) == dict(B=2, Sq=64, Sk=80, H=8, Hkv=2, D=64)
+    assert api._check_qkv(arr(Q), arr(KV), arr(KV)) == dict(B=2, Sq=64, Sk=80, H=8, Hkv=2, D=64, Dv=64)
 
 
 @pytest.mark.parametrize("name,bad,pattern", [
-    ("dout", dict(shape=(2, 64, 8, 32)), r"dout must match q: expected torch bf16 \(2, 64, 8, 64\)"),
+    ("dout", dict(shape=(2, 64, 8, 32)), r"dout must match q \(with v's head_dim\): expected torch bf16 "
+                                         r"\(2, 64, 8, 64\)"),
     ("dout", dict(dtype="fp16"), r"dout must match q"),
     ("out", dict(device=1), r"out must match q"),
     ("out", dict(ptr=0x10004), r"out's data pointer 0x10004 is not 16-byte aligned"),
@@ -117,8 +127,13 @@ def test_every_bad_backward_input_is_named(name, bad, pattern):
     good = dict(dout=dict(shape=Q), out=dict(shape=Q), lse=dict(shape=(2, 8, 64), dtype="float32"))
     descs = {n: arr(**{**kw, **(bad if n == name else {})}) for n, kw in good.items()}
     with pytest.raises(ValueError, match=pattern):
-        api._check_grad_inputs(arr(Q), descs["dout"], descs["out"], descs["lse"], (2, 8, 64))
-    api._check_grad_inputs(arr(Q), *(arr(**good[n]) for n in ("dout", "out", "lse")), (2, 8, 64))
+        api._check_grad_inputs(arr(Q), descs["dout"], descs["out"], descs["lse"], (2, 8, 64), Q)
+    api._check_grad_inputs(arr(Q), *(arr(**good[n]) for n in ("dout", "out", "lse")), (2, 8, 64), Q)
+    # with v's own head_dim, out and dout take it
+    wide = {n: arr(**{**kw, "shape": (*Q[:3], 128)}) if n != "lse" else arr(**kw) for n, kw in good.items()}
+    api._check_grad_inputs(arr(Q), wide["dout"], wide["out"], wide["lse"], (2, 8, 64), (*Q[:3], 128))
+    with pytest.raises(ValueError, match=r"out must match q \(with v's head_dim\): expected .* \(2, 64, 8, 128\)"):
+        api._check_grad_inputs(arr(Q), wide["dout"], arr(shape=Q), wide["lse"], (2, 8, 64), (*Q[:3], 128))
 
 
 def test_contiguous_and_packed_layouts_pass():
@@ -141,7 +156,7 @@ def test_size_one_axes_ignore_their_stride():
     api._check_layout(a, "q")
     assert api._strides(a) == (0, 0, 0)
     q, lse = arr((1, 64, 4, 64)), arr((1, 4, 64), strides=(8 * 64, 64, 1), dtype="float32")  # lse[:, :4] of 8 heads
-    api._check_grad_inputs(q, q, q, lse, (1, 4, 64))
+    api._check_grad_inputs(q, q, q, lse, (1, 4, 64), q.shape)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])

@@ -220,6 +220,46 @@ def test_padded_head_dims_read_and_write_only_their_columns(torch, poison, monke
         assert reference.rel_error(f64(out[lo:hi])[None], ro) < 2e-2, f"sequence {b}"
 
 
+@pytest.mark.parametrize("D,Dv", [(192, 128), (128, 192), (96, 64), (64, 256), (72, 40), (256, 128), (32, 16)])
+@pytest.mark.parametrize("kernels", ["default", "mma.sync"])
+def test_v_head_dim_of_its_own_matches_float64(torch, poison, monkeypatch, D, Dv, kernels):
+    """v's head_dim may differ from q's and k's (out, dout and dv take it; MLA's 192 / 128): the kernels run at the
+    larger (or the wgmma instance above it) with each tensor's columns past its own head_dim zeros. v, dout and out are
+    views of wider NaN-filled tensors, so a column read past v's head_dim shows; outputs from the poisoned pool. Ragged,
+    GQA, causal, padding lengths; the forward and the split, fused and ordered fused backward against float64, on the
+    default kernels and with FLASHRT_NO_SM90=1."""
+    import cupy
+    monkeypatch.setenv("FLASHRT_NO_SM90", "1" if kernels == "mma.sync" else "0")
+
+    def widened(x):
+        x = x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+        wide = torch.full((*x.shape[:-1], x.shape[-1] + 24), float("nan"), dtype=x.dtype, device="cuda")
+        wide[..., :x.shape[-1]] = x
+        return cupy.from_dlpack(wide)[..., :x.shape[-1]]
+
+    B, Sq, Sk, H, Hkv = 2, 300, 517, 4, 2
+    q, k, _, _ = make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D * 1000 + Dv)
+    _, _, v, do = make_inputs(torch, B, Sq, Sk, H, Hkv, Dv, "bf16", seed=D * 1000 + Dv + 1)
+    q, k = (cupy.from_dlpack(x) for x in (q, k))
+    v, do = widened(v), widened(do)
+    lengths = cupy.asarray([Sk, 250], dtype=cupy.int32)
+    out, lse = flashrt.forward(q, k, v, causal=True, seqlens_k=lengths)
+    assert out.shape == (B, Sq, H, Dv)
+    keep = reference.visible(B, Sq, Sk, causal=True, seqlens_k=lengths, xp=cupy)
+    ro, rlse, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), mask=keep, dout=f64(do))
+    assert not bool(cupy.isnan(f64(out)).any()), "out has NaN: a column read past v's head_dim, or one not written"
+    assert reference.rel_error(f64(out), ro) < 2e-2
+    seen = cupy.isfinite(rlse)
+    assert float(cupy.abs(cupy.where(seen, f64(lse) - rlse, 0)).max()) < 1e-3
+    for impl, det in (("split", True), ("fused", False), ("fused", True)):
+        grads = flashrt.backward(do, q, k, v, widened(out), lse, causal=True, seqlens_k=lengths, impl=impl,
+                                 deterministic=det)
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        for name, x, r in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+            assert not bool(cupy.isnan(f64(x)).any()), f"{impl} {name} has NaN"
+            assert reference.rel_error(f64(x), r) < 2e-2, f"{impl} {name}"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", ["ragged", "padded", "varlen"])
 def test_long_query_tiling_matches_float64(torch, poison, causal, case):

@@ -1,5 +1,6 @@
 """Variant naming, keys, tile/smem/grid arithmetic, argument structs: pure functions, no GPU."""
 import dataclasses
+import json
 import re
 
 import numpy as np
@@ -596,3 +597,21 @@ def test_score_tensor_gradient_variant():
         a = tiles.tiling(family, 64, "bf16", True, "sm_80", SMEM_OPTIN[80], score_mod=learned)
         b = tiles.tiling(family, 64, "bf16", True, "sm_80", SMEM_OPTIN[80], score_mod=plain)
         assert a == b and a.name == b.name and not a.score_grads, family
+
+
+def test_a_v_head_dim_of_its_own_is_compiled_into_the_mma_sync_kernels():
+    """spec.V_DIM_FAMILIES take q's / k's and v's head_dims at compile time (kernels_cu/attention/params.cuh:
+    FRT_QK_DIM, FRT_V_DIM) where they differ, the larger being head_dim; the name says so, the cache round-trips it."""
+    from flashrt import cache
+    base = tiles.tiling("fwd", 192, "bf16", True, "sm_80", SMEM_OPTIN[80])
+    spec = dataclasses.replace(base, head_dims=(192, 128))
+    assert spec.name == base.name.replace("_causal_", "_causal_qk192v128_")
+    assert {"-DFRT_QK_DIM=192", "-DFRT_V_DIM=128"} <= set(spec.options())
+    assert not any("FRT_QK_DIM" in o for o in base.options())
+    assert cache.spec_from_fields(json.loads(json.dumps(cache.spec_fields(spec)))) == spec
+    for bad in ((128, 128), (64, 128), (192,), (192, 100)):
+        with pytest.raises(ValueError, match="head_dims"):
+            dataclasses.replace(base, head_dims=bad)
+    wgmma = tiles.tiling("fwd_sm90", 192, "bf16", True, "sm_90a", SMEM_OPTIN[90])
+    with pytest.raises(ValueError, match="head_dims"):  # the wgmma kernels take them at run time
+        dataclasses.replace(wgmma, head_dims=(192, 128))

@@ -86,6 +86,17 @@ def test_fake_impls_and_autograd_formula_on_meta_tensors():
     assert q.grad.dtype == BF16
 
 
+def test_v_head_dim_of_its_own_through_the_fake_impls():
+    """out and dout take v's head_dim (MLA's 192 / 128)."""
+    q = torch.empty(2, 5, 8, 192, device="meta", dtype=BF16, requires_grad=True)
+    k = torch.empty(2, 7, 2, 192, device="meta", dtype=BF16, requires_grad=True)
+    v = torch.empty(2, 7, 2, 128, device="meta", dtype=BF16, requires_grad=True)
+    out = flashrt.attention(q, k, v, causal=True)
+    assert out.shape == (2, 5, 8, 128)
+    out.backward(torch.ones_like(out))
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+
 def test_sinks_gradient_through_the_fake_impls():
     q = torch.empty(2, 5, 8, 64, device="meta", dtype=BF16, requires_grad=True)
     k = torch.empty(2, 7, 2, 64, device="meta", dtype=BF16, requires_grad=True)
@@ -598,6 +609,35 @@ def test_sdpa_entry_matches_torch_sdpa(case):
     for name, o, t, r in zip(("out", "dq", "dk", "dv"), ours, theirs, ref):
         e, et = rel_error(o, r), rel_error(t, r)
         assert e <= max(2 * et, 1e-3), f"{name}: rel err {e:.2e} > 2x torch SDPA's ({et:.2e})"
+
+
+@gpu
+@pytest.mark.parametrize("D,Dv", [(192, 128), (64, 96)])
+def test_v_head_dim_of_its_own_through_sdpa_and_the_ops(D, Dv):
+    """value's head_dim may differ from query's (as torch's SDPA allows): the SDPA entry against float64 SDPA, and
+    opcheck of both ops (fake impls against the real outputs' shapes and strides, autograd, AOTAutograd)."""
+    g = torch.Generator(device="cuda").manual_seed(D + Dv)
+    q = torch.randn(2, 8, 200, D, device="cuda", dtype=BF16, generator=g)
+    k = torch.randn(2, 2, 333, D, device="cuda", dtype=BF16, generator=g)
+    v = torch.randn(2, 2, 333, Dv, device="cuda", dtype=BF16, generator=g)
+    do = torch.randn(2, 8, 200, Dv, device="cuda", dtype=BF16, generator=g)
+
+    def run(fn, dt):
+        ql, kl, vl = leaves(q, k, v, dtype=dt)
+        out = fn(ql, kl, vl, is_causal=True, enable_gqa=True)
+        out.backward(do.to(dt))
+        return [out, ql.grad, kl.grad, vl.grad]
+
+    ref = run(F.scaled_dot_product_attention, torch.float64)
+    ours = run(flashrt.torch.scaled_dot_product_attention, BF16)
+    assert ours[0].shape == (2, 8, 200, Dv)
+    for name, o, r in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_error(o, r) < 2e-2, name
+    q, k, v, do = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+    options = ("bottom_right", None, "auto", True, None, None, None)
+    torch.library.opcheck(torch.ops.flashrt.fwd.default, (*leaves(q, k, v), *options, True, [None] * 8, *_NO_MODS))
+    out, lse = flashrt.forward(q, k, v, causal=True)
+    torch.library.opcheck(torch.ops.flashrt.bwd.default, (do, q, k, v, out, lse, *options, [None] * 8, *_NO_MODS))
 
 
 @gpu

@@ -9,6 +9,15 @@
 #pragma once
 #include "attention/mask.cuh"
 
+// The columns of q / k and of v (out, dout, dv) an mma.sync kernel loads and stores (common.cuh: load_tile): both its
+// head_dim unless compiled for a v of a head_dim of its own (spec.KernelSpec.head_dims), the larger being FRT_HEAD_DIM.
+#ifndef FRT_QK_DIM
+#define FRT_QK_DIM FRT_HEAD_DIM
+#endif
+#ifndef FRT_V_DIM
+#define FRT_V_DIM FRT_HEAD_DIM
+#endif
+
 namespace frt {
 
 // A CUtensorMap (cuTensorMapEncodeTiled), encoded by the host for each call (flashrt/tma.py).
@@ -74,10 +83,11 @@ struct FwdParams {
     const u64* drop_rng;
     int drop_keep;
     float drop_scale;
-    // The tensors' head_dim: the kernel's D or less where a wgmma kernel runs a padded one (tiles.sm90_head_dim): its
-    // tiles' columns from head_dim on are zeros in shared memory (wgmma.cuh: load_tile_sw128, the TMA maps' bounds)
-    // and are not stored (sw128_rows_to_global).
-    int head_dim;
+    // The tensors' head_dims, q's and k's and v's (and o's), each the kernel's D or less: D is the larger, or the wgmma
+    // instance above it (tiles.sm90_head_dim). A tile's columns from its tensor's head_dim on are zeros in shared
+    // memory (wgmma.cuh: load_tile_sw128, the TMA maps' bounds) and are not stored. (The mma.sync kernels take them
+    // at compile time: FRT_QK_DIM, FRT_V_DIM.)
+    int head_dim, head_dim_v;
 };
 
 struct BwdParams {
@@ -158,7 +168,7 @@ struct BwdParams {
     const u64* drop_rng;  // FRT_DROPOUT: as FwdParams'
     int drop_keep;
     float drop_scale;
-    int head_dim;  // as FwdParams'
+    int head_dim, head_dim_v;  // as FwdParams' (dout, out, dv: head_dim_v)
 };
 
 // mask_check.cu: a call's mask arrays (the pointers of FwdParams / BwdParams, null when not given), the
@@ -479,9 +489,9 @@ struct QueryTile {
 template <int BN, int D, int NTHREADS, class P>
 FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, i64 k_row0, int ek, int j, int tid) {
     const i64 n0 = k_row0 + j * BN;
-    load_tile<BN, D, NTHREADS>(sK, p.k + b * p.k_sb + n0 * p.k_ss + hk * p.k_sh, p.k_ss, ek - j * BN, tid);
-    load_tile<BN, D, NTHREADS>(sK + BN * Pitch<round_up(D, 16)>::bytes, p.v + b * p.v_sb + n0 * p.v_ss + hk * p.v_sh,
-                               p.v_ss, ek - j * BN, tid);
+    load_tile<BN, D, NTHREADS, FRT_QK_DIM>(sK, p.k + b * p.k_sb + n0 * p.k_ss + hk * p.k_sh, p.k_ss, ek - j * BN, tid);
+    load_tile<BN, D, NTHREADS, FRT_V_DIM>(sK + BN * Pitch<round_up(D, 16)>::bytes,
+                                          p.v + b * p.v_sb + n0 * p.v_ss + hk * p.v_sh, p.v_ss, ek - j * BN, tid);
 }
 
 // The key tile that a block of a key-parallel kernel (bwd_dkdv, bwd_fused, bwd_dkdv_sm90; grid

@@ -187,8 +187,10 @@ template <int N>
 FRT_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
 // Copy a ROWS x D tile (row stride g_stride elements, contiguous columns) into a
-// padded shared tile of ROWS x DP. Rows >= rows_valid and columns >= D are zero.
-template <int ROWS, int D, int NTHREADS>
+// padded shared tile of ROWS x DP. Rows >= rows_valid and columns >= COLS (<= D, a multiple of 8: the tensor's
+// head_dim, params.cuh: FRT_QK_DIM, FRT_V_DIM) are zero, not read. (COLS at compile time: a run-time bound spilled
+// 8-144 bytes in the mma.sync kernels at head_dim 216-256, NVRTC 13.0.)
+template <int ROWS, int D, int NTHREADS, int COLS = D>
 FRT_DEVICE void load_tile(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int tid) {
     constexpr int DP = round_up(D, 16);
     constexpr int CPR = DP / 8;  // 16-byte chunks per row
@@ -198,15 +200,16 @@ FRT_DEVICE void load_tile(u32 s_tile, const u16* g, i64 g_stride, int rows_valid
         const int idx = tid + i * NTHREADS;
         if (TOTAL % NTHREADS == 0 || idx < TOTAL) {
             const int r = idx / CPR, c = idx % CPR;
-            const bool ok = r < rows_valid && c * 8 < D;
+            const bool ok = r < rows_valid && c * 8 < COLS;
             const u16* src = ok ? g + (i64)r * g_stride + c * 8 : g;
             cp_async16(s_tile + r * Pitch<DP>::bytes + c * 16, src, ok);
         }
     }
 }
 
-// Store a ROWS x D shared tile (padded pitch) to global with 16-byte stores.
-template <int ROWS, int D, int NTHREADS>
+// Store rows [0, rows_valid) and columns [0, COLS) (as load_tile's) of a ROWS x D shared tile (padded pitch) to
+// global with 16-byte stores.
+template <int ROWS, int D, int NTHREADS, int COLS = D>
 FRT_DEVICE void store_tile(u16* g, i64 g_stride, const u16* s_tile, int rows_valid, int tid) {
     constexpr int DP = round_up(D, 16);
     constexpr int CPR = DP / 8;
@@ -216,7 +219,7 @@ FRT_DEVICE void store_tile(u16* g, i64 g_stride, const u16* s_tile, int rows_val
         const int idx = tid + i * NTHREADS;
         if (TOTAL % NTHREADS == 0 || idx < TOTAL) {
             const int r = idx / CPR, c = idx % CPR;
-            if (r < rows_valid && c * 8 < D) {
+            if (r < rows_valid && c * 8 < COLS) {
                 const uint4 val = *reinterpret_cast<const uint4*>(s_tile + r * Pitch<DP>::elems + c * 8);
                 *reinterpret_cast<uint4*>(g + (i64)r * g_stride + c * 8) = val;
             }

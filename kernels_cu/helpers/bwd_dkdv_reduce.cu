@@ -1,8 +1,8 @@
 // Attention backward, dK/dV reduction for a split dK/dV pass (see bwd_dkdv.cu):
 //   dK = scale * sum_s partial_dK[s],   dV = sum_s partial_dV[s]
 // summed in split order s = 0, 1, ... (fixed, so the result is deterministic).
-// One thread per 8 consecutive head_dim elements of one (b, key, kv head) row: T::D in the partials, of which dk and
-// dv hold the first p.head_dim (fewer where the backward kernels pad it, tiles.sm90_head_dim).
+// One thread per 8 consecutive head_dim elements of one (b, key, kv head) row: T::D in the partials, of which dk holds
+// the first p.head_dim and dv the first p.head_dim_v (params.cuh).
 #include "attention/params.cuh"
 
 namespace frt {
@@ -15,7 +15,7 @@ __device__ void bwd_dkdv_reduce(const BwdParams& p) {
     const i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < total; c += stride) {
         const int col = (int)(c % CHUNKS) * 8;
-        if (col >= p.head_dim) continue;
+        if (col >= max(p.head_dim, p.head_dim_v)) continue;  // (the columns of a padded instance)
         const i64 row = c / CHUNKS;  // (b, hk, key) row of the partial layout
         const int key = (int)(row % p.Sk);
         const i64 bh = row / p.Sk;
@@ -40,8 +40,9 @@ __device__ void bwd_dkdv_reduce(const BwdParams& p) {
             okw[i] = Elem<T::BF16>::pack(dk[2 * i] * p.scale, dk[2 * i + 1] * p.scale);
             ovw[i] = Elem<T::BF16>::pack(dv[2 * i], dv[2 * i + 1]);
         }
-        *reinterpret_cast<uint4*>(p.dk + b * p.dk_sb + (i64)key * p.dk_ss + hk * p.dk_sh + col) = ok;
-        *reinterpret_cast<uint4*>(p.dv + b * p.dv_sb + (i64)key * p.dv_ss + hk * p.dv_sh + col) = ov;
+        if (col < p.head_dim) *reinterpret_cast<uint4*>(p.dk + b * p.dk_sb + (i64)key * p.dk_ss + hk * p.dk_sh + col) = ok;
+        if (col < p.head_dim_v)
+            *reinterpret_cast<uint4*>(p.dv + b * p.dv_sb + (i64)key * p.dv_ss + hk * p.dv_sh + col) = ov;
     }
 }
 

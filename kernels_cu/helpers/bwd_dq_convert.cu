@@ -1,7 +1,7 @@
 // Attention backward, last step of the fused variants (bwd_dkdv.cu, bwd_dkdv_sm90.cu):
 //   dQ = scale * dq_accum, cast to 16-bit and written through dq's strides.
 // One thread per 8 consecutive head_dim elements of one (b, h, query) row: T::D in dq_accum, of which dq holds the
-// first p.head_dim (fewer where the backward kernels pad it, tiles.sm90_head_dim).
+// first p.head_dim (q's; fewer where the kernel's D is v's or a padded instance, tiles.sm90_head_dim).
 #include "attention/params.cuh"
 
 namespace frt {

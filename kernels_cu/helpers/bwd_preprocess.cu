@@ -2,8 +2,8 @@
 //   delta = rowsum(dO o O)                          (fp32)
 //   lse2  = lse * log2(e), or +inf where lse = -inf (the row saw no key, so P = 0)
 //   dq_accum row = 0 (fused backward only: bwd_dkdv.cu adds into it)
-// One warp per (b, h, i) row; each lane reads 16 bytes of O and dO. O and dO have p.head_dim columns, dq_accum
-// rows T::D (the backward kernels' head_dim: more when they pad it, tiles.sm90_head_dim).
+// One warp per (b, h, i) row; each lane reads 16 bytes of O and dO. O and dO have p.head_dim_v columns (v's), dq_accum
+// rows T::D (the backward kernels' head_dim: at least q's, more where they pad it, tiles.sm90_head_dim).
 #include "attention/params.cuh"
 
 namespace frt {
@@ -18,7 +18,7 @@ __device__ void bwd_preprocess(const BwdParams& p) {
         const i64 bh = r / p.Sq;
         const int h = (int)(bh % p.H), b = (int)(bh / p.H);
         float acc = 0.f;
-        for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
+        for (int c = lane * 8; c < p.head_dim_v; c += 32 * 8) {
             const uint4 ov = *reinterpret_cast<const uint4*>(p.o + b * p.o_sb + (i64)i * p.o_ss + h * p.o_sh + c);
             const uint4 dv =
                 *reinterpret_cast<const uint4*>(p.dout + b * p.do_sb + (i64)i * p.do_ss + h * p.do_sh + c);

@@ -112,9 +112,10 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         const int rows = min(BM, vis.Lq - m0);  // rows past the sequence's length: zeros
         const i64 row0 = vis.q_row0 + m0;
         const u32 sQ = sQdO + stage * T::SMEM_QDO_STAGE;
-        load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + row0 * p.q_ss + h * p.q_sh, p.q_ss, rows, tid);
-        load_tile<BM, T::D, T::NTHREADS>(sQ + BM * LD, p.dout + b * p.do_sb + row0 * p.do_ss + h * p.do_sh,
-                                         p.do_ss, rows, tid);
+        load_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM>(sQ, p.q + b * p.q_sb + row0 * p.q_ss + h * p.q_sh, p.q_ss, rows,
+                                                     tid);
+        load_tile<BM, T::D, T::NTHREADS, FRT_V_DIM>(sQ + BM * LD, p.dout + b * p.do_sb + row0 * p.do_ss + h * p.do_sh,
+                                                    p.do_ss, rows, tid);
         const i64 stat0 = (i64)b * p.st_sb + (i64)h * p.st_sh + row0;
         const u32 st = smem_u32(s_stat + stage * 2 * BM);
         for (int r = tid; r < BM; r += T::NTHREADS) {
@@ -124,8 +125,10 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     };
 
     const i64 krow0 = vis.k_row0 + n0;
-    load_tile<BN, T::D, T::NTHREADS>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, tid);
-    load_tile<BN, T::D, T::NTHREADS>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.live, tid);
+    load_tile<BN, T::D, T::NTHREADS, FRT_QK_DIM>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss,
+                                                 tile.live, tid);
+    load_tile<BN, T::D, T::NTHREADS, FRT_V_DIM>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss,
+                                                tile.live, tid);
     if (it_begin < it_end) load_q(it_begin, 0);
     cp_async_commit();
 
@@ -268,10 +271,10 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     acc_to_smem<T::BF16, MT2, NT2>(sdk + krow2 * Pitch<DP>::elems + dcol2, Pitch<DP>::elems, dk, p.scale, lane);
     acc_to_smem<T::BF16, MT2, NT2>(sdv + krow2 * Pitch<DP>::elems + dcol2, Pitch<DP>::elems, dv, 1.f, lane);
     __syncthreads();
-    store_tile<BN, T::D, T::NTHREADS>(p.dk + b * p.dk_sb + krow0 * p.dk_ss + hk * p.dk_sh, p.dk_ss, sdk, rows_k,
-                                      tid);
-    store_tile<BN, T::D, T::NTHREADS>(p.dv + b * p.dv_sb + krow0 * p.dv_ss + hk * p.dv_sh, p.dv_ss, sdv, rows_k,
-                                      tid);
+    store_tile<BN, T::D, T::NTHREADS, FRT_QK_DIM>(p.dk + b * p.dk_sb + krow0 * p.dk_ss + hk * p.dk_sh, p.dk_ss, sdk,
+                                                  rows_k, tid);
+    store_tile<BN, T::D, T::NTHREADS, FRT_V_DIM>(p.dv + b * p.dv_sb + krow0 * p.dv_ss + hk * p.dv_sh, p.dv_ss, sdv,
+                                                 rows_k, tid);
 }
 
 }  // namespace frt

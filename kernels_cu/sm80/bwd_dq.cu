@@ -37,9 +37,10 @@ __device__ void bwd_dq(const BwdParams& p) {
     const u32 sKV = sdO + T::SMEM_Q;
     const int wrow = warp * MT * 16;
 
-    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.live, tid);
-    load_tile<BM, T::D, T::NTHREADS>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss,
-                                     tile.live, tid);
+    load_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss,
+                                                 tile.live, tid);
+    load_tile<BM, T::D, T::NTHREADS, FRT_V_DIM>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh,
+                                                p.do_ss, tile.live, tid);
     auto load_kv = [&](u32 stage, int j) {
         load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, b, tile.hk, tile.vis.k_row0, tile.vis.Lk, j, tid);
     };
@@ -169,8 +170,8 @@ __device__ void bwd_dq(const BwdParams& p) {
     u16* sO = reinterpret_cast<u16*>(smem);
     acc_to_smem<T::BF16, MT, NT_D>(sO + wrow * Pitch<DP>::elems, Pitch<DP>::elems, dq, p.scale, lane);
     __syncthreads();
-    store_tile<BM, T::D, T::NTHREADS>(p.dq + b * p.dq_sb + tile.row0 * p.dq_ss + h * p.dq_sh, p.dq_ss, sO, tile.rows,
-                                      tid);
+    store_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM>(p.dq + b * p.dq_sb + tile.row0 * p.dq_ss + h * p.dq_sh, p.dq_ss, sO,
+                                                  tile.rows, tid);
 }
 
 }  // namespace frt

@@ -35,8 +35,8 @@ __device__ void fwd(const FwdParams& p) {
     const u32 sKV = sQ + T::SMEM_Q;  // stage s: K at sKV + s*STAGE, V right after K
     const int wrow = warp * MT * 16;
 
-    load_tile<BM, T::D, T::NTHREADS>(sQ, p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
-                                     tile.rows, tid);
+    load_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM>(sQ, p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh,
+                                                 p.q_ss, tile.rows, tid);
     auto load_kv = [&](u32 stage, int j) {
         load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, tile.b, tile.hk, tile.vis.k_row0, tile.vis.Lk, j, tid);
     };
@@ -144,8 +144,8 @@ __device__ void fwd(const FwdParams& p) {
     u16* sO = reinterpret_cast<u16*>(smem);
     acc_to_smem<T::BF16, MT, NT_O>(sO + wrow * Pitch<DP>::elems, Pitch<DP>::elems, o, 1.f, lane);
     __syncthreads();
-    store_tile<BM, T::D, T::NTHREADS>(p.o + tile.b * p.o_sb + tile.row0 * p.o_ss + tile.h * p.o_sh, p.o_ss, sO,
-                                      tile.rows, tid);
+    store_tile<BM, T::D, T::NTHREADS, FRT_V_DIM>(p.o + tile.b * p.o_sb + tile.row0 * p.o_ss + tile.h * p.o_sh, p.o_ss,
+                                                 sO, tile.rows, tid);
 }
 
 }  // namespace frt

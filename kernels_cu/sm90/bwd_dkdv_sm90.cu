@@ -92,7 +92,7 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
 
     const i64 krow0 = tile.vis.k_row0 + n0;
     load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, p.head_dim, tid);
-    load_tile_sw128<BN, D, NT>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.live, p.head_dim, tid);
+    load_tile_sw128<BN, D, NT>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.live, p.head_dim_v, tid);
     if (it_begin < it_end) load_query_stage<T, T::NTHREADS>(p, tile, it_begin, sQdO, sStat, tid);
     cp_async_commit();  // one group: K, V and the first query tile
 #pragma unroll
@@ -343,12 +343,12 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
         warpgroup_bar<2>();
     if constexpr (T::ROLES) {
         if (wg == 0)
-            sw128_rows_to_global<BN, D>(dv, p.dv_ss, sV, rows_wg, p.head_dim, wtid);
+            sw128_rows_to_global<BN, D>(dv, p.dv_ss, sV, rows_wg, p.head_dim_v, wtid);
         else
             sw128_rows_to_global<BN, D>(dk, p.dk_ss, sK, rows_wg, p.head_dim, wtid);
     } else {
         sw128_rows_to_global<BN, D>(dk, p.dk_ss, sKw, rows_wg, p.head_dim, wtid);
-        sw128_rows_to_global<BN, D>(dv, p.dv_ss, sVw, rows_wg, p.head_dim, wtid);
+        sw128_rows_to_global<BN, D>(dv, p.dv_ss, sVw, rows_wg, p.head_dim_v, wtid);
     }
 }
 

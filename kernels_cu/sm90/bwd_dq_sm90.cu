@@ -58,7 +58,7 @@ FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, f
             const u16* d = p.dout + tile.b * p.do_sb + row * p.do_ss + tile.h * p.do_sh;
 #pragma unroll
             for (int c = 8 * t; c < D; c += 32) {
-                if (c < p.head_dim)  // (a padded head_dim: tiles.sm90_head_dim)
+                if (c < p.head_dim_v)  // (O and dO: v's head_dim, params.cuh)
                     acc = dot8<BF16>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d + c), acc);
             }
         }
@@ -142,7 +142,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
 
     load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.live, p.head_dim, tid);
     load_tile_sw128<BM, D, NT>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss, tile.live,
-                               p.head_dim, tid);
+                               p.head_dim_v, tid);
     const u16* gk = p.k + b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
     const u16* gv = p.v + b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
     auto load_k = [&](int stage, int j) {
@@ -150,7 +150,7 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
                                    p.head_dim, tid);
     };
     auto load_v = [&](u32 sV, int j) {
-        load_tile_sw128<BN, D, NT>(sV, gv + (i64)j * BN * p.v_ss, p.v_ss, tile.vis.Lk - j * BN, p.head_dim, tid);
+        load_tile_sw128<BN, D, NT>(sV, gv + (i64)j * BN * p.v_ss, p.v_ss, tile.vis.Lk - j * BN, p.head_dim_v, tid);
     };
     if (n_blocks > 0) {
         load_k(0, tile.key_tile(0));

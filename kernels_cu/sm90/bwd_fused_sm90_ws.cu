@@ -120,7 +120,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                 copy_tile_sw128_warp<BN, D>(sK, p.k + tile.b * p.k_sb + krow0 * p.k_ss + tile.hk * p.k_sh, p.k_ss,
                                             tile.live, p.head_dim, lane);
                 copy_tile_sw128_warp<BN, D>(sV, p.v + tile.b * p.v_sb + krow0 * p.v_ss + tile.hk * p.v_sh, p.v_ss,
-                                            tile.live, p.head_dim, lane);
+                                            tile.live, p.head_dim_v, lane);
                 mbar_arrive(kv_full);
             }
             Ring<S> r;
@@ -308,7 +308,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         warpgroup_bar<2>();
     sw128_rows_to_global<BN, D>(p.dk + b * p.dk_sb + row0 * p.dk_ss + hk * p.dk_sh, p.dk_ss, sKw, rows_wg, p.head_dim,
                                 wtid);
-    sw128_rows_to_global<BN, D>(p.dv + b * p.dv_sb + row0 * p.dv_ss + hk * p.dv_sh, p.dv_ss, sVw, rows_wg, p.head_dim,
+    sw128_rows_to_global<BN, D>(p.dv + b * p.dv_sb + row0 * p.dv_ss + hk * p.dv_sh, p.dv_ss, sVw, rows_wg, p.head_dim_v,
                                 wtid);
 }
 

@@ -40,7 +40,7 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
             }
         } else {
             copy_tile_sw128_warp<BM, D>(sQ, q, p.q_ss, rows, p.head_dim, tid);
-            copy_tile_sw128_warp<BM, D>(sQ + T::QT_BYTES, dout, p.do_ss, rows, p.head_dim, tid);
+            copy_tile_sw128_warp<BM, D>(sQ + T::QT_BYTES, dout, p.do_ss, rows, p.head_dim_v, tid);
         }
         float* stat = reinterpret_cast<float*>(__cvta_shared_to_generic(sStat));
 #pragma unroll
@@ -51,7 +51,7 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
         mbar_arrive(full);
     } else {
         load_tile_sw128<BM, D, NT>(sQ, q, p.q_ss, rows, p.head_dim, tid);
-        load_tile_sw128<BM, D, NT>(sQ + T::QT_BYTES, dout, p.do_ss, rows, p.head_dim, tid);
+        load_tile_sw128<BM, D, NT>(sQ + T::QT_BYTES, dout, p.do_ss, rows, p.head_dim_v, tid);
 #pragma unroll
         for (int k = 0; k < (2 * BM + NT - 1) / NT; ++k) {
             const int i = tid + k * NT, r = i % BM;

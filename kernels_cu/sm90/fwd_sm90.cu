@@ -49,10 +49,10 @@ __device__ void fwd_sm90(const FwdParams& p) {
     // Stage s holds a K tile and, KV_BYTES after it, a V tile. Key tile it's K is loaded one
     // iteration ahead of its S wgmma and its V one iteration ahead of its P V wgmma (which runs in
     // iteration it + 1, under that iteration's softmax), so both tiles of tile it live in stage it & 1.
-    auto load = [&](u32 s_tile, const u16* g, i64 stride, int j) {  // key tile j of K or V
-        load_tile_sw128<BN, D, NT>(s_tile, g + (i64)j * BN * stride, stride, tile.vis.Lk - j * BN, p.head_dim, tid);
+    auto load = [&](u32 s_tile, const u16* g, i64 stride, int cols, int j) {  // key tile j of K or V
+        load_tile_sw128<BN, D, NT>(s_tile, g + (i64)j * BN * stride, stride, tile.vis.Lk - j * BN, cols, tid);
     };
-    if (n_blocks > 0) load(sKV, gk, p.k_ss, tile.key_tile(0));
+    if (n_blocks > 0) load(sKV, gk, p.k_ss, p.head_dim, tile.key_tile(0));
     cp_async_commit();
 
     // This warpgroup's 64 query rows: rows 64 wg.. of every column block of the Q tile (fwd_sm90.cuh:
@@ -78,8 +78,9 @@ __device__ void fwd_sm90(const FwdParams& p) {
         cp_async_wait<0>();   // K of tile it, V of tile it - 1
         fence_proxy_async();  // this thread's cp.async writes -> visible to wgmma (async proxy)
         __syncthreads();      // every thread's writes landed; iteration it - 1's wgmmas are complete
-        if (it + 1 < n_blocks) load(sKV + (stage ^ 1) * T::STAGE_BYTES, gk, p.k_ss, tile.next_key_tile(it, j));
-        load(sKV + stage * T::STAGE_BYTES + T::KV_BYTES, gv, p.v_ss, j);
+        if (it + 1 < n_blocks)
+            load(sKV + (stage ^ 1) * T::STAGE_BYTES, gk, p.k_ss, p.head_dim, tile.next_key_tile(it, j));
+        load(sKV + stage * T::STAGE_BYTES + T::KV_BYTES, gv, p.v_ss, p.head_dim_v, j);
         cp_async_commit();
 
         if (wg == 1) bar_wait<3, 256>();  // after warpgroup 0's wgmmas (its arrive below)

@@ -230,7 +230,7 @@ struct FwdRows {
         else
             warpgroup_bar<3>();
         sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss,
-                                    sQw, tile.rows - 64 * wg, p.head_dim, threadIdx.x & 127);
+                                    sQw, tile.rows - 64 * wg, p.head_dim_v, threadIdx.x & 127);
     }
     template <int BM, class Tile>
     FRT_DEVICE void store(const FwdParams& p, const Tile& tile, u32 sQw, int wg, int w, int g, int t) {

@@ -185,7 +185,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                                                gk + (i64)j * BN * p.k_ss, p.k_ss, rows, p.head_dim, ptid);
                 mbar_wait(bar(T::V_EMPTY, s), empty);
                 fill_tile<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, v_full, by_tma, &p.v_map, tile.hk, krow, map_b,
-                                               gv + (i64)j * BN * p.v_ss, p.v_ss, rows, p.head_dim, ptid);
+                                               gv + (i64)j * BN * p.v_ss, p.v_ss, rows, p.head_dim_v, ptid);
             }
             // The next item, for all four warps: thread 0 claims it and writes it to shared memory
             // (after the Q slots' items), which none of them reads before the barrier below. (Named
