@@ -8,6 +8,7 @@ that read them to the session's end): the other tests run meanwhile, sharing the
 other tests monkeypatch flashrt.nvrtc meanwhile.
 """
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import os
 import re
@@ -17,7 +18,7 @@ import pytest
 from flashrt import cache, nvrtc, tiles
 from flashrt.cli import SMEM_OPTIN
 from flashrt.spec import (DROPOUT_FAMILIES, ELEMENTWISE, FAMILIES, MASK_BITS, NO_INPUTS, PACKED_ROWS, QUERY_PARALLEL,
-                          SCORE_MOD_FAMILIES, SOFTCAP_FAMILIES, KernelSpec)
+                          SCORE_MOD_FAMILIES, SOFTCAP_FAMILIES, V_DIM_FAMILIES, KernelSpec)
 
 HEAD_DIMS = (8, 40, 64, 72, 128, 160, 192, 256)
 ARCHS = ("sm_80", "sm_90a")
@@ -115,6 +116,14 @@ def _variants():
                         if family == "fwd_sm90_ws" and tiles.long_rows(family, d, 1 << 30):  # (192-row tiles)
                             out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[90], mask, long=True,
                                                  dropout=True))
+    # v with a head_dim of its own (spec.KernelSpec.head_dims: the mma.sync kernels' columns at compile time), both
+    # archs, MLA's 192 / 128 and the reverse order at 64 / 96, dense and with every built-in mask feature
+    for arch in ARCHS:
+        for family in V_DIM_FAMILIES:
+            for dims in ((192, 128), (64, 96)):
+                for causal, mask in ((False, 0), (True, sum(MASK_BITS.values()) & ~MASK_BITS["mod"])):
+                    spec = tiles.tiling(family, max(dims), "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask)
+                    out.add(dataclasses.replace(spec, head_dims=dims))
     return sorted(out, key=lambda s: s.name)
 
 
