@@ -671,7 +671,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
                                drop).block_m
         impl = tiles.backward_impl(tiles.sm90_head_dim(dkdv_family, Dm), bool(deterministic), m.ordered_dq_ok,
                                    dkdv_family == "bwd_dkdv_sm90", fused_family == "bwd_fused_sm90", bool(m.causal),
-                                   m.Sq, m.bits, fused_bm, bool(softcap or alibi or m.score_mod or drop))
+                                   m.Sq, m.bits, fused_bm, bool(softcap or alibi or m.score_mod or drop), m.B * Hkv)
     # The kernels' head_dim: the tensors' D, or the wgmma instance a family pads it to (tiles.sm90_head_dim); the
     # helper kernels (spec.ELEMENTWISE) take the main kernel's, DK: the layout of the fp32 buffers it shares with them.
     DK = tiles.sm90_head_dim(fused_family if impl == "fused" else dkdv_family, Dm)

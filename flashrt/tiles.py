@@ -178,18 +178,26 @@ FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (12
 # 4k 0.79-1.00x / 0.92-1.23x (ALiBi 1.23x on the H100: left at 16k, 0.71-0.88x). At 128 as without one (ordered causal
 # at 1k 0.95-1.15x / 1.22-1.50x, fused from 4k: 0.70-0.83x / 0.77-1.00x).
 FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096}
+# ... and the ordered causal one only up to ORDERED_CAUSAL_PAIRS (batch entry, KV head) pairs, or up to
+# ORDERED_CAUSAL_PAIRS_SHORT with at most ORDERED_CAUSAL_SHORT_TILES query tiles: beyond, on the H100, it ran at
+# 0.63-0.81x the split pair (head_dim 128, B x H 8 x 16 at 4k, 2 x 32 to 2 x 64 at 8k, 1 x 64 and 1 x 96 at 16k; 64 at
+# 16k 1 x 64 and 1 x 128), within at 1.07-1.37x (GQA 32/8 and 64/8 at 1.23-1.35x); non-causal and unordered it was
+# ahead at 128 pairs. The H200 entries above were measured within the bounds (docs/perf-notes.md: Backward: impl
+# choice and determinism).
+ORDERED_CAUSAL_PAIRS, ORDERED_CAUSAL_PAIRS_SHORT, ORDERED_CAUSAL_SHORT_TILES = 32, 64, 64
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
                   fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0,
-                  fused_block_m: int = 64, modified: bool = False) -> str:
+                  fused_block_m: int = 64, modified: bool = False, kv_pairs: int = 0) -> str:
     """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
 
     `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
     (fused_family). Then split, but fused from the query length FUSED_WGMMA_MIN_SQ gives per (head_dim, the fused
     kernel's query tile `fused_block_m`, deterministic, causal) on (`seqlen_q`; GQA alike: 1.08-1.35x the split pair
     at 32/8 and 16/2, H200), or FUSED_WGMMA_MIN_SQ_MODIFIED with a score modification (`modified`), and with no id or
-    mask_mod masks (`mask`, MASK_BITS: not measured).
+    mask_mod masks (`mask`, MASK_BITS: not measured); ordered and causal, only within ORDERED_CAUSAL_PAIRS' bounds on
+    `kv_pairs` (B x Hkv; 0: not bounded).
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -206,8 +214,10 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
         least = FUSED_WGMMA_MIN_SQ.get(key)
         if modified:
             least = FUSED_WGMMA_MIN_SQ_MODIFIED.get(key, least)
+        few = kv_pairs <= ORDERED_CAUSAL_PAIRS or (kv_pairs <= ORDERED_CAUSAL_PAIRS_SHORT
+                                                   and _cdiv(seqlen_q, fused_block_m) <= ORDERED_CAUSAL_SHORT_TILES)
         if (fused_wgmma and plain and least is not None and seqlen_q >= least
-                and (ordered_ok or not deterministic)):
+                and (ordered_ok or not deterministic) and (few or not (deterministic and causal))):
             return "fused"
         return "split"
     if deterministic:

@@ -383,6 +383,13 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
         if sq:
             assert tiles.backward_impl(d, det, True, True, True, causal, sq - 1, 0, bm, modified=True) == "split"
     assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 64, modified=True) == "fused"
+    # ordered and causal only up to ORDERED_CAUSAL_PAIRS (batch entry, KV head) pairs, or 64 with at most 64 query tiles
+    fused = lambda d, det, causal, sq, bm, pairs: tiles.backward_impl(  # noqa: E731
+        d, det, True, True, True, causal, sq, 0, bm, kv_pairs=pairs) == "fused"
+    assert fused(128, True, True, 1 << 14, 64, 32) and not fused(128, True, True, 1 << 14, 64, 64)
+    assert fused(128, True, True, 4096, 64, 64) and not fused(128, True, True, 4096, 64, 128)
+    assert fused(64, True, True, 8192, 128, 64) and not fused(64, True, True, 1 << 14, 128, 64)
+    assert fused(128, True, False, 8192, 64, 128) and fused(128, False, True, 8192, 64, 128)  # (not causal; unordered)
     assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 64) == "split"
     assert tiles.backward_impl(128, True, False, True, True, False, 1 << 14) == "split"  # dQ adds not orderable
     assert tiles.backward_impl(128, False, False, True, True, False, 1 << 14) == "fused"
