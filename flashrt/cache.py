@@ -213,7 +213,8 @@ def prewarm_command(spec: KernelSpec) -> str:
 def miss_message(spec: KernelSpec) -> str:
     expression = "mask_mod" if spec.mask_mod else "score_mod" if spec.score_mod else ""
     by_kind = (f"its {expression} expression is part of the variant, so only a manifest prewarms it"
-               if expression else f"or fill the cache by kind: {prewarm_command(spec)}")
+               if expression else "its v head_dim of its own is part of the variant, so only a manifest prewarms it"
+               if spec.head_dims else f"or fill the cache by kind: {prewarm_command(spec)}")
     return (f"flashrt: kernel {spec.name} is not in the cache ({cache_dir()}) and FLASHRT_NO_COMPILE=1 forbids "
             f"compiling it; record a manifest with FLASHRT_RECORD=/path/manifest.json on a machine that runs the "
             f"workload, then run: flashrt prewarm --manifest /path/manifest.json --arch {spec.arch} "

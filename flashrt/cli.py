@@ -167,10 +167,15 @@ def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: boo
     mods += [(False, False, True)] * dropout
     # (mask_mod's classifiers need an expression)
     # (and the tilings for long query sequences, tiles.long_rows)
-    # (a wgmma family's kernel for a head_dim it pads: the instance's, tiles.sm90_head_dim)
+    def kernel_dims(family):  # a wgmma family's kernel for a head_dim it pads: the instance's (tiles.sm90_head_dim);
+        # the backward's helper kernels take the instance of the kernel they serve (api._backward_plan: DK)
+        dims = {tiles.sm90_head_dim(family, d) for d in head_dims}
+        if family in ELEMENTWISE and family.startswith("bwd_") and arch == "sm_90a":
+            dims |= {tiles.sm90_head_dim(g, d) for g in ("bwd_dkdv_sm90", "bwd_fused_sm90") for d in head_dims}
+        return dims
+
     specs = {tiles.tiling(f, d, t, c, arch, smem_limit, mask, softcap=cap, alibi=ali, long=long, dropout=drop)
-             for mask, c in combos for f in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS)
-             for d in {tiles.sm90_head_dim(f, d) for d in head_dims}
+             for mask, c in combos for f in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS) for d in kernel_dims(f)
              for t in dtypes for cap, ali, drop in (mods if f in SOFTCAP_FAMILIES else mods[:1])
              for long in (False, True)[:1 + tiles.long_rows(f, d, 1 << 30)]
              if tiles.applies(f, d, arch, mask, cap, ali, dropout=drop) and not (mask and f in ELEMENTWISE)

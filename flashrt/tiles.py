@@ -511,7 +511,7 @@ def classifier_spec(consumer: KernelSpec, family: str) -> KernelSpec:
     reads its map or lists: head_dim and dtype fixed (it reads no q/k/v), CLASSIFY_WARPS; the list makers read
     only the map, so they take no mask bits and no expression (one compile serves every mask_mod)."""
     fixed = {"family": family, "head_dim": 64, "dtype": "bf16", "warps": CLASSIFY_WARPS[family], "min_blocks": 1,
-             "softcap": False, "alibi": False, "score_mod": (), "dropout": False}
+             "softcap": False, "alibi": False, "score_mod": (), "dropout": False, "head_dims": ()}
     if family != "mask_map":
         fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
     return dataclasses.replace(consumer, **fixed)

@@ -1,4 +1,5 @@
 """Validation and layout rules of the public API that need no GPU (array descriptors are plain data)."""
+import dataclasses
 import importlib
 import math
 import re
@@ -465,3 +466,68 @@ def test_dropout_arguments_are_checked_before_any_work():
             api._check_dropout_rng(arr(**bad), q)
     assert api._dropout_fields(0.0) == {}
     assert api._dropout_fields(0.1) == {"drop_keep": 58982, "drop_scale": 65536 / 58982}
+
+
+def _plan_on(monkeypatch, arch: str):
+    """api's plan makers on a device described, not present (sm_90a: an H100's limits; sm_80: an A100's), with
+    descriptor-only arrays: what each call would launch, no kernel compiled or loaded."""
+    from flashrt import cli, launch
+    smem = cli.SMEM_OPTIN[90 if arch == "sm_90a" else 80]
+    dev = launch.Device(0, "H100" if arch == "sm_90a" else "A100", arch, 132 if arch == "sm_90a" else 108, smem,
+                        50 * 2**20)
+    monkeypatch.setattr(launch, "device", lambda index: dev)
+    monkeypatch.setattr(api.interop, "describe", lambda x, name: x)
+    api._PLANS.clear()
+
+
+def _planned(plan) -> list:
+    return [spec for spec, *_ in plan.launches.launches]
+
+
+def test_padded_and_v_head_dims_reach_the_plans(monkeypatch):
+    """The kernels a call plans for a padded head_dim (the wgmma instance above it, with the helpers of the backward at
+    the main kernel's instance: the fp32 buffers' width) and for a v head_dim of its own (out, dv shaped by it; the
+    mma.sync kernels compiled for both head_dims), with the tensors' head_dims in the params."""
+    _plan_on(monkeypatch, "sm_90a")
+    q, k, v = arr((2, 512, 8, 72)), arr((2, 512, 2, 72)), arr((2, 512, 2, 72))
+    fwd = api._forward_plan((q, k, v), False, None, 0, {})
+    (spec,) = _planned(fwd)
+    assert spec.name.startswith("flashrt_fwd_sm90_ws_hd128_") and fwd.allocs[0][0] == (2, 512, 8, 72)
+    out, lse = arr((2, 512, 8, 72)), arr((2, 8, 512), dtype="float32")
+    bwd = api._backward_plan((out, q, k, v, out, lse), True, None, "fused", False, 0, {})
+    heads = {s.family: s.head_dim for s in _planned(bwd)}  # (bwd_dkdv_reduce too where dK/dV splits)
+    assert {"bwd_preprocess", "bwd_fused_sm90", "bwd_dq_convert"} <= set(heads) and set(heads.values()) == {128}
+    _plan_on(monkeypatch, "sm_80")
+    q, k, v = arr((2, 512, 8, 192)), arr((2, 512, 2, 192)), arr((2, 512, 2, 128))
+    fwd = api._forward_plan((q, k, v), True, None, 0, {})
+    (spec,) = _planned(fwd)
+    assert spec.head_dims == (192, 128) and "_qk192v128_" in spec.name and fwd.allocs[0][0] == (2, 512, 8, 128)
+    out, lse = arr((2, 512, 8, 128)), arr((2, 8, 512), dtype="float32")
+    bwd = api._backward_plan((out, q, k, v, out, lse), True, None, "split", True, 0, {})
+    assert [a[0] for a in bwd.allocs[:3]] == [q.shape, k.shape, v.shape]
+    assert all(s.head_dims == (192, 128) for s in _planned(bwd) if s.family in ("bwd_dq", "bwd_dkdv"))
+
+
+def test_mask_mod_classifiers_ignore_the_consumers_head_dims():
+    """mask_mod's classification kernels read no q/k/v: a consumer compiled for a v head_dim of its own gives them
+    none (they have one variant per tiling)."""
+    from flashrt import cli, tiles
+    consumer = tiles.tiling("fwd", 192, "bf16", True, "sm_80", cli.SMEM_OPTIN[80], MASK_BITS["mod"], "k <= q", ())
+    consumer = dataclasses.replace(consumer, head_dims=(192, 128))
+    for family in ("mask_map", "mask_rows"):
+        spec = tiles.classifier_spec(consumer, family)
+        assert spec.head_dims == () and spec.head_dim == 64
+
+
+def test_ordered_causal_backward_takes_the_split_pair_for_many_kv_pairs(monkeypatch):
+    """impl="auto", deterministic, causal: the wgmma fused kernel up to tiles.ORDERED_CAUSAL_PAIRS (batch, KV head)
+    pairs (GQA counts the KV heads), the split pair beyond."""
+    _plan_on(monkeypatch, "sm_90a")
+
+    def families(B, H, Hkv):
+        q, k = arr((B, 4096, H, 128)), arr((B, 4096, Hkv, 128))
+        lse = arr((B, H, 4096), dtype="float32")
+        return {s.family for s in _planned(api._backward_plan((q, q, k, k, q, lse), True, None, "auto", True, 0, {}))}
+    assert "bwd_fused_sm90" in families(4, 16, 16)
+    assert "bwd_fused_sm90" not in families(8, 16, 16) and "bwd_dkdv_sm90" in families(8, 16, 16)
+    assert "bwd_fused_sm90" in families(8, 32, 4)

@@ -224,10 +224,11 @@ def test_padded_head_dims_read_and_write_only_their_columns(torch, poison, monke
 @pytest.mark.parametrize("kernels", ["default", "mma.sync"])
 def test_v_head_dim_of_its_own_matches_float64(torch, poison, monkeypatch, D, Dv, kernels):
     """v's head_dim may differ from q's and k's (out, dout and dv take it; MLA's 192 / 128): the kernels run at the
-    larger (or the wgmma instance above it) with each tensor's columns past its own head_dim zeros. v, dout and out are
-    views of wider NaN-filled tensors, so a column read past v's head_dim shows; outputs from the poisoned pool. Ragged,
-    GQA, causal, padding lengths; the forward and the split, fused and ordered fused backward against float64, on the
-    default kernels and with FLASHRT_NO_SM90=1."""
+    larger (or the wgmma instance above it) with each tensor's columns past its own head_dim zeros. q, k, v, dout and
+    out are views of wider NaN-filled tensors, so a column read past a tensor's own head_dim shows; outputs from the
+    poisoned pool. Ragged, GQA, causal, padding lengths; the forward and the split, fused and ordered fused backward;
+    then packed sequences with a mask_mod (its classification kernels beside kernels compiled for both head_dims);
+    against float64, on the default kernels and with FLASHRT_NO_SM90=1."""
     import cupy
     monkeypatch.setenv("FLASHRT_NO_SM90", "1" if kernels == "mma.sync" else "0")
 
@@ -240,8 +241,7 @@ def test_v_head_dim_of_its_own_matches_float64(torch, poison, monkeypatch, D, Dv
     B, Sq, Sk, H, Hkv = 2, 300, 517, 4, 2
     q, k, _, _ = make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D * 1000 + Dv)
     _, _, v, do = make_inputs(torch, B, Sq, Sk, H, Hkv, Dv, "bf16", seed=D * 1000 + Dv + 1)
-    q, k = (cupy.from_dlpack(x) for x in (q, k))
-    v, do = widened(v), widened(do)
+    q, k, v, do = (widened(x) for x in (q, k, v, do))
     lengths = cupy.asarray([Sk, 250], dtype=cupy.int32)
     out, lse = flashrt.forward(q, k, v, causal=True, seqlens_k=lengths)
     assert out.shape == (B, Sq, H, Dv)
@@ -258,6 +258,22 @@ def test_v_head_dim_of_its_own_matches_float64(torch, poison, monkeypatch, D, Dv
         for name, x, r in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
             assert not bool(cupy.isnan(f64(x)).any()), f"{impl} {name} has NaN"
             assert reference.rel_error(f64(x), r) < 2e-2, f"{impl} {name}"
+
+    lens = [200, 7, 300]  # packed sequences with a mask_mod
+    cu = cupy.asarray([0, *itertools.accumulate(lens)], dtype=cupy.int32)
+    q, k = (widened(x[0]) for x in make_inputs(torch, 1, sum(lens), sum(lens), H, Hkv, D, "bf16", seed=D + Dv)[:2])
+    v, do = (widened(x[0]) for x in make_inputs(torch, 1, sum(lens), sum(lens), H, Hkv, Dv, "bf16", seed=Dv)[2:])
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+                  mask_mod="k <= q && q - k < 100")
+    out, lse = flashrt.forward(q, k, v, **packed)
+    grads = flashrt.backward(do, q, k, v, widened(out), lse, **packed)
+    for b, (lo, hi) in enumerate(zip(cu.get()[:-1], cu.get()[1:])):
+        n = int(hi - lo)
+        keep = reference.visible(1, n, n, xp=cupy, mask_mod=lambda b, h, q, k, Lq, Lk: (k <= q) & (q - k < 100))
+        ref = reference.attention(*(f64(x[lo:hi])[None] for x in (q, k, v)), mask=keep, dout=f64(do[lo:hi])[None])
+        for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:])):
+            assert not bool(cupy.isnan(f64(x[lo:hi])).any()), f"sequence {b} {name} has NaN"
+            assert reference.rel_error(f64(x[lo:hi])[None], r) < 2e-2, f"sequence {b} {name}"
 
 
 @pytest.mark.parametrize("causal", [False, True])

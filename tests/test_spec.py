@@ -622,3 +622,17 @@ def test_a_v_head_dim_of_its_own_is_compiled_into_the_mma_sync_kernels():
     wgmma = tiles.tiling("fwd_sm90", 192, "bf16", True, "sm_90a", SMEM_OPTIN[90])
     with pytest.raises(ValueError, match="head_dims"):  # the wgmma kernels take them at run time
         dataclasses.replace(wgmma, head_dims=(192, 128))
+
+
+def test_prewarm_matrix_holds_the_kernels_of_padded_head_dims():
+    """`flashrt prewarm --head-dims 72` on Hopper: the wgmma kernels at the instance (128) and the backward's helper
+    kernels there too (api._backward_plan: the main kernel's head_dim), beside the mma.sync ones at 72."""
+    from flashrt import cli
+    names = {s.name for s in cli.matrix("sm_90a", SMEM_OPTIN[90], [72], ["bf16"])}
+    for family in ("bwd_preprocess", "bwd_dq_convert", "bwd_dkdv_reduce"):
+        assert {f"flashrt_{family}_hd128_bf16_w8_sm_90a", f"flashrt_{family}_hd72_bf16_w8_sm_90a"} <= names
+    assert any(n.startswith("flashrt_fwd_sm90_ws_hd128_") for n in names)
+    assert any(n.startswith("flashrt_bwd_fused_sm90_hd128_") for n in names)
+    assert not any("_hd128_" in n for n in (s.name for s in cli.matrix("sm_80", SMEM_OPTIN[80], [72], ["bf16"])))
+    spec = dataclasses.replace(tiles.tiling("fwd", 192, "bf16", True, "sm_80", SMEM_OPTIN[80]), head_dims=(192, 128))
+    assert "only a manifest prewarms it" in cache.miss_message(spec)
