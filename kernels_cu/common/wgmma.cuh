@@ -118,10 +118,11 @@ FRT_DEVICE void load_tile_sw128(u32 s_tile, const u16* g, i64 g_stride, int rows
     }
 }
 
-// load_tile_sw128's tile (rows_valid, cols_valid as there) by one warp of a warp-specialised loader, in few registers: a loop, not unrolled, over the
-// tile's 16-byte chunks (lane l copies chunks l, l + 32, ...), each address found afresh; by loads and shared stores,
-// so that the warp's mbarrier arrivals after them order them before the readers' waits (compute-sanitizer's
-// racecheck follows mbarriers, and flagged cp.async copies waited for by cp.async.wait_group before the arrival).
+// load_tile_sw128's tile (rows_valid, cols_valid as there) by one warp of a warp-specialised loader, in few
+// registers: a loop, not unrolled, over the tile's 16-byte chunks (lane l copies chunks l, l + 32, ...), each address
+// found afresh; by loads and shared stores, so that the warp's mbarrier arrivals after them order them before the
+// readers' waits (compute-sanitizer's racecheck follows mbarriers, and flagged cp.async copies waited for by
+// cp.async.wait_group before the arrival).
 template <int ROWS, int COLS>
 FRT_DEVICE void copy_tile_sw128_warp(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int cols_valid, int lane) {
     constexpr int CPR = COLS / 8;
@@ -563,8 +564,8 @@ FRT_DEVICE void a_frags_to_sw128(u32 s_rows, const u32 (&a)[K / 16][4], int w, i
 
 // Epilogue, step 2: rows [0, rows_valid) and columns [0, cols_valid) (a multiple of 8: params.cuh, head_dim) of a
 // warpgroup's 64 rows of a sw128 tile (ROWS rows, COLS columns; s_rows: its first row) to global memory (row stride
-// `stride` elements), 16 bytes per store; wtid is the thread's index in the warpgroup. The stores are .cs (streaming: first out of
-// L2): a kernel never reads its outputs, and in the forward they evicted the K / V that other blocks
+// `stride` elements), 16 bytes per store; wtid is the thread's index in the warpgroup. The stores are .cs (streaming:
+// first out of L2): a kernel never reads its outputs, and in the forward they evicted the K / V that other blocks
 // were about to read (docs/perf-notes.md: Per-item fixed cost).
 // The shared loads go in batches of up to 8 before their stores (all 64 rows are staged: the rows past
 // rows_valid are read and not stored): one at a time, each store waited for its load (docs/perf-notes.md: Per-item fixed cost).

@@ -40,7 +40,8 @@ __device__ void bwd_dkdv_reduce(const BwdParams& p) {
             okw[i] = Elem<T::BF16>::pack(dk[2 * i] * p.scale, dk[2 * i + 1] * p.scale);
             ovw[i] = Elem<T::BF16>::pack(dv[2 * i], dv[2 * i + 1]);
         }
-        if (col < p.head_dim) *reinterpret_cast<uint4*>(p.dk + b * p.dk_sb + (i64)key * p.dk_ss + hk * p.dk_sh + col) = ok;
+        if (col < p.head_dim)
+            *reinterpret_cast<uint4*>(p.dk + b * p.dk_sb + (i64)key * p.dk_ss + hk * p.dk_sh + col) = ok;
         if (col < p.head_dim_v)
             *reinterpret_cast<uint4*>(p.dv + b * p.dv_sb + (i64)key * p.dv_ss + hk * p.dv_sh + col) = ov;
     }

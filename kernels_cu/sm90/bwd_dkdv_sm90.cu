@@ -91,8 +91,10 @@ __device__ void bwd_dkdv_sm90(const BwdParams& p) {
     static_assert(!FRT_DROPOUT || T::ROLES || T::PIPELINED, "bwd_dkdv_sm90: no dropout variant at head_dim 128");
 
     const i64 krow0 = tile.vis.k_row0 + n0;
-    load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, p.head_dim, tid);
-    load_tile_sw128<BN, D, NT>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.live, p.head_dim_v, tid);
+    load_tile_sw128<BN, D, NT>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss, tile.live, p.head_dim,
+                               tid);
+    load_tile_sw128<BN, D, NT>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss, tile.live, p.head_dim_v,
+                               tid);
     if (it_begin < it_end) load_query_stage<T, T::NTHREADS>(p, tile, it_begin, sQdO, sStat, tid);
     cp_async_commit();  // one group: K, V and the first query tile
 #pragma unroll

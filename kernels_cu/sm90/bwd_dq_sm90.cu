@@ -59,7 +59,8 @@ FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, f
 #pragma unroll
             for (int c = 8 * t; c < D; c += 32) {
                 if (c < p.head_dim_v)  // (O and dO: v's head_dim, params.cuh)
-                    acc = dot8<BF16>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d + c), acc);
+                    acc = dot8<BF16>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d + c),
+                                     acc);
             }
         }
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
@@ -140,7 +141,8 @@ __device__ void bwd_dq_sm90(const BwdParams& p) {
     if (tile.rows <= 0) return;
     const int n_blocks = tile.n_blocks, b = tile.b, h = tile.h;
 
-    load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.live, p.head_dim, tid);
+    load_tile_sw128<BM, D, NT>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss, tile.live, p.head_dim,
+                               tid);
     load_tile_sw128<BM, D, NT>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh, p.do_ss, tile.live,
                                p.head_dim_v, tid);
     const u16* gk = p.k + b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;

@@ -14,11 +14,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import flashrt  # noqa: E402
-from flashrt import reference  # noqa: E402
+from padded_head_dim import errors, reference_of, sdpa  # noqa: E402
 from score_mod_cost import grid_args, medians  # noqa: E402
 
 H = 16
@@ -30,32 +29,8 @@ def check(D, Dv) -> str:
     k = torch.randn(2, 517, 2, D, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(2, 517, 2, Dv, device="cuda", dtype=torch.bfloat16, generator=g)
     do = torch.randn(2, 333, 8, Dv, device="cuda", dtype=torch.bfloat16, generator=g)
-    ref = reference.attention(*(x.double().cpu().numpy() for x in (q, k, v)), causal=True,
-                              dout=do.double().cpu().numpy())
-    out, lse = flashrt.forward(q, k, v, causal=True)
-    got = (out, *flashrt.backward(do, q, k, v, out, lse, causal=True))
-    errs = [float(np.linalg.norm(x.double().cpu().numpy() - r) / np.linalg.norm(r)) for x, r in zip(got, (ref[0],
-                                                                                                       *ref[2:]))]
+    errs = errors(q, k, v, do, True, reference_of(q, k, v, do, True))
     return f"| {D} / {Dv} | " + " ".join(f"{e:.1e}" for e in errs) + f" | {'ok' if max(errs) < 1e-2 else 'FAIL'} |"
-
-
-def sdpa(q, k, v, do, causal, backend, backward):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(backward) for x in (q, k, v))
-    with sdpa_kernel(which):
-        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-    dot = do.transpose(1, 2)
-
-    def run():
-        with sdpa_kernel(which):
-            for _ in range(10):
-                if backward:
-                    torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True)
-                else:
-                    torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-    run()
-    return run
 
 
 def main():
