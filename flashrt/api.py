@@ -671,7 +671,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
                                drop).block_m
         impl = tiles.backward_impl(tiles.sm90_head_dim(dkdv_family, Dm), bool(deterministic), m.ordered_dq_ok,
                                    dkdv_family == "bwd_dkdv_sm90", fused_family == "bwd_fused_sm90", bool(m.causal),
-                                   m.Sq, m.bits, fused_bm, bool(softcap or alibi or m.score_mod or drop), m.B * Hkv)
+                                   m.Sq, m.bits, fused_bm, bool(softcap or alibi or m.score_mod or drop))
     # The kernels' head_dim: the tensors' D, or the wgmma instance a family pads it to (tiles.sm90_head_dim); the
     # helper kernels (spec.ELEMENTWISE) take the main kernel's, DK: the layout of the fp32 buffers it shares with them.
     DK = tiles.sm90_head_dim(fused_family if impl == "fused" else dkdv_family, Dm)
@@ -683,6 +683,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     if m.causal:  # the causal blocks' order (kernels_cu/attention/params.cuh: query_block, key_block)
         p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, Dm, H, Hkv)
         p["sched_key_pairs"] = tiles.key_item_chunk(dev, m.B, m.Sq, Dm, H, Hkv, splits)
+        if impl == "fused" and deterministic and main.family == "bwd_fused_sm90":  # its key-tile-major grid's chunks
+            p["sched_key_pairs"] = tiles.ordered_key_chunk(dev, m.B * Hkv, splits)
     if splits > 1:
         scratch.append(("dkv_partial", 2 * splits * m.B * Hkv * m.Sk * DK))
     allocs.append(None)  # the scratch, allocs[3] (backward's _sink_grad reads its delta)

@@ -13,7 +13,8 @@ launches what this module chooses. Sections, in order:
                 measured there (docs/perf-notes.md has the numbers, a section per kernel family); later entries are
                 for smaller shared memory.
   Helper kernels  classifier_spec (mask_mod's tile maps and lists), check_spec (the device check of mask arrays).
-  Launch shapes   map_slots, item_chunk, key_item_chunk, dkdv_splits: how a launch's work is chunked and split.
+  Launch shapes   map_slots, item_chunk, key_item_chunk, ordered_key_chunk, dkdv_splits: how a launch's work is
+                chunked and split.
 """
 from __future__ import annotations
 
@@ -160,14 +161,14 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
 # Backward: fused wgmma):
 # unordered 1.13-1.48x the split pair at head_dim 128; at 64 with 128-query tiles 1.21-1.40x, causal at 1k 1.07x
 # (64-query tiles, which masks beyond lengths and score mods take: 1.06-1.23x but causal at 1k, 0.96x); ordered at
-# 128 1.08-1.33x non-causal, causal 0.85x at 1k and 1.16-1.27x from 4k; at 64 with 128-query tiles 0.91-0.97x at 1k
-# and 1.04-1.41x from 4k (64-query: 0.83-0.93x up to 4k and 1.13x at 16k). Ordered causal at 64 from 8k: on the H100
-# (2026-11-26, after docs/perf-notes.md: The writer's fence) it ran at 0.78x the split pair at 4k (234 / 301 TFLOP/s),
-# 1.28x at 16k; on the H200 1.02-1.07x at 4k, 1.22x at 8k (bench, h200-2026-11-26-fa4-8k: 375 / 307).
+# 128 1.08-1.33x non-causal; at 64 with 128-query tiles 0.91-0.97x at 1k and 1.04-1.41x from 4k (64-query: 0.83-0.93x
+# up to 4k and 1.13x at 16k). Ordered causal, on its grid in chunks of pairs (ordered_key_chunk; docs/perf-notes.md:
+# Ordered causal grid by pairs; H100, scripts/probes/ordered_pairs.py, 16k tokens): at 128 1.04x at 1k, 1.17x at 2k,
+# 1.14-1.29x from 4k; at 64 0.90x at 1k, 1.08x at 2k, 1.32-1.42x from 4k.
 FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (128, 64, True, False): 0,
-                      (128, 64, True, True): 4096,
+                      (128, 64, True, True): 2048,
                       (64, 128, False, False): 0, (64, 128, False, True): 0, (64, 128, True, False): 4096,
-                      (64, 128, True, True): 8192,
+                      (64, 128, True, True): 2048,
                       (64, 64, False, False): 0, (64, 64, False, True): 4096, (64, 64, True, False): 16384,
                       (64, 64, True, True): 16384}
 # ... with a score modification (softcap, ALiBi, score_mod), where the split pair computes it twice (P in both kernels)
@@ -176,28 +177,22 @@ FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (12
 # impl choice and determinism), fused / split at head_dim 64 (64-query tiles), H200 and H100: unordered causal
 # 0.81-0.99x / 0.86-1.02x at 1k; ordered 0.88-1.07x / 0.91-1.11x at 1k, 0.79-0.95x at 4k on both; ordered causal at
 # 4k 0.79-1.00x / 0.92-1.23x (ALiBi 1.23x on the H100: left at 16k, 0.71-0.88x). At 128 as without one (ordered causal
-# at 1k 0.95-1.15x / 1.22-1.50x, fused from 4k: 0.70-0.83x / 0.77-1.00x).
-FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096}
-# ... and the ordered causal one only up to ORDERED_CAUSAL_PAIRS (batch entry, KV head) pairs, or up to
-# ORDERED_CAUSAL_PAIRS_SHORT with at most ORDERED_CAUSAL_SHORT_TILES query tiles: beyond, on the H100, it ran at
-# 0.63-0.81x the split pair (head_dim 128, B x H 8 x 16 at 4k, 2 x 32 to 2 x 64 at 8k, 1 x 64 and 1 x 96 at 16k; 64 at
-# 16k 1 x 64 and 1 x 128), within at 1.07-1.37x (GQA 32/8 and 64/8 at 1.23-1.35x); non-causal and unordered it was
-# ahead at 128 pairs. The H200 entries above were measured within the bounds (docs/perf-notes.md: Backward: impl
-# choice and determinism).
-ORDERED_CAUSAL_PAIRS, ORDERED_CAUSAL_PAIRS_SHORT, ORDERED_CAUSAL_SHORT_TILES = 32, 64, 64
+# at 1k 0.95-1.15x / 1.22-1.50x, fused from 4k: 0.70-0.83x / 0.77-1.00x). Ordered causal: the query lengths the plain
+# table had before its grid's chunks of pairs (not measured with them).
+FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096, (128, 64, True, True): 4096,
+                               (64, 128, True, True): 8192}
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
                   fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0,
-                  fused_block_m: int = 64, modified: bool = False, kv_pairs: int = 0) -> str:
+                  fused_block_m: int = 64, modified: bool = False) -> str:
     """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
 
     `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
     (fused_family). Then split, but fused from the query length FUSED_WGMMA_MIN_SQ gives per (head_dim, the fused
     kernel's query tile `fused_block_m`, deterministic, causal) on (`seqlen_q`; GQA alike: 1.08-1.35x the split pair
     at 32/8 and 16/2, H200), or FUSED_WGMMA_MIN_SQ_MODIFIED with a score modification (`modified`), and with no id or
-    mask_mod masks (`mask`, MASK_BITS: not measured); ordered and causal, only within ORDERED_CAUSAL_PAIRS' bounds on
-    `kv_pairs` (B x Hkv; 0: not bounded).
+    mask_mod masks (`mask`, MASK_BITS: not measured).
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -214,10 +209,8 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
         least = FUSED_WGMMA_MIN_SQ.get(key)
         if modified:
             least = FUSED_WGMMA_MIN_SQ_MODIFIED.get(key, least)
-        few = kv_pairs <= ORDERED_CAUSAL_PAIRS or (kv_pairs <= ORDERED_CAUSAL_PAIRS_SHORT
-                                                   and _cdiv(seqlen_q, fused_block_m) <= ORDERED_CAUSAL_SHORT_TILES)
         if (fused_wgmma and plain and least is not None and seqlen_q >= least
-                and (ordered_ok or not deterministic) and (few or not (deterministic and causal))):
+                and (ordered_ok or not deterministic)):
             return "fused"
         return "split"
     if deterministic:
@@ -555,6 +548,21 @@ def key_item_chunk(dev: Device, B: int, Sq: int, head_dim: int, H: int, Hkv: int
     pairs = B * Hkv * splits
     per_pair = max(1, 4 * max(Sq, 1) * head_dim * (H // Hkv) // splits)
     return _equal_chunks(pairs, min(max(1, dev.l2_bytes // 2 // per_pair), pairs))
+
+
+# Key tiles of each (batch entry, KV head) that the ordered causal fused backward runs together
+# (ordered_key_chunk; docs/perf-notes.md: Ordered causal grid by pairs).
+ORDERED_KEY_TILES_TOGETHER = 8
+
+
+def ordered_key_chunk(dev: Device, pairs: int, splits: int) -> int:
+    """(batch entry, KV head) pairs per chunk of the ordered causal fused backward's key-tile-major grid
+    (kernels_cu/attention/params.cuh: key_block_tile_major; 0: one chunk): as many as let ORDERED_KEY_TILES_TOGETHER
+    key tiles of each run together at one block per SM, so that they share their Q, dO and dQ tiles in L2 (in
+    chunks of equal size); with dK/dV splits (few pairs) one chunk, which keeps a row's splits in one chunk."""
+    if splits > 1:
+        return 0
+    return _equal_chunks(pairs, max(1, dev.sm_count // ORDERED_KEY_TILES_TOGETHER))
 
 
 def _equal_chunks(pairs: int, most: int) -> int:

@@ -113,6 +113,25 @@ def padded_cases():
     torch.cuda.synchronize()
 
 
+def ordered_chunk_cases():
+    """The ordered causal fused backward's key-tile-major grid in chunks of pairs (tiles.ordered_key_chunk), here 2
+    of 3 x 2 (batch entry, KV head) pairs, one split each (with splits: one chunk), at head_dim 64 and 128."""
+    from flashrt import api, tiles
+    rule = tiles.ordered_key_chunk
+    tiles.ordered_key_chunk = lambda dev, pairs, splits: 0 if splits > 1 else 2
+    api._PLANS.clear()
+    for D in (64, 128):
+        q, k, v, do = (torch.randn(3, 1536, h, D, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2, 4))
+        out, lse = flashrt.forward(q, k, v, causal=True)
+        flashrt.backward(do, q, k, v, out, lse, causal=True, impl="fused", deterministic=True)
+    tiles.ordered_key_chunk = rule
+    api._PLANS.clear()
+    torch.cuda.synchronize()
+
+
+if sys.argv[1:] == ["ordered"]:  # (that part alone)
+    ordered_chunk_cases()
+    sys.exit(0)
 if sys.argv[1:] == ["padded"]:  # (that part alone)
     padded_cases()
     sys.exit(0)
@@ -260,3 +279,4 @@ flashrt.combine(torch.stack([p[0].float() for p in parts]), torch.stack([p[1] fo
 torch.cuda.synchronize()
 score_mod_cases()
 padded_cases()
+ordered_chunk_cases()

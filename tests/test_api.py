@@ -519,15 +519,24 @@ def test_mask_mod_classifiers_ignore_the_consumers_head_dims():
         assert spec.head_dims == () and spec.head_dim == 64
 
 
-def test_ordered_causal_backward_takes_the_split_pair_for_many_kv_pairs(monkeypatch):
-    """impl="auto", deterministic, causal: the wgmma fused kernel up to tiles.ORDERED_CAUSAL_PAIRS (batch, KV head)
-    pairs (GQA counts the KV heads), the split pair beyond."""
+def test_ordered_causal_backward_chunks_its_pairs(monkeypatch):
+    """impl="auto", deterministic, causal, from tiles.FUSED_WGMMA_MIN_SQ's query length: the wgmma fused kernel at any
+    number of (batch entry, KV head) pairs (GQA counts the KV heads), its key-tile-major grid in chunks of
+    tiles.ordered_key_chunk's pairs; unordered, or on the split pair, the rule is not asked."""
+    from flashrt import tiles
     _plan_on(monkeypatch, "sm_90a")
+    asked = []
+    rule = tiles.ordered_key_chunk
+    monkeypatch.setattr(tiles, "ordered_key_chunk", lambda dev, pairs, splits: asked.append(pairs) or rule(dev, pairs,
+                                                                                                         splits))
 
-    def families(B, H, Hkv):
-        q, k = arr((B, 4096, H, 128)), arr((B, 4096, Hkv, 128))
-        lse = arr((B, H, 4096), dtype="float32")
-        return {s.family for s in _planned(api._backward_plan((q, q, k, k, q, lse), True, None, "auto", True, 0, {}))}
-    assert "bwd_fused_sm90" in families(4, 16, 16)
-    assert "bwd_fused_sm90" not in families(8, 16, 16) and "bwd_dkdv_sm90" in families(8, 16, 16)
-    assert "bwd_fused_sm90" in families(8, 32, 4)
+    def families(B, H, Hkv, S=4096, deterministic=True):
+        q, k = arr((B, S, H, 128)), arr((B, S, Hkv, 128))
+        lse = arr((B, H, S), dtype="float32")
+        plan = api._backward_plan((q, q, k, k, q, lse), True, None, "auto", deterministic, 0, {})
+        return {s.family for s in _planned(plan)}
+    for B, H, Hkv in ((4, 16, 16), (8, 16, 16), (8, 32, 4), (64, 16, 16)):
+        assert "bwd_fused_sm90" in families(B, H, Hkv) and asked[-1] == B * Hkv
+    n = len(asked)
+    assert "bwd_fused_sm90" in families(8, 16, 16, deterministic=False) and "bwd_dkdv_sm90" in families(8, 16, 16, 1024)
+    assert len(asked) == n

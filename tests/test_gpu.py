@@ -516,6 +516,37 @@ def test_ordered_fused_backward_with_splits_and_a_window(torch, poison, D):
 
 
 @pytest.mark.parametrize("D", [64, 128])
+def test_ordered_causal_fused_backward_in_chunks_of_pairs(torch, poison, monkeypatch, D):
+    """The ordered causal wgmma fused backward runs its key tiles key-tile-major within chunks of (batch entry, KV
+    head) pairs (tiles.ordered_key_chunk; kernels_cu/attention/params.cuh: key_block_tile_major): whatever the chunk,
+    one pair, an uneven last chunk or all pairs, each query tile takes its key tiles' dQ in the same order, so the
+    gradients are bitwise the same, and close to float64."""
+    import cupy
+    dev = launch.device(torch.cuda.current_device())
+    if dev.arch != "sm_90a":
+        pytest.skip(f"the wgmma fused backward is for sm_90a; this GPU is {dev.arch}")
+    B, Sq, Sk, H, Hkv = 3, 2000, 2048, 4, 2  # 6 pairs; enough key tiles for one split (no dK/dV partials)
+    spec = tiles.kernel_for("bwd_fused_sm90", D, "bf16", True, dev, 0)
+    assert tiles.dkdv_splits(spec, B, H, Hkv, Sq, Sk, dev.sm_count) == 1  # (the case this test is for)
+    q, k, v, do = (cupy.from_dlpack(x) for x in make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D + 3))
+    out, lse = flashrt.forward(q, k, v, causal=True)
+    grads, asked = {}, []
+    for chunk in (1, 4, 0):
+        monkeypatch.setattr(tiles, "ordered_key_chunk", lambda dev, pairs, splits, c=chunk: asked.append(pairs) or c)
+        api._PLANS.clear()
+        grads[chunk] = flashrt.backward(do, q, k, v, out, lse, causal=True, impl="fused", deterministic=True)
+    assert asked == [B * Hkv] * 3  # (the plans took these chunks)
+    assert any(n.startswith(f"flashrt_bwd_fused_sm90_hd{D}_") for n, _ in launch._functions)
+    keep = reference.visible(B, Sq, Sk, causal=True, xp=cupy)
+    _, _, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+    for i, (name, ref) in enumerate(zip(("dq", "dk", "dv"), (rdq, rdk, rdv))):
+        assert not bool(cupy.isnan(f64(grads[1][i])).any()), f"{name} has NaN: unwritten (poisoned) elements"
+        assert reference.rel_error(f64(grads[1][i]), ref) < 2e-2, name
+        for chunk in (4, 0):
+            assert bool((grads[chunk][i] == grads[1][i]).all()), f"{name}: chunks of {chunk} and of 1 pair differ"
+
+
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", ["gqa-ragged-causal", "varlen"])
 def test_fused_backward_without_tma_is_bitwise_the_same(torch, poison, monkeypatch, D, case):
     """On Hopper the fused backward's loader takes whole tiles by TMA and ragged ones (and everything with

@@ -212,6 +212,15 @@ def test_item_chunk_fits_half_the_l2_in_equal_chunks():
     assert tiles.item_chunk(dev, B=2, Sk=8, head_dim=8, H=4, Hkv=4) == 8  # never more than B * H
 
 
+def test_ordered_key_chunk_lets_its_key_tiles_run_together_in_equal_chunks():
+    dev = launch.Device(0, "H100", "sm_90a", 132, SMEM_OPTIN[90], 50 * 2**20)
+    assert tiles.ORDERED_KEY_TILES_TOGETHER == 8  # (what these numbers assume)
+    # at most 132 // 8 = 16 pairs a chunk, in chunks as equal as whole numbers allow
+    assert [tiles.ordered_key_chunk(dev, pairs, 1) for pairs in (1, 16, 17, 84, 96, 128, 129)] == [1, 16, 9, 14, 16,
+                                                                                                   16, 15]
+    assert tiles.ordered_key_chunk(dev, 8, 2) == 0  # dK/dV splits: one chunk (a row's splits together)
+
+
 def test_arch_for():
     assert launch.arch_for(9, 0) == "sm_90a"
     assert launch.arch_for(8, 0) == "sm_80"
@@ -383,13 +392,6 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
         if sq:
             assert tiles.backward_impl(d, det, True, True, True, causal, sq - 1, 0, bm, modified=True) == "split"
     assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 64, modified=True) == "fused"
-    # ordered and causal only up to ORDERED_CAUSAL_PAIRS (batch entry, KV head) pairs, or 64 with at most 64 query tiles
-    fused = lambda d, det, causal, sq, bm, pairs: tiles.backward_impl(  # noqa: E731
-        d, det, True, True, True, causal, sq, 0, bm, kv_pairs=pairs) == "fused"
-    assert fused(128, True, True, 1 << 14, 64, 32) and not fused(128, True, True, 1 << 14, 64, 64)
-    assert fused(128, True, True, 4096, 64, 64) and not fused(128, True, True, 4096, 64, 128)
-    assert fused(64, True, True, 8192, 128, 64) and not fused(64, True, True, 1 << 14, 128, 64)
-    assert fused(128, True, False, 8192, 64, 128) and fused(128, False, True, 8192, 64, 128)  # (not causal; unordered)
     assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 64) == "split"
     assert tiles.backward_impl(128, True, False, True, True, False, 1 << 14) == "split"  # dQ adds not orderable
     assert tiles.backward_impl(128, False, False, True, True, False, 1 << 14) == "fused"

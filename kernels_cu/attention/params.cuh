@@ -330,13 +330,16 @@ FRT_DEVICE int3 key_block(int chunk) {
     }
     return make_int3(blockIdx.x, blockIdx.y, blockIdx.z);
 }
-// Key tile t of every (batch entry, grid row) before key tile t + 1 of any (chunked_order in one chunk): the
-// causal ordered fused dQ's order (bwd_fused_sm90_ws.cu), where key tile t waits for t - 1 of its row: the blocks
-// running together are few key tiles of many rows, so few wait on each other (not causal, a row's key tiles
-// together ran 1.02-1.16x faster: docs/perf-notes.md, Ordered grid).
-FRT_DEVICE int3 key_block_tile_major() {
+// Key tile t of every (batch entry, grid row) of a chunk of `chunk` of them (0: all) before key tile t + 1 of any
+// (chunked_order): the causal ordered fused dQ's order (bwd_fused_sm90_ws.cu), where key tile t waits for t - 1 of
+// its row: the blocks running together are few key tiles of many rows, so few wait on each other; the chunk bounds
+// how many rows (tiles.ordered_key_chunk: their Q, dO and dQ tiles shared in L2 by the key tiles running together;
+// docs/perf-notes.md, Ordered causal grid by pairs). No deadlock: a block waits only for blocks of lower linear index
+// of its own chunk, which start first (a chunk holds whole rows: one split). Not causal, a row's key tiles together
+// ran 1.02-1.16x faster (docs/perf-notes.md, Ordered grid).
+FRT_DEVICE int3 key_block_tile_major(int chunk) {
     const int pairs = gridDim.y * gridDim.z;
-    const ChunkedItem c = chunked_order<false>(linear_block(), gridDim.x, pairs, pairs);
+    const ChunkedItem c = chunked_order<false>(linear_block(), gridDim.x, pairs, chunk > 0 ? min(chunk, pairs) : pairs);
     return make_int3(c.t, c.pair % gridDim.y, c.pair / gridDim.y);
 }
 

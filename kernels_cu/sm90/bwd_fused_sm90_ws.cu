@@ -94,7 +94,8 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     }
     __syncthreads();
     const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(
-        p, ordered && (T::CAUSAL || p.splits > 1) ? key_block_tile_major() : key_block<T::CAUSAL>(p.sched_key_pairs),
+        p, ordered && (T::CAUSAL || p.splits > 1) ? key_block_tile_major(p.sched_key_pairs)
+                                                : key_block<T::CAUSAL>(p.sched_key_pairs),
         tid, T::NTHREADS);
     if (tile.rows <= 0) return;
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
