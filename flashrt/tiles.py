@@ -163,10 +163,11 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
 # (64-query tiles, which masks beyond lengths and score mods take: 1.06-1.23x but causal at 1k, 0.96x); ordered at
 # 128 1.08-1.33x non-causal; at 64 with 128-query tiles 0.91-0.97x at 1k and 1.04-1.41x from 4k (64-query: 0.83-0.93x
 # up to 4k and 1.13x at 16k). Ordered causal, on its grid in chunks of pairs (ordered_key_chunk; docs/perf-notes.md:
-# Ordered causal grid by pairs; H100, scripts/probes/ordered_pairs.py, 16k tokens): at 128 1.04x at 1k, 1.17x at 2k,
-# 1.14-1.29x from 4k; at 64 0.90x at 1k, 1.08x at 2k, 1.32-1.42x from 4k.
+# Ordered causal grid by pairs; scripts/probes/ordered_pairs.py, 16k tokens and more, H100 / H200): at 128 1.04x /
+# 1.11x at 1k, 1.17x / 1.20x at 2k, 1.14-1.29x / 1.27-1.32x from 4k; at 64 0.90x / 0.96x at 1k, 1.08x / 1.13x at 2k,
+# 1.32-1.42x / 1.26-1.42x from 4k.
 FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (128, 64, True, False): 0,
-                      (128, 64, True, True): 2048,
+                      (128, 64, True, True): 1024,
                       (64, 128, False, False): 0, (64, 128, False, True): 0, (64, 128, True, False): 4096,
                       (64, 128, True, True): 2048,
                       (64, 64, False, False): 0, (64, 64, False, True): 4096, (64, 64, True, False): 16384,
