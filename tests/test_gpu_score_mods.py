@@ -172,6 +172,57 @@ def test_score_mods_match_float64_reference(torch, monkeypatch, case, no_sm90, m
             assert e < bound / 4, f"{impl} dsinks: error {e:.2e} of its terms' scale; {_f64(ds[0])} against {rds[0]}"
 
 
+@pytest.mark.parametrize("mods", ["softcap+sinks", "alibi+sinks", "score_mod", "dropout"])
+@pytest.mark.parametrize("dims", [(192, 128), (64, 128), (128, 64)], ids=lambda d: f"qk{d[0]}-v{d[1]}")
+@pytest.mark.parametrize("no_sm90", [False, True], ids=["default-kernels", "mma-sync"])
+@pytest.mark.parametrize("mask", [None, "varlen"])
+def test_score_mods_with_a_v_head_dim_of_its_own_match_float64(torch, monkeypatch, mask, no_sm90, dims, mods):
+    """v (and out, dout, dv) with a head_dim of its own beside softcap, ALiBi and sinks (dsinks too), a score_mod
+    expression, or dropout: the forward and the split and fused backward, GQA, causal, dense and packed varlen
+    (an empty sequence too), against float64."""
+    import cupy
+    if no_sm90:
+        monkeypatch.setenv("FLASHRT_NO_SM90", "1")
+    (D, Dv), (B, S, H, Hkv) = dims, (1 if mask else 2, 300, 4, 2)
+    seed = zlib.crc32(repr((mask, dims, mods)).encode())
+    q, k, _, _, sinks = _inputs(torch, B, S, S, H, Hkv, D, "bf16", seed)
+    _, _, v, do, _ = _inputs(torch, B, S, S, H, Hkv, Dv, "bf16", seed + 1)
+    kw, cu = _mask(torch, mask, S)
+    packed = (lambda x: x[0]) if cu is not None else (lambda x: x)  # noqa: E731
+    sinks = sinks if "sinks" in mods else None
+    softcap = SOFTCAP if "softcap" in mods else None
+    alibi = _slopes(torch, len(cu) - 1 if cu is not None else B, H, seed + 2) if "alibi" in mods else None
+    mod_kw = dict(softcap=softcap, alibi_slopes=alibi, sinks=sinks)
+    rng = torch.tensor([seed * 7919 - 2**40, seed], device="cuda", dtype=torch.int64)
+    if mods == "dropout":
+        mod_kw = dict(dropout_p=0.2, dropout_rng=rng)
+    elif mods == "score_mod":  # (an ALiBi-like bias over each sequence's own positions)
+        mod_kw = dict(score_mod="s - 0.05f * fabsf(kf - qf)")
+    out, lse = flashrt.forward(*(packed(x) for x in (q, k, v)), causal=True, **mod_kw, **kw)
+    assert out.shape[-1] == Dv
+    grads = {impl: flashrt.backward(packed(do), *(packed(x) for x in (q, k, v)), out, lse, causal=True, impl=impl,
+                                    **mod_kw, **kw) for impl in ("split", "fused")}
+    if mods == "score_mod":
+        ref = _score_reference(cupy, q, k, v, do, True, mask, None if cu is None else cupy.asarray(cu),
+                               dict(score_mod=lambda s, b, h, i, j, lq, lk: s - 0.05 * abs(j - i)))
+    else:
+        ref = _reference(torch, q, k, v, do, sinks, True, mask, cu, softcap=softcap, alibi=alibi,
+                         drop=(rng.tolist(), 0.2) if mods == "dropout" else None)
+    ro, rlse, rdq, rdk, rdv, *rds = ref
+    if cu is not None:
+        out = out[None]
+        grads = {i: (g[0][None], g[1][None], g[2][None], *g[3:]) for i, g in grads.items()}
+    assert reference.rel_error(_f64(out), ro) < 2e-2, "out"
+    for impl, (dq, dk, dv, *ds) in grads.items():
+        assert [x.shape[-1] for x in (dq, dk, dv)] == [D, D, Dv]
+        for name, x, r in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+            e = reference.rel_error(_f64(x), r)
+            assert e < 2e-2, f"{impl} {name}: rel err {e:.2e}"
+        if sinks is not None:
+            e = float((cupy.abs(_f64(ds[0]) - rds[0]) / _dsinks_scale(sinks, rlse, do, ro)).max())
+            assert e < 5e-3, f"{impl} dsinks: error {e:.2e} of its terms' scale"
+
+
 def test_a_sink_far_below_every_score_changes_nothing(torch):
     # add_sink with a negligible sink must leave the kernels' own arithmetic as it was: bitwise the same out and lse
     for D, causal in ((64, True), (128, False), (256, True), (96, False)):
