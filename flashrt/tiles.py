@@ -75,7 +75,7 @@ _DROPOUT_MASK_LIMITS = {
 # every head_dim padded to it. Measured against mma.sync's own variant at that head_dim: docs/perf-notes.md, "Padded
 # head_dims".
 PADDED_FAMILIES = ("fwd_sm90", "fwd_sm90_ws", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90")
-PADDED_FROM = 32
+PADDED_FROM = 24
 
 
 def sm90_head_dim(family: str, head_dim: int) -> int:

@@ -339,7 +339,7 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
         assert tiles.fused_family(d, "sm_90a", SMEM_OPTIN[90]) == ("bwd_fused_sm90" if up <= 128 else "bwd_fused")
         assert {tiles.sm90_head_dim(f, d) for f in tiles.PADDED_FAMILIES if f != "bwd_fused_sm90" or up <= 128} == {up}
         assert tiles.sm90_head_dim("fwd", d) == tiles.sm90_head_dim("bwd_dkdv", d) == d
-    assert tiles.PADDED_FROM > 24 and tiles.forward_family(24, "sm_90a", SMEM_OPTIN[90]) == "fwd"
+    assert tiles.PADDED_FROM > 16 and tiles.forward_family(16, "sm_90a", SMEM_OPTIN[90]) == "fwd"
     assert tiles.forward_family(96, "sm_90a", SMEM_OPTIN[90], MASK_BITS["mod"] | MASK_BITS["segments"]) == "fwd_sm90"
     assert tiles.forward_family(128, "sm_80", SMEM_OPTIN[80]) == "fwd"      # not Hopper
     assert tiles.forward_family(128, "sm_90a", 64 * 1024) == "fwd"          # does not fit
@@ -374,7 +374,7 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
         assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], MASK_BITS[bit]) == wgmma
     masks = MASK_BITS["lengths"] | MASK_BITS["window"] | MASK_BITS["mod"]
     assert tiles.split_families(256, "sm_90a", SMEM_OPTIN[90], masks) == wgmma
-    assert tiles.split_families(24, "sm_90a", SMEM_OPTIN[90]) == mma        # not padded (tiles.PADDED_FROM)
+    assert tiles.split_families(16, "sm_90a", SMEM_OPTIN[90]) == mma        # not padded (tiles.PADDED_FROM)
     assert tiles.split_families(128, "sm_80", SMEM_OPTIN[80]) == mma       # not Hopper
     assert tiles.split_families(128, "sm_90a", 100 * 1024) == mma          # does not fit
     # auto takes the split pair when it is the wgmma one, deterministic or not, any mask; with the wgmma fused kernel
