@@ -94,7 +94,7 @@ def padded_cases():
         os.environ["FLASHRT_NO_TMA"] = no_tma
         for B, Sq, Sk, H, Hkv, D, causal in ((1, 70, 150, 4, 2, 72, True), (2, 130, 100, 2, 1, 160, False),
                                              (1, 200, 200, 2, 2, 224, True), (1, 90, 140, 2, 1, 40, False),
-                                             (1, 300, 300, 8, 1, 96, True)):
+                                             (1, 300, 300, 8, 1, 96, True), (1, 100, 130, 2, 1, 24, True)):
             q, k, v, do = (torch.randn(B, s, h, D + 24, device="cuda", dtype=torch.bfloat16)[..., :D]
                            for s, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H)))
             lengths = dict(seqlens_k=torch.tensor([Sk - 5] * B, device="cuda", dtype=torch.int32))
