@@ -236,7 +236,7 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
     (every row; the merges that follow are order-free, so the sink counts once); `padding` (B, S_local) bool: rows
     that are no token (cu_seqlens' padding), whose lse goes back to -inf."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
-    B, S, H, D = q.shape
+    S = q.shape[1]
     steps = ring.ring_steps(layout, world, rank, S, causal)
     held = (k.contiguous(), v.contiguous())
     acc = acc_lse = None
@@ -363,7 +363,7 @@ def _raise_first(reports: list) -> None:
 def _ring_fwd_fake(q, k, v, group_name, causal, layout, softmax_scale, impl, deterministic, segment_ids, cu_seqlens,
                    check, sinks):
     B, S, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
+    return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashrt::ring_bwd", mutates_args=())
@@ -413,10 +413,10 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     """Attention over a sequence sharded across the ranks of `group` (None: the default group; or a 1-D
     DeviceMesh), differentiable.
 
-    q (B, S_local, H, D) and k, v (B, S_local, Hkv, D) are this rank's shard, laid out as shard_sequence
-    makes it (`layout`: "zigzag" balances a causal mask; "contiguous"); returns this rank's rows of the
-    output (and lse (B, H, S_local) fp32 with return_lse=True, without a gradient). Every rank must call it
-    with the same shapes and options.
+    q (B, S_local, H, D), k (B, S_local, Hkv, D) and v (B, S_local, Hkv, Dv) are this rank's shard (v's head_dim
+    may differ, as flashrt.attention's), laid out as shard_sequence makes it (`layout`: "zigzag" balances a causal
+    mask; "contiguous"); returns this rank's rows of the output (B, S_local, H, Dv) (and lse (B, H, S_local) fp32
+    with return_lse=True, without a gradient). Every rank must call it with the same shapes and options.
     causal: each query sees the keys at or before its global position.
     segment_ids: (B, S_local) int32, this rank's shard of document ids that do not decrease along the whole
       sequence: a query sees only keys of its own document (packed documents split over shards).
@@ -449,11 +449,10 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     elif cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"cu_seqlens describes one packed sequence: q must be (S_local, H, D) or (1, S_local, H, D), "
                          f"got {tuple(q.shape)}; for a batch of sequences, pass segment_ids (B, S_local)")
-    if k.shape != v.shape or k.dim() != 4 or q.dim() != 4 or k.shape[:2] != q.shape[:2]:
-        raise ValueError(f"k and v must have one shape (B, S_local, Hkv, D), with q's batch and S_local: got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-                         + ("; the context-parallel functions do not take a v head_dim of its own yet (flashrt.attention"
-                            " does)" if k.shape[:-1] == v.shape[:-1] else ""))
+    if (k.dim() != 4 or q.dim() != 4 or v.dim() != 4 or k.shape[:-1] != v.shape[:-1] or k.shape[:2] != q.shape[:2]
+            or k.shape[-1] != q.shape[-1]):
+        raise ValueError(f"k must be (B, S_local, Hkv, D) and v (B, S_local, Hkv, Dv), with q's batch, S_local and D: "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     g = _group(group)
     q, k, v = torch_ops._autocast(q, k, v)
     if sinks is not None:
@@ -506,8 +505,8 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, layout: str = "zigza
                       softcap: Optional[float] = None, alibi_slopes: Optional[torch.Tensor] = None,
                       sinks: Optional[torch.Tensor] = None, check: bool = True, **mask_args):
     """Attention over a sequence sharded across the ranks of `group` by all-to-all (DeepSpeed-Ulysses):
-    q, k, v are this rank's shard (as ring_attention takes them); four all-to-alls trade it for every token
-    of H/world heads, flashrt.attention runs there, and the output comes back as this rank's rows.
+    q, k, v are this rank's shard (as ring_attention takes them, v's head_dim its own); four all-to-alls trade it
+    for every token of H/world heads, flashrt.attention runs there, and the output comes back as this rank's rows.
 
     H must be a multiple of the world size; with fewer KV heads than ranks, each KV head is repeated to one
     per rank (Hkv must divide the world size, or be a multiple of it). Mask arguments (window, segment_ids_q/k,

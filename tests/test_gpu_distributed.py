@@ -37,10 +37,11 @@ def _entry(rank, fn, path, args):
         dist.destroy_process_group()
 
 
-def _inputs(B, S, H, Hkv, D, seed):
+def _inputs(B, S, H, Hkv, D, seed, Dv=None):
+    """q, k, v, dout of the whole sequence (v and dout at Dv, default D)."""
     g = torch.Generator(device="cuda").manual_seed(seed)  # the same whole sequence on every rank
-    make = lambda h: torch.randn(B, S, h, D, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
-    return make(H), make(Hkv), make(Hkv), make(H)
+    make = lambda h, d: torch.randn(B, S, h, d, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    return make(H, D), make(Hkv, D), make(Hkv, Dv or D), make(H, Dv or D)
 
 
 def _reference(q, k, v, dout, causal, segment_ids=None):
@@ -65,8 +66,8 @@ def _ring_vs_single(rank, cases):
     import flashrt
     import flashrt.distributed as fd
     failures = []
-    for i, (B, S, H, Hkv, D, causal, layout, docs) in enumerate(cases):
-        q, k, v, dout = _inputs(B, S, H, Hkv, D, seed=100 + i)
+    for i, (B, S, H, Hkv, D, causal, layout, docs, *Dv) in enumerate(cases):  # (Dv: v's head_dim, if not D)
+        q, k, v, dout = _inputs(B, S, H, Hkv, D, seed=100 + i, Dv=Dv[0] if Dv else None)
         ids = None
         if docs:  # documents of uneven lengths, several of them split over the shards
             bounds = torch.tensor([0, S // 8, S // 3, S // 2 + 5, S], device="cuda")
@@ -130,7 +131,9 @@ def test_ring_matches_single_gpu():
     cases += [(1, 2048, 8, 2, 128, True, "zigzag", False),   # GQA
               (1, 512, 2, 1, 256, True, "zigzag", False),    # MQA, head_dim 256
               (2, 1024, 4, 2, 64, True, "zigzag", True),     # documents split over shards
-              (1, 1024, 4, 4, 128, False, "contiguous", True)]
+              (1, 1024, 4, 4, 128, False, "contiguous", True),
+              (1, 1024, 4, 2, 192, True, "zigzag", False, 128),  # v's head_dim of its own (MLA's 192 / 128)
+              (2, 512, 4, 4, 64, False, "contiguous", True, 96)]
     _spawn(_ring_vs_single, cases)
 
 
@@ -228,9 +231,10 @@ def _ulysses(rank):
     import flashrt
     import flashrt.distributed as fd
     cases = [(2, 1024, 4, 4, 64, True, "zigzag", {}), (1, 1024, 4, 1, 128, True, "contiguous", {}),
-             (1, 2048, 8, 2, 64, False, "zigzag", {"window": (100, 37)})]
-    for i, (B, S, H, Hkv, D, causal, layout, mask) in enumerate(cases):
-        q, k, v, dout = _inputs(B, S, H, Hkv, D, seed=40 + i)
+             (1, 2048, 8, 2, 64, False, "zigzag", {"window": (100, 37)}),
+             (1, 1024, 4, 2, 192, True, "zigzag", {}, 128)]  # (v's head_dim of its own)
+    for i, (B, S, H, Hkv, D, causal, layout, mask, *Dv) in enumerate(cases):
+        q, k, v, dout = _inputs(B, S, H, Hkv, D, seed=40 + i, Dv=Dv[0] if Dv else None)
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         single = flashrt.attention(*whole, causal=causal, **mask)
         single_grads = torch.autograd.grad(single, whole, dout)
