@@ -667,11 +667,11 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     if drop and m.score_mod:  # (the wgmma backward has no variant with both: spec.DROPOUT_FAMILIES)
         dq_family, dkdv_family, fused_family = "bwd_dq", "bwd_dkdv", "bwd_fused"
     if impl == "auto":
-        fused_bm = _kernel_for(fused_family, tiles.sm90_head_dim(fused_family, Dm), Q, m, dev, bool(softcap), alibi,
-                               drop).block_m
+        fused = _kernel_for(fused_family, tiles.sm90_head_dim(fused_family, Dm), Q, m, dev, bool(softcap), alibi, drop)
         impl = tiles.backward_impl(tiles.sm90_head_dim(dkdv_family, Dm), bool(deterministic), m.ordered_dq_ok,
                                    dkdv_family == "bwd_dkdv_sm90", fused_family == "bwd_fused_sm90", bool(m.causal),
-                                   m.Sq, m.bits, fused_bm, bool(softcap or alibi or m.score_mod or drop))
+                                   m.Sq, m.bits, fused.block_m, bool(softcap or alibi or m.score_mod or drop),
+                                   m.B * Hkv * -(-m.Sk // fused.block_n) / dev.sm_count)
     # The kernels' head_dim: the tensors' D, or the wgmma instance a family pads it to (tiles.sm90_head_dim); the
     # helper kernels (spec.ELEMENTWISE) take the main kernel's, DK: the layout of the fp32 buffers it shares with them.
     DK = tiles.sm90_head_dim(fused_family if impl == "fused" else dkdv_family, Dm)

@@ -165,9 +165,12 @@ def _sm90_fits(family: str, head_dim: int, arch: str, smem_limit: int, no_sm90: 
 # up to 4k and 1.13x at 16k). Ordered causal, on its grid in chunks of pairs (ordered_key_chunk; docs/perf-notes.md:
 # Ordered causal grid by pairs; scripts/probes/ordered_pairs.py, 16k tokens and more, H100 / H200): at 128 1.04x /
 # 1.11x at 1k, 1.17x / 1.20x at 2k, 1.14-1.29x / 1.27-1.32x from 4k; at 64 0.90x / 0.96x at 1k, 1.08x / 1.13x at 2k,
-# 1.32-1.42x / 1.26-1.42x from 4k.
+# 1.32-1.42x / 1.26-1.42x from 4k. With fewer blocks (H100, fewer tokens) it fell behind where its key tiles made one
+# or two blocks per SM: 0.68-0.76x at 128 / 132 SMs (head_dim 128 1k 1 x 8 and 1 x 16, 64 2k 1 x 8), 0.91-1.00x at
+# 256 / 132 (128 1k 2 x 16, 2k 1 x 16), 0.99x at 128 1k 512 / 132, 1.19-1.37x at 64 2k-4k 512 / 132: hence 2k, and
+# ORDERED_CAUSAL_MIN_WAVES.
 FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (128, 64, True, False): 0,
-                      (128, 64, True, True): 1024,
+                      (128, 64, True, True): 2048,
                       (64, 128, False, False): 0, (64, 128, False, True): 0, (64, 128, True, False): 4096,
                       (64, 128, True, True): 2048,
                       (64, 64, False, False): 0, (64, 64, False, True): 4096, (64, 64, True, False): 16384,
@@ -182,18 +185,20 @@ FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (12
 # table had before its grid's chunks of pairs (not measured with them).
 FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096, (128, 64, True, True): 4096,
                                (64, 128, True, True): 8192}
+ORDERED_CAUSAL_MIN_WAVES = 2  # (backward_impl: key tiles of every pair, per SM)
 
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
                   fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0,
-                  fused_block_m: int = 64, modified: bool = False) -> str:
+                  fused_block_m: int = 64, modified: bool = False, key_waves: float = float("inf")) -> str:
     """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
 
     `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
     (fused_family). Then split, but fused from the query length FUSED_WGMMA_MIN_SQ gives per (head_dim, the fused
     kernel's query tile `fused_block_m`, deterministic, causal) on (`seqlen_q`; GQA alike: 1.08-1.35x the split pair
     at 32/8 and 16/2, H200), or FUSED_WGMMA_MIN_SQ_MODIFIED with a score modification (`modified`), and with no id or
-    mask_mod masks (`mask`, MASK_BITS: not measured).
+    mask_mod masks (`mask`, MASK_BITS: not measured); ordered and causal, only where its grid of key tiles fills the
+    SMs ORDERED_CAUSAL_MIN_WAVES times (`key_waves`: its blocks per SM; it runs one block per SM).
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -211,7 +216,8 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
         if modified:
             least = FUSED_WGMMA_MIN_SQ_MODIFIED.get(key, least)
         if (fused_wgmma and plain and least is not None and seqlen_q >= least
-                and (ordered_ok or not deterministic)):
+                and (ordered_ok or not deterministic)
+                and (key_waves >= ORDERED_CAUSAL_MIN_WAVES or not (deterministic and causal))):
             return "fused"
         return "split"
     if deterministic:

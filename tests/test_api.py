@@ -539,4 +539,7 @@ def test_ordered_causal_backward_chunks_its_pairs(monkeypatch):
         assert "bwd_fused_sm90" in families(B, H, Hkv) and asked[-1] == B * Hkv
     n = len(asked)
     assert "bwd_fused_sm90" in families(8, 16, 16, deterministic=False) and "bwd_dkdv_sm90" in families(8, 16, 16, 512)
-    assert len(asked) == n
+    # key tiles of every pair under tiles.ORDERED_CAUSAL_MIN_WAVES blocks per SM (132 here): the split pair
+    assert "bwd_dkdv_sm90" in families(1, 8, 8, 2048) and "bwd_fused_sm90" in families(1, 8, 8, 2048, False)
+    assert "bwd_dkdv_sm90" in families(1, 16, 16, 2048) and "bwd_fused_sm90" in families(1, 32, 32, 2048)
+    assert len(asked) == n + 1

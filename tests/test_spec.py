@@ -392,6 +392,12 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
         if sq:
             assert tiles.backward_impl(d, det, True, True, True, causal, sq - 1, 0, bm, modified=True) == "split"
     assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 64, modified=True) == "fused"
+    # ordered and causal only with ORDERED_CAUSAL_MIN_WAVES blocks of key tiles per SM; unordered or not causal, any
+    few = tiles.ORDERED_CAUSAL_MIN_WAVES - 0.1
+    assert tiles.backward_impl(128, True, True, True, True, True, 1 << 14, 0, 64, key_waves=few) == "split"
+    assert tiles.backward_impl(128, True, True, True, True, True, 1 << 14, 0, 64, key_waves=few + 0.1) == "fused"
+    assert tiles.backward_impl(128, False, True, True, True, True, 1 << 14, 0, 64, key_waves=0.1) == "fused"
+    assert tiles.backward_impl(128, True, True, True, True, False, 1 << 14, 0, 64, key_waves=0.1) == "fused"
     assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 64) == "split"
     assert tiles.backward_impl(128, True, False, True, True, False, 1 << 14) == "split"  # dQ adds not orderable
     assert tiles.backward_impl(128, False, False, True, True, False, 1 << 14) == "fused"
