@@ -181,10 +181,10 @@ FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (12
 # impl choice and determinism), fused / split at head_dim 64 (64-query tiles), H200 and H100: unordered causal
 # 0.81-0.99x / 0.86-1.02x at 1k; ordered 0.88-1.07x / 0.91-1.11x at 1k, 0.79-0.95x at 4k on both; ordered causal at
 # 4k 0.79-1.00x / 0.92-1.23x (ALiBi 1.23x on the H100: left at 16k, 0.71-0.88x). At 128 as without one (ordered causal
-# at 1k 0.95-1.15x / 1.22-1.50x, fused from 4k: 0.70-0.83x / 0.77-1.00x). Ordered causal: the query lengths the plain
-# table had before its grid's chunks of pairs (not measured with them).
-FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096, (128, 64, True, True): 4096,
-                               (64, 128, True, True): 8192}
+# at 1k 0.95-1.15x / 1.22-1.50x, fused from 4k: 0.70-0.83x / 0.77-1.00x). Ordered causal on its grid in chunks of
+# pairs (H100, benchmarks/results/h100-2026-11-27-bwd-mods-ordered-chunks.md, fused / split time): at 128 0.79-0.90x
+# at 2k, 0.69-0.80x at 4k; at 64 (64-query tiles) 0.84-1.01x at 2k, 0.81-0.97x at 4k: from 2k, as without one.
+FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096, (64, 64, True, True): 2048}
 ORDERED_CAUSAL_MIN_WAVES = 2  # (backward_impl: key tiles of every pair, per SM)
 
 
