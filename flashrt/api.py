@@ -19,7 +19,7 @@ import struct
 
 from . import _env, cache, interop, launch, masks, nvrtc, params, tiles, tma
 from .interop import Array
-from .spec import ELEMENTWISE, V_DIM_FAMILIES
+from .spec import ELEMENTWISE, V_DIM_FAMILIES, dropout_resolution
 
 _LOG2E = 1.4426950408889634
 
@@ -122,9 +122,9 @@ def _as_batch(a: Array) -> Array:
 
 
 def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False, alibi: bool = False,
-                dropout: bool = False, head_dims: tuple = ()):
-    """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi, score_mod, dropout and query length
-    (tiles.long_rows); `head_dims`: q's and v's head_dims, which a spec.V_DIM_FAMILIES kernel takes where they
+                dropout: int = 0, head_dims: tuple = ()):
+    """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi, score_mod, dropout (its bits: _drop_bits) and
+    query length (tiles.long_rows); `head_dims`: q's and v's head_dims, which a spec.V_DIM_FAMILIES kernel takes where they
     differ."""
     spec = tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi,
                             tiles.long_rows(family, D, m.Sq), m.score_mod, dropout)
@@ -197,9 +197,6 @@ def _check_alibi(A: Array, Q: Array, H: int, B: int) -> int:
     return H if len(A.shape) == 2 else 0
 
 
-_DROP_STEPS = 1 << 16  # the keep threshold's resolution (kernels_cu/attention/dropout.cuh: 16-bit draws)
-
-
 def _check_dropout(dropout_p, dropout_rng) -> float:
     """dropout_p as a float (0.0: none); with p > 0 a dropout_rng must come with it."""
     p = _dropout_p(dropout_p)
@@ -215,9 +212,9 @@ def _dropout_p(dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     p = float(dropout_p)
-    if p and round((1 - p) * _DROP_STEPS) < 1:
-        raise ValueError(f"dropout_p={p!r} would drop every probability (p is resolved in steps of 2^-16): pass at "
-                         f"most {1 - 1 / _DROP_STEPS}")
+    if p and dropout_resolution(p)[1] < 1:
+        raise ValueError(f"dropout_p={p!r} would drop every probability (p is resolved in steps of 2^-16 at most): "
+                         f"pass at most {1 - 2**-16}")
     return p
 
 
@@ -229,12 +226,18 @@ def _check_dropout_rng(R: Array, Q: Array) -> None:
     interop.check_contiguous(R, "dropout_rng")
 
 
+def _drop_bits(p: float) -> int:
+    """The bits of a dropout draw each element takes at probability p (spec.dropout_resolution), 0 for none: the
+    kernels' FRT_DROPOUT."""
+    return dropout_resolution(p)[0] if p else 0
+
+
 def _dropout_fields(p: float) -> dict:
-    """The kernels' keep threshold and the kept probabilities' scale (2^16 / threshold: the expectation exact)."""
+    """The kernels' keep threshold and the kept probabilities' scale (2^bits / threshold: the expectation exact)."""
     if not p:
         return {}
-    keep = min(_DROP_STEPS, round((1 - p) * _DROP_STEPS))
-    return {"drop_keep": keep, "drop_scale": _DROP_STEPS / keep}
+    bits, keep = dropout_resolution(p)
+    return {"drop_keep": keep, "drop_scale": (1 << bits) / keep}
 
 
 def dropout_rng(like):
@@ -377,8 +380,10 @@ def forward(q, k, v, *, causal=False, softmax_scale: float | None = None, softca
     expectation, or dropped (lse is that of the probabilities before dropout). The mask is a function of
     dropout_rng (required with p > 0: an int64 array of 2, seed and offset, on q's device; dropout_rng(q) draws one)
     and of each pair's sequence, query head and positions, the same in every kernel and on every GPU; pass the same
-    dropout_p and dropout_rng to backward. p is resolved in steps of 2^-16 (kept where a 16-bit draw is under
-    round((1 - p) 2^16)), and the kept probabilities are scaled by 2^16 / that (the expectation exact).
+    dropout_p and dropout_rng to backward. p is resolved in steps of 2^-8 where that gives its drop rate within 2.5%
+    of itself (every p from 0.078 on: 0.1 drops 26 in 256, 0.1016), else 2^-16 (kept where an 8- or 16-bit draw is
+    under round((1 - p) 2^bits): spec.dropout_resolution), and the kept probabilities are scaled by 2^bits / that (the
+    expectation exact).
     reference.dropout_mask gives the mask.
     """
     masks.check_names(mask_args, "forward")
@@ -431,7 +436,7 @@ def _forward_plan(tensors, causal, softmax_scale, mode: int, mask_args: dict, si
         return decoding.forward_plan(Q4, K4, V4, m, scale, sinks, softcap, alibi, bstride)
     dev = launch.device(Q.device)
     family = tiles.forward_family(Dm, dev.arch, dev.smem_optin, m.bits, bool(dropout))
-    spec = _kernel_for(family, tiles.sm90_head_dim(family, Dm), Q, m, dev, bool(softcap), alibi, bool(dropout),
+    spec = _kernel_for(family, tiles.sm90_head_dim(family, Dm), Q, m, dev, bool(softcap), alibi, _drop_bits(dropout),
                        (D, Dv))
     _compiled_score_mod(m, [spec])
     p = dict(H=H, Hkv=Hkv, head_dim=D, head_dim_v=Dv, scale_log2=scale * _LOG2E, softcap=softcap / scale,
@@ -661,7 +666,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     _tensor_fields(p, q=Q4, k=K4, v=V4, o=_as_batch(O), do=dO4)
 
     dev = launch.device(Q.device)
-    drop = bool(dropout)
+    drop = _drop_bits(dropout)
     dq_family, dkdv_family = tiles.split_families(Dm, dev.arch, dev.smem_optin, m.bits, drop)
     fused_family = tiles.fused_family(Dm, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi, m.score_mod)
     if drop and m.score_mod:  # (the wgmma backward has no variant with both: spec.DROPOUT_FAMILIES)

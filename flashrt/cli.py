@@ -156,15 +156,15 @@ def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: boo
     """Every kernel the forward and backward passes may launch for these head_dims and dtypes, causal or not; with
     `masks` (MASK_NAMES), also every kernel of every combination of them (causal and not only if "causal" is named:
     the unmasked ones are always both); with `softcap` / `alibi` / `dropout`, also the softcapped / ALiBi / dropout ones
-    (spec.SOFTCAP_FAMILIES, DROPOUT_FAMILIES; one of them per kernel). mask_mod's kernels need their expression: a
-    manifest prewarms them."""
+    (spec.SOFTCAP_FAMILIES, DROPOUT_FAMILIES, dropout's draws of 8 and 16 bits; one of them per kernel). mask_mod's
+    kernels need their expression: a manifest prewarms them."""
     bits = [MASK_NAMES[n] for n in masks if n != "causal"]
     combos = [(0, c) for c in (False, True)]
     combos += [(sum(subset), c) for r in range(1, len(bits) + 1) for subset in itertools.combinations(bits, r)
                for c in ((False, True) if "causal" in masks else (False,))]
     # score modifications and dropout: (softcap, alibi, dropout) of the variants of a family that computes scores
-    mods = [(False, False, False)] + [(True, False, False)] * softcap + [(False, True, False)] * alibi
-    mods += [(False, False, True)] * dropout
+    mods = [(False, False, 0)] + [(True, False, 0)] * softcap + [(False, True, 0)] * alibi
+    mods += [(False, False, 8), (False, False, 16)] * dropout  # (dropout's draws: spec.dropout_resolution)
     # (mask_mod's classifiers need an expression)
     # (and the tilings for long query sequences, tiles.long_rows)
     def kernel_dims(family):  # a wgmma family's kernel for a head_dim it pads: the instance's (tiles.sm90_head_dim);

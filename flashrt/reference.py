@@ -135,12 +135,15 @@ def philox4x32(counter, key, rounds=10, xp=None):
 
 
 def dropout_mask(rng, dropout_p, B, H, Sq, Sk, *, at=None, xp=None):
-    """flashrt's dropout as a float64 multiplier (B, H, Sq, Sk) of the probabilities: 0 where dropped, 2^16 / keep
-    where kept (keep = round((1 - dropout_p) 2^16)), for attention's `dropout`. rng: the call's dropout_rng values
-    (seed, offset); at: the (b, i, j, Lq, Lk) of `positions` (default: positions(B, Sq, Sk); packed varlen:
-    positions(..., cu_seqlens_q=...)), pairs keyed by their sequence, query head and positions in the sequence
+    """flashrt's dropout as a float64 multiplier (B, H, Sq, Sk) of the probabilities: 0 where dropped, 2^bits / keep
+    where kept ((bits, keep) = spec.dropout_resolution(dropout_p): 8 or 16 bits of a draw per element, kept under
+    keep ~ (1 - dropout_p) 2^bits), for attention's `dropout`. rng: the call's dropout_rng values (seed, offset); at:
+    the (b, i, j, Lq, Lk) of `positions` (default: positions(B, Sq, Sk); packed varlen: positions(...,
+    cu_seqlens_q=...)), pairs keyed by their sequence, query head and positions in the sequence
     (kernels_cu/attention/dropout.cuh)."""
     import numpy
+
+    from .spec import dropout_resolution
     xp = xp or numpy
     seed, offset = (int(x) & (2**64 - 1) for x in rng)
     b, i, j, _, _ = at if at is not None else positions(B, Sq, Sk, xp=xp)
@@ -149,13 +152,20 @@ def dropout_mask(rng, dropout_p, B, H, Sq, Sk, *, at=None, xp=None):
     shape = (B, H, Sq, Sk)
     q, k = xp.broadcast_to(i, shape), xp.broadcast_to(j, shape)
     bh = xp.broadcast_to(b, shape) * H + h
-    words = philox4x32((32 * (k >> 4) + 4 * (q & 7) + ((k & 7) >> 1), q >> 4, bh, xp.full(shape, offset & _M32)),
+    bits, keep = dropout_resolution(dropout_p)
+    if bits == 8:  # draws of 16: queries 2 a + pq + 8 hq by keys 2 b + pk + 8 hk of a 16 x 16 block
+        counter = 16 * (k >> 4) + 4 * ((q & 7) >> 1) + ((k & 7) >> 1)
+        pick = 2 * (q & 1) + ((k >> 3) & 1)
+        shift = 8 * (2 * ((q >> 3) & 1) + (k & 1))
+    else:  # draws of 8: queries g + 8 a by keys 2 t + e + 8 c
+        counter = 32 * (k >> 4) + 4 * (q & 7) + ((k & 7) >> 1)
+        pick = 2 * ((q >> 3) & 1) + ((k >> 3) & 1)
+        shift = 16 * (k & 1)
+    words = philox4x32((counter, q >> 4, bh, xp.full(shape, offset & _M32)),
                        (seed & _M32, (seed >> 32) ^ (offset >> 32)), 7, xp)
-    pick = 2 * ((q >> 3) & 1) + ((k >> 3) & 1)
     word = xp.where(pick == 0, words[0], xp.where(pick == 1, words[1], xp.where(pick == 2, words[2], words[3])))
-    draw = (word >> (16 * (k & 1)).astype(xp.uint64)) & xp.uint64(0xFFFF)
-    keep = min(1 << 16, round((1 - dropout_p) * (1 << 16)))
-    return xp.where(draw < keep, (1 << 16) / keep, 0.0)
+    draw = (word >> shift.astype(xp.uint64)) & xp.uint64((1 << bits) - 1)
+    return xp.where(draw < keep, (1 << bits) / keep, 0.0)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, dout=None, mask=None, sinks=None, softcap=None,

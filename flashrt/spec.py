@@ -66,6 +66,21 @@ SCORE_GRAD_FAMILIES = KEY_PARALLEL + ("bwd_dq", "bwd_dq_sm90")
 # Families that apply attention dropout when compiled with it (kernels_cu/attention/dropout.cuh): every one that
 # computes P but decode's (the wgmma backward's not with a score_mod: flashrt/api.py sends those to mma.sync).
 DROPOUT_FAMILIES = QUERY_PARALLEL + KEY_PARALLEL
+# Dropout's resolution: an element is kept where its 8 or 16 bits of a draw are under keep = round((1 - p) 2^bits)
+# (dropout.cuh: FRT_DROPOUT; the kept ones scaled by 2^bits / keep, the expectation exact). 8-bit draws cost half the
+# RNG work (docs/perf-notes.md: Dropout); they serve a p whose drop rate they give within DROPOUT_8BIT_TOLERANCE of
+# itself (every p from 0.078 on, and e.g. 0.05), 16-bit ones the others (e.g. 0.01: 8 bits would drop 0.0117).
+DROPOUT_8BIT_TOLERANCE = 0.025
+
+
+def dropout_resolution(p: float) -> tuple[int, int]:
+    """(bits, keep) of dropout probability 0 < p < 1: the draw's bits an element takes and the threshold under which
+    it is kept."""
+    keep8 = round((1 - p) * 256)
+    if 1 <= keep8 and abs((256 - keep8) / 256 - p) <= DROPOUT_8BIT_TOLERANCE * p:
+        return 8, keep8
+    return 16, min(1 << 16, round((1 - p) * (1 << 16)))
+
 # Families compiled for a v whose head_dim differs from q's and k's (KernelSpec.head_dims: the columns each tile loads
 # and stores at compile time, kernels_cu/attention/params.cuh: FRT_QK_DIM, FRT_V_DIM); the wgmma ones take them at run
 # time (params.cuh: head_dim, head_dim_v), as the helper kernels do: one variant serves every pair.
@@ -152,7 +167,8 @@ class KernelSpec:
     # A user's score_mod (SCORE_MOD_FAMILIES): (expression, its derivative's expression or "" for the automatic one,
     # ((tensor name, element type in SCORE_TENSOR_TYPES), ...)), or () for none
     score_mod: tuple = ()
-    dropout: bool = False           # attention dropout (DROPOUT_FAMILIES; p and the seed are run-time arguments)
+    dropout: int = 0                # attention dropout, the bits of its draws (DROPOUT_FAMILIES; dropout_resolution;
+                                    # p and the seed are run-time arguments), 0 for none
     # (q's and k's head_dim, v's) where they differ (V_DIM_FAMILIES; the larger is head_dim), or () for both head_dim
     head_dims: tuple = ()
 
@@ -183,6 +199,8 @@ class KernelSpec:
             raise ValueError(f"{self.family} computes no scores: it takes no ALiBi")
         if self.alibi and self.softcap:
             raise ValueError("softcap and alibi together are not supported yet")
+        if self.dropout not in (0, 8, 16) or self.dropout is True:
+            raise ValueError(f"dropout is 0 or the bits of a draw, 8 or 16, got {self.dropout!r}")
         if self.dropout and self.family not in DROPOUT_FAMILIES:
             raise ValueError(f"{self.family} has no dropout variant")
         if self.dropout and self.score_mod and self.family in ("bwd_dkdv_sm90", "bwd_fused_sm90"):
@@ -237,7 +255,7 @@ class KernelSpec:
         if self.score_mod:  # the expression's identity (its derivative's where the variant takes one: __post_init__)
             mask += "_smod" + hashlib.sha256(repr(self.score_mod).encode()).hexdigest()[:12]
         if self.dropout:
-            mask += "_drop"
+            mask += f"_drop{self.dropout}"
         if self.head_dims:
             mask += f"_qk{self.head_dims[0]}v{self.head_dims[1]}"
         what = self.family if self.family in CLASSIFY else f"{self.family}_hd{self.head_dim}_{self.dtype}"

@@ -443,7 +443,7 @@ def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
 
 def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem_limit: int,
            mask: int = 0, mask_mod: str = "", mod_tensors: tuple = (), softcap: bool = False,
-           alibi: bool = False, long: bool = False, score_mod: tuple = (), dropout: bool = False) -> KernelSpec:
+           alibi: bool = False, long: bool = False, score_mod: tuple = (), dropout: int = 0) -> KernelSpec:
     """The kernel of `family` for an arch and a shared-memory limit: the first of its candidates (tiles and
     warps) that is valid at this head_dim and fits `smem_limit` bytes; TilingError if none does.
 
@@ -451,8 +451,8 @@ def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem
     mask_mod _MOD_PREFERENCES; `mask_mod`, `mod_tensors`: a user's expression (spec.KernelSpec); `softcap`, `alibi`:
     the score cap or ALiBi compiled in (families without scores ignore them); `long`: the tiling for long query
     sequences where the family has one (long_rows); `score_mod`: a user's expression (spec.KernelSpec.score_mod; the
-    families without a score_mod variant ignore it); `dropout`: attention dropout compiled in (DROPOUT_FAMILIES; the
-    others ignore it).
+    families without a score_mod variant ignore it); `dropout`: attention dropout compiled in, the bits of its draws
+    (spec.dropout_resolution; DROPOUT_FAMILIES, the others ignore it).
     kernel_for is this for a device (what a call runs); this form serves prewarm and tests, with no GPU.
     """
     elementwise = family in ELEMENTWISE
@@ -460,7 +460,7 @@ def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem
         head_dim = 256
     scores = family in SOFTCAP_FAMILIES
     score_mod = score_mod if family in SCORE_MOD_FAMILIES else ()
-    dropout = dropout and family in DROPOUT_FAMILIES
+    dropout = dropout if family in DROPOUT_FAMILIES else 0
     return _first_fit(family, head_dim, smem_limit,
                       candidates(family, head_dim, mask, softcap, alibi, long, score_mod, dropout),
                       lambda bm, bn, nw, mb: KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise,
@@ -490,7 +490,7 @@ def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> Ker
 @functools.cache
 def kernel_for(family: str, head_dim: int, dtype: str, causal: bool, dev: Device, mask: int = 0, mask_mod: str = "",
                mod_tensors: tuple = (), softcap: bool = False, alibi: bool = False, long: bool = False,
-               score_mod: tuple = (), dropout: bool = False) -> KernelSpec:
+               score_mod: tuple = (), dropout: int = 0) -> KernelSpec:
     """The kernel of `family` that runs on the device `dev` (launch.Device): tiling for its arch and opt-in
     shared-memory limit, cached."""
     return tiling(family, head_dim, dtype, causal, dev.arch, dev.smem_optin, mask, mask_mod, mod_tensors, softcap,
@@ -511,7 +511,7 @@ def classifier_spec(consumer: KernelSpec, family: str) -> KernelSpec:
     reads its map or lists: head_dim and dtype fixed (it reads no q/k/v), CLASSIFY_WARPS; the list makers read
     only the map, so they take no mask bits and no expression (one compile serves every mask_mod)."""
     fixed = {"family": family, "head_dim": 64, "dtype": "bf16", "warps": CLASSIFY_WARPS[family], "min_blocks": 1,
-             "softcap": False, "alibi": False, "score_mod": (), "dropout": False, "head_dims": ()}
+             "softcap": False, "alibi": False, "score_mod": (), "dropout": 0, "head_dims": ()}
     if family != "mask_map":
         fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
     return dataclasses.replace(consumer, **fixed)

@@ -62,7 +62,7 @@ def score_mod_cases():
 def dropout_cases():
     """Attention dropout (kernels_cu/attention/dropout.cuh): every forward family (sm_90a: the warp-specialised one to
     head_dim 192, fwd_sm90 at 256; mma.sync at 72), the mma.sync split and fused backward, with padding lengths and
-    packed varlen, GQA."""
+    packed varlen, GQA; draws of 8 bits (p = 0.2, 0.3) and 16 (0.01 with the lengths)."""
     for B, Sq, Sk, H, Hkv, D, causal in ((1, 70, 45, 4, 2, 64, True), (1, 130, 200, 2, 1, 128, False),
                                          (1, 33, 97, 2, 2, 256, True), (2, 40, 40, 2, 1, 72, True),
                                          (1, 100, 150, 4, 2, 192, False)):
@@ -71,10 +71,10 @@ def dropout_cases():
         rng = flashrt.dropout_rng(q)
         lengths = dict(seqlens_q=torch.tensor([Sq - 7] * B, device="cuda", dtype=torch.int32),
                        seqlens_k=torch.tensor([Sk - 5] * B, device="cuda", dtype=torch.int32))
-        for kw in ({}, lengths):
-            out, lse = flashrt.forward(q, k, v, causal=causal, dropout_p=0.2, dropout_rng=rng, **kw)
+        for kw, p in (({}, 0.2), (lengths, 0.01)):  # (8- and 16-bit draws: spec.dropout_resolution)
+            out, lse = flashrt.forward(q, k, v, causal=causal, dropout_p=p, dropout_rng=rng, **kw)
             for impl in ("split", "fused"):
-                flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, dropout_p=0.2, dropout_rng=rng, **kw)
+                flashrt.backward(do, q, k, v, out, lse, causal=causal, impl=impl, dropout_p=p, dropout_rng=rng, **kw)
     cu = torch.tensor([0, 37, 37, 120], device="cuda", dtype=torch.int32)
     q, k, v, do = (torch.randn(120, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=83, max_seqlen_k=83, causal=True, dropout_p=0.3,

@@ -465,7 +465,9 @@ def test_dropout_arguments_are_checked_before_any_work():
         with pytest.raises(ValueError, match=pattern):
             api._check_dropout_rng(arr(**bad), q)
     assert api._dropout_fields(0.0) == {}
-    assert api._dropout_fields(0.1) == {"drop_keep": 58982, "drop_scale": 65536 / 58982}
+    assert api._dropout_fields(0.1) == {"drop_keep": 230, "drop_scale": 256 / 230}  # (spec.dropout_resolution)
+    assert api._dropout_fields(0.01) == {"drop_keep": 64881, "drop_scale": 65536 / 64881}
+    assert (api._drop_bits(0.0), api._drop_bits(0.1), api._drop_bits(0.01)) == (0, 8, 16)
 
 
 def _plan_on(monkeypatch, arch: str):

@@ -436,7 +436,8 @@ def test_dropout_adds_its_variants(tmp_path):
     base, drop = run(*args, cache_dir=tmp_path), run(*args, "--dropout", cache_dir=tmp_path)
     assert base.returncode == 0 and drop.returncode == 0, drop.stderr
     added = set(drop.stdout.split()) - set(base.stdout.split())
-    assert added and all("_drop_" in n for n in added), added
+    assert added and all("_drop8_" in n or "_drop16_" in n for n in added), added
+    assert sum("_drop8_" in n for n in added) == sum("_drop16_" in n for n in added)  # (both resolutions)
     # every family that computes P but decode's, causal and not; the warp-specialised forward only at 128
     # (tiles._DROPOUT_MASK_LIMITS), fwd_sm90 at 256 in its place
     assert {n.split("_hd")[0].removeprefix("flashrt_") for n in added} == set(DROPOUT_FAMILIES)

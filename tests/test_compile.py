@@ -104,18 +104,19 @@ def _variants():
                 if tiles.long_rows("fwd_sm90_ws", d, 1 << 30):
                     out.add(tiles.tiling("fwd_sm90_ws", d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask, long=True,
                                          **mod))
-    # Dropout (kernels_cu/attention/dropout.cuh) in every family that has it, both archs, dense and with every built-in
-    # mask feature, at the head dims of each tiling bucket that _DROPOUT_PREFERENCES changes.
+    # Dropout (kernels_cu/attention/dropout.cuh) at both resolutions in every family that has it, both archs, dense
+    # and with every built-in mask feature, at the head dims of each tiling bucket that _DROPOUT_PREFERENCES changes.
     for arch in ARCHS:
         for family in DROPOUT_FAMILIES:
             for d in (40, 64, 128, 192, 256):
                 for causal, mask in ((False, 0), (True, sum(MASK_BITS.values()) & ~MASK_BITS["mod"])):
-                    if tiles.applies(family, d, arch, mask, dropout=True):
-                        out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
-                                             dropout=True))
-                        if family == "fwd_sm90_ws" and tiles.long_rows(family, d, 1 << 30):  # (192-row tiles)
-                            out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[90], mask, long=True,
-                                                 dropout=True))
+                    for bits in (8, 16):
+                        if tiles.applies(family, d, arch, mask, dropout=bits):
+                            out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
+                                                 dropout=bits))
+                            if family == "fwd_sm90_ws" and tiles.long_rows(family, d, 1 << 30):  # (192-row tiles)
+                                out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[90], mask, long=True,
+                                                     dropout=bits))
     # v with a head_dim of its own (spec.KernelSpec.head_dims: the mma.sync kernels' columns at compile time), both
     # archs, MLA's 192 / 128 and the reverse order at 64 / 96, dense and with every built-in mask feature
     for arch in ARCHS:

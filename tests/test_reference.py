@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from flashrt import reference
+from flashrt import reference, spec
 
 
 def _rand(rng, *shape):
@@ -392,23 +392,40 @@ def test_philox_matches_its_published_known_answers():
         assert [int(w) for w in got] == list(want)
 
 
-def test_dropout_mask_keeps_the_rate_and_draws_each_element_once():
-    drop = reference.dropout_mask((2**63 + 5, 77), 0.3, 2, 3, 96, 160)  # (a seed over 2^63: int64's negative half)
-    keep = round(0.7 * 2**16)
-    assert set(np.unique(drop)) == {0.0, 2**16 / keep}
-    assert abs((drop == 0).mean() - 0.3) < 0.01
-    # each element is its own 16 bits: neighbours in a draw, rows, heads and batch entries differ
-    for a, b in ((drop[..., 0::2], drop[..., 1::2]), (drop[:, :, 0::2], drop[:, :, 1::2]), (drop[:, 0], drop[:, 1]),
+@pytest.mark.parametrize("p, bits", [(0.3, 8), (0.1, 8), (0.01, 16), (0.5, 8)])
+def test_dropout_mask_keeps_the_rate_and_draws_each_element_once(p, bits):
+    assert spec.dropout_resolution(p)[0] == bits
+    drop = reference.dropout_mask((2**63 + 5, 77), p, 2, 3, 96, 160)  # (a seed over 2^63: int64's negative half)
+    keep = spec.dropout_resolution(p)[1]
+    assert set(np.unique(drop)) == {0.0, 2**bits / keep}
+    assert abs((drop == 0).mean() - p) < max(0.01, 5 * np.sqrt(p * (1 - p) / drop.size))
+    # each element is its own bits: neighbours in a draw (columns 1 and 8 apart, rows 1 and 8 apart), heads and
+    # batch entries are independent
+    for a, b in ((drop[..., 0::2], drop[..., 1::2]), (drop[..., 0:8], drop[..., 8:16]),
+                 (drop[:, :, 0::2], drop[:, :, 1::2]), (drop[:, :, 0:8], drop[:, :, 8:16]), (drop[:, 0], drop[:, 1]),
                  (drop[0], drop[1])):
-        assert 0.35 < (a != b).mean() < 0.5  # (independent: 2 p (1 - p) = 0.42)
+        differ = 2 * p * (1 - p)
+        assert abs((a != b).mean() - differ) < max(0.07 * differ, 5 * np.sqrt(differ / a.size))
     # a function of the seed and offset
-    assert (reference.dropout_mask((2**63 + 5, 78), 0.3, 2, 3, 96, 160) != drop).mean() > 0.3
+    assert (reference.dropout_mask((2**63 + 5, 78), p, 2, 3, 96, 160) != drop).mean() > p
     # packed varlen: a sequence's pairs are keyed by its index and its own positions
     cu = np.array([0, 40, 96])
     at = reference.positions(1, 96, 96, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    packed = reference.dropout_mask((9, 9), 0.3, 1, 3, 96, 96, at=at)
-    alone = reference.dropout_mask((9, 9), 0.3, 2, 3, 56, 56)
+    packed = reference.dropout_mask((9, 9), p, 1, 3, 96, 96, at=at)
+    alone = reference.dropout_mask((9, 9), p, 2, 3, 56, 56)
     assert np.array_equal(packed[0, :, 40:, 40:], alone[1])
+
+
+def test_dropout_resolution_takes_8_bits_where_they_give_p_closely():
+    assert spec.dropout_resolution(0.1) == (8, 230)  # drops 26 / 256 = 0.1016
+    assert spec.dropout_resolution(0.5) == (8, 128)
+    assert spec.dropout_resolution(0.05) == (8, 243)
+    assert spec.dropout_resolution(0.01) == (16, round(0.99 * 2**16))  # (8 bits: 3 / 256 = 0.0117)
+    assert spec.dropout_resolution(1e-4) == (16, round((1 - 1e-4) * 2**16))
+    assert spec.dropout_resolution(0.9995) == (16, round(0.0005 * 2**16))  # (8 bits would keep none)
+    for p in np.linspace(0.078125, 0.998, 997):  # from 0.078 on, every p: at most half a step off, 1/512
+        bits, keep = spec.dropout_resolution(p)
+        assert bits == 8 and abs((256 - keep) / 256 - p) <= 0.025 * p
 
 
 def test_dropout_in_attention_scales_the_kept_probabilities_and_its_gradients_match_finite_differences():

@@ -2,21 +2,30 @@
 // or dropped, by a mask that every kernel regenerates from a counter-based RNG (Philox-4x32, 7 rounds), whatever its
 // fragment layout: the forward's (rows: queries) and the backward's transposed scores (rows: keys) alike. One
 // definition for every kernel that computes P; flashrt/reference.py (dropout_mask) is the same function in numpy.
+// FRT_DROPOUT is the bits of a draw each element takes, 8 or 16 (flashrt/spec.py: dropout_resolution picks per p);
+// an element is kept where its bits are under keep (~(1 - p) 2^bits).
 //
-// The mask of (sequence b, query head h, query q, key k): the pairs fall into draws of 8, the query rows
-// {q0, q0 + 8} (q0 = 16 qb + g, g < 8) by the keys {k0, k0 + 1, k0 + 8, k0 + 9} (k0 = 16 kb + 2 t, t < 4): the
-// elements one thread of an m16n8 fragment (mma.sync or wgmma) holds of a 16 x 16 block. A draw is
-// Philox-4x32-7 of the counter (32 kb + 4 g + t, qb, b H + h, offset) under the key (seed, offset's high
-// word xored into the seed's), and element (q0 + 8 a, k0 + 8 c + e) takes 16 bits, half e of word 2 a + c; it is kept
-// where those bits are under keep = round((1 - p) 2^16). A transposed fragment (rows: keys) holds 4 elements of each of
-// two draws, which the warp's lanes pass on (Dropout::transposed_eight): one draw per 8 elements in every kernel.
+// 16 bits: the pairs fall into draws of 8, the query rows {q0, q0 + 8} (q0 = 16 qb + g, g < 8) by the keys {k0, k0 + 1,
+// k0 + 8, k0 + 9} (k0 = 16 kb + 2 t, t < 4): the elements one thread of an m16n8 fragment (mma.sync or wgmma) holds of
+// a 16 x 16 block. A draw is Philox-4x32-7 of the counter (32 kb + 4 g + t, qb, b H + h, offset) under the key (seed,
+// offset's high word xored into the seed's), and element (q0 + 8 a, k0 + 8 c + e) takes half e of word 2 a + c. A
+// transposed fragment (rows: keys) holds 4 elements of each of two draws, which the warp's lanes pass on
+// (Dropout::transposed_eight): one draw per 8 elements in every kernel.
+//
+// 8 bits: the draws of 16, queries 16 qb + 8 hq + 2 a + pq by keys 16 kb + 8 hk + 2 b + pk (a, b < 4; hq, pq, hk, pk
+// < 2), counter (16 kb + 4 a + b, qb, b H + h, offset), the element taking byte 2 hq + pk of word 2 pq + hk. A
+// thread of a fragment holds 8 of a draw's elements in either orientation: the forward's lane (g, t) those of draw
+// (a, b) = (g / 2, t) with pq = g & 1, words 2 pq and 2 pq + 1; the transposed lane (g, t) those of (t, g / 2) with
+// pk = g & 1. Lanes g and g ^ 1 (lane ^ 4) want the two halves of the same draws, so over two 16-column blocks each
+// makes one of them and they swap halves (Dropout::pair_halves): one draw per 16 elements, 2 shuffles.
 #pragma once
 #include "attention/mask.cuh"
 #include "common/common.cuh"
 
 #ifndef FRT_DROPOUT
-#define FRT_DROPOUT 0
+#define FRT_DROPOUT 0  // 0: none; else the bits of a draw an element takes, 8 or 16
 #endif
+static_assert(FRT_DROPOUT == 0 || FRT_DROPOUT == 8 || FRT_DROPOUT == 16, "FRT_DROPOUT: 0, 8 or 16");
 
 namespace frt {
 
@@ -41,7 +50,7 @@ FRT_DEVICE uint4 philox4x32(uint4 c, u32 k0, u32 k1) {
 // offset: read there so that a CUDA graph's replays take fresh ones), drop_keep and drop_scale.
 struct Dropout {
     u32 k0 = 0, k1 = 0, off = 0, bh = 0, keep = 0;
-    float scale = 1.f;  // 2^16 / keep (~1 / (1 - p)), which the kept probabilities take
+    float scale = 1.f;  // 2^bits / keep (~1 / (1 - p)), which the kept probabilities take
 
     FRT_DEVICE Dropout() {}
     template <class P>
@@ -68,24 +77,43 @@ struct Dropout {
         return philox4x32<kDropoutRounds>(make_uint4(atom, qb, bh, off), a, b);
     }
     FRT_DEVICE u32 dropped(u32 word, int half) const { return ((word >> (16 * half)) & 0xFFFFu) >= keep; }
+    FRT_DEVICE u32 byte_dropped(u32 word, int i) const { return ((word >> (8 * i)) & 0xFFu) >= keep; }
 
     // Each element of a thread's fragment of N8 8-column groups (N8 even; mask.cuh: Fragments), rows queries and columns
     // keys (the forward's), with whether it is dropped: f(4 jj + 2 hh + e, dropped) for element (row + 8 hh,
-    // col + 8 jj + e); row = 16 x + g, col = 16 y + 2 t; positions in the sequence.
+    // col + 8 jj + e); row = 16 x + g, col = 16 y + 2 t; positions in the sequence. Every lane of the warp calls it
+    // together (8 bits: the lanes swap halves of draws).
     template <int N8, class F>
     FRT_DEVICE void each(int row, int col, const F& f) const {
         static_assert(N8 % 2 == 0, "dropout draws cover 16 columns");
         const u32 g = row & 7, t = (col >> 1) & 3, rb = row >> 4, cb = col >> 4;
+        if constexpr (FRT_DROPOUT == 8) {
+            constexpr int U = N8 / 2;  // 16-column blocks
 #pragma unroll
-        for (int u = 0; u < N8 / 2; ++u) {
-            const uint4 r = draw(32 * (cb + u) + 4 * g + t, rb);
-            const u32 w[4] = {r.x, r.y, r.z, r.w};
+            for (int u = 0; u < U; u += 2) {
+                uint2 h[2];
+                if (u + 1 < U)
+                    pair_halves<false, false>(rb, cb + u, g, t, h[0], h[1]);
+                else
+                    h[0] = lone_half<false, false>(rb, cb + u, g, t);
 #pragma unroll
-            for (int c = 0; c < 2; ++c)
+                for (int v = 0; v < 2; ++v)
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh)
+                    for (int i = 0; i < 8; ++i)  // (element i of a block's 8: byte i of the half)
+                        if (u + v < U) f(8 * (u + v) + i, byte_dropped(i < 4 ? h[v].x : h[v].y, i & 3));
+            }
+        } else {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) f(4 * (2 * u + c) + 2 * hh + e, dropped(w[2 * hh + c], e));
+            for (int u = 0; u < N8 / 2; ++u) {
+                const uint4 r = draw(32 * (cb + u) + 4 * g + t, rb);
+                const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) f(4 * (2 * u + c) + 2 * hh + e, dropped(w[2 * hh + c], e));
+            }
         }
     }
     // The same as a word: bit i set where element i is dropped (TRANSPOSED: rows are keys, columns queries, the
@@ -98,6 +126,18 @@ struct Dropout {
         using Bits = typename BitsOf<4 * N8>::type;
         const u32 g = row & 7, t = (col >> 1) & 3, rb = row >> 4, cb = col >> 4;
         Bits out = 0;
+        if constexpr (FRT_DROPOUT == 8) {
+            constexpr int U = N8 / 2;
+#pragma unroll 1
+            for (int u = 0; u + 1 < U; u += 2) {
+                uint2 h0, h1;
+                pair_halves<TRANSPOSED, true>(rb, cb + u, g, t, h0, h1);
+                out |= (Bits)(eight<TRANSPOSED>(h0) | eight<TRANSPOSED>(h1) << 8) << (8 * u);
+            }
+            if constexpr (U % 2)
+                out |= (Bits)eight<TRANSPOSED>(lone_half<TRANSPOSED, true>(rb, cb + U - 1, g, t)) << (8 * (U - 1));
+            return out;
+        }
 #pragma unroll 1
         for (int u = 0; u < N8 / 2; ++u) {
             if constexpr (!TRANSPOSED) {
@@ -114,6 +154,57 @@ struct Dropout {
             } else {
                 out |= (Bits)transposed_eight(rb, cb + u, g, t) << (8 * u);
             }
+        }
+        return out;
+    }
+
+    // 8 bits. The draw of 16-column block cb (row block rb) whose elements lane (g, t) holds: the forward's lanes
+    // (rows queries) draw (g / 2, t) of block (rb, cb), the transposed ones (rows keys) draw (t, g / 2) of (cb, rb).
+    template <bool TRANSPOSED, bool OPAQUE>
+    FRT_DEVICE uint4 block_draw(u32 rb, u32 cb, u32 g, u32 t) const {
+        return TRANSPOSED ? draw<OPAQUE>(16 * rb + 4 * t + (g >> 1), cb) : draw<OPAQUE>(16 * cb + 4 * (g >> 1) + t, rb);
+    }
+    // 8 bits: the half of draw r that lane (g, t) holds, as two words with its element i in byte i (forward: words
+    // 2 pq, 2 pq + 1, pq = g & 1, as drawn; TRANSPOSED: bytes pk = g & 1 of words 2 pq + hk, word pq's byte 2 hk + hq,
+    // which `eight` reorders), and the other half, lane g ^ 1's, in `give`.
+    template <bool TRANSPOSED>
+    FRT_DEVICE static void halves(uint4 r, u32 odd, uint2& own, uint2& give) {
+        if constexpr (!TRANSPOSED) {
+            own = odd ? make_uint2(r.z, r.w) : make_uint2(r.x, r.y);
+            give = odd ? make_uint2(r.x, r.y) : make_uint2(r.z, r.w);
+        } else {
+            const u32 mine = odd ? 0x7531u : 0x6420u, theirs = mine ^ 0x1111u;
+            own = make_uint2(__byte_perm(r.x, r.y, mine), __byte_perm(r.z, r.w, mine));
+            give = make_uint2(__byte_perm(r.x, r.y, theirs), __byte_perm(r.z, r.w, theirs));
+        }
+    }
+    // 8 bits: lane (g, t)'s halves of blocks cb and cb + 1: it draws block cb + (g & 1), lane g ^ 1 the other, and
+    // they swap the halves each wants. Every lane of the warp calls it together.
+    template <bool TRANSPOSED, bool OPAQUE>
+    FRT_DEVICE void pair_halves(u32 rb, u32 cb, u32 g, u32 t, uint2& first, uint2& second) const {
+        const u32 odd = g & 1;
+        uint2 own, give;
+        halves<TRANSPOSED>(block_draw<TRANSPOSED, OPAQUE>(rb, cb + odd, g, t), odd, own, give);
+        const uint2 got = make_uint2(__shfl_xor_sync(0xFFFFFFFFu, give.x, 4), __shfl_xor_sync(0xFFFFFFFFu, give.y, 4));
+        first = odd ? got : own;
+        second = odd ? own : got;
+    }
+    // 8 bits: lane (g, t)'s half of block cb, drawn alone (a call's odd last block: one draw per 8 elements there)
+    template <bool TRANSPOSED, bool OPAQUE>
+    FRT_DEVICE uint2 lone_half(u32 rb, u32 cb, u32 g, u32 t) const {
+        uint2 own, give;
+        halves<TRANSPOSED>(block_draw<TRANSPOSED, OPAQUE>(rb, cb, g, t), g & 1, own, give);
+        return own;
+    }
+    // 8 bits: a half's 8 elements as bits (bits' order: 4 v + 2 hh + e in a block; TRANSPOSED: halves' byte
+    // 2 hh + v of word e)
+    template <bool TRANSPOSED>
+    FRT_DEVICE u32 eight(uint2 h) const {
+        u32 out = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int v = i >> 2, hh = (i >> 1) & 1, e = i & 1;
+            out |= TRANSPOSED ? byte_dropped(e ? h.y : h.x, 2 * hh + v) << i : byte_dropped(i < 4 ? h.x : h.y, i & 3) << i;
         }
         return out;
     }
