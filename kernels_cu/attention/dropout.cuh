@@ -120,7 +120,7 @@ struct Dropout {
     // backward's S^T). One draw at a time, in a rolled loop (the kernels that take the word keep their accumulators
     // live, and ptxas interleaving unrolled draws spilled the wgmma dK / dV kernels 16-156 bytes, NVRTC 12.9). Every
     // lane of the warp calls it together.
-    template <int N8, bool TRANSPOSED = false>
+    template <int N8, bool TRANSPOSED = false, bool WORDWISE = true>
     FRT_DEVICE typename BitsOf<4 * N8>::type bits(int row, int col) const {
         static_assert(N8 % 2 == 0, "dropout draws cover 16 columns");
         using Bits = typename BitsOf<4 * N8>::type;
@@ -132,10 +132,11 @@ struct Dropout {
             for (int u = 0; u + 1 < U; u += 2) {
                 uint2 h0, h1;
                 pair_halves<TRANSPOSED, true>(rb, cb + u, g, t, h0, h1);
-                out |= (Bits)(eight<TRANSPOSED>(h0) | eight<TRANSPOSED>(h1) << 8) << (8 * u);
+                out |= (Bits)(eight<TRANSPOSED, WORDWISE>(h0) | eight<TRANSPOSED, WORDWISE>(h1) << 8) << (8 * u);
             }
             if constexpr (U % 2)
-                out |= (Bits)eight<TRANSPOSED>(lone_half<TRANSPOSED, true>(rb, cb + U - 1, g, t)) << (8 * (U - 1));
+                out |= (Bits)eight<TRANSPOSED, WORDWISE>(lone_half<TRANSPOSED, true>(rb, cb + U - 1, g, t))
+                       << (8 * (U - 1));
             return out;
         }
 #pragma unroll 1
@@ -196,18 +197,30 @@ struct Dropout {
         halves<TRANSPOSED>(block_draw<TRANSPOSED, OPAQUE>(rb, cb, g, t), g & 1, own, give);
         return own;
     }
-    // 8 bits: a half's 8 elements as bits (bits' order: 4 v + 2 hh + e in a block; TRANSPOSED: halves' byte
-    // 2 hh + v of word e)
-    template <bool TRANSPOSED>
+    // 8 bits: a half's 8 elements as bits (bits' order: 4 v + 2 hh + e in a block, byte i of the half; TRANSPOSED:
+    // byte 2 hh + v of word e). WORDWISE: compared 4 at a time, a byte in a 16-bit lane plus 0x8000 - keep setting
+    // the lane's top bit where it is >= keep (even: bytes 0 and 2, odd: 1 and 3), one byte_perm gathering 4 of those
+    // top bits in bit order, which a multiply packs (wgmma backward: fwd+bwd 2-9% faster than one byte at a time,
+    // H200, docs/perf-notes.md: Dropout; it spilled the mma.sync fused kernel at head_dim 256 4 bytes).
+    template <bool TRANSPOSED, bool WORDWISE>
     FRT_DEVICE u32 eight(uint2 h) const {
-        u32 out = 0;
+        if constexpr (!WORDWISE) {
+            u32 out = 0;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int v = i >> 2, hh = (i >> 1) & 1, e = i & 1;
-            out |= TRANSPOSED ? byte_dropped(e ? h.y : h.x, 2 * hh + v) << i : byte_dropped(i < 4 ? h.x : h.y, i & 3) << i;
+            for (int i = 0; i < 8; ++i)
+                out |= (TRANSPOSED ? byte_dropped((i & 1) ? h.y : h.x, 2 * ((i >> 1) & 1) + (i >> 2))
+                                   : byte_dropped(i < 4 ? h.x : h.y, i & 3)) << i;
+            return out;
         }
-        return out;
+        const u32 bias = (0x8000u - keep) * 0x00010001u;  // (made here: a member's register spilled the dK/dV kernels)
+        const u32 ex = (h.x & 0x00FF00FFu) + bias, ox = __byte_perm(h.x, 0, 0x4341) + bias;
+        const u32 ey = (h.y & 0x00FF00FFu) + bias, oy = __byte_perm(h.y, 0, 0x4341) + bias;
+        const u32 lo = TRANSPOSED ? __byte_perm(ex, ey, 0x7351) : __byte_perm(ex, ox, 0x7351);
+        const u32 hi = TRANSPOSED ? __byte_perm(ox, oy, 0x7351) : __byte_perm(ey, oy, 0x7351);
+        return top_bits(lo) | top_bits(hi) << 4;
     }
+    // bit i: byte i's top bit (the products of bits 7, 15, 23, 31 by 2^21, 2^14, 2^7, 1 land on 28-31, no carries)
+    FRT_DEVICE static u32 top_bits(u32 x) { return ((x & 0x80808080u) * 0x00204081u) >> 28; }
 
     // A transposed fragment's 8 elements of column block qb (keys 16 kb + g + 8 hh, queries 16 qb + 8 v + 2 t + e): bit
     // 4 v + 2 hh + e. They lie in two draws, (query g 2 t + e, key t g / 2) for e = 0, 1, 4 elements in each: each lane

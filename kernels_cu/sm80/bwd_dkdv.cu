@@ -168,7 +168,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
             const Dropout drop = drop0.head(b, pa.h, p.H);
 #pragma unroll
             for (int mt = 0; mt < MT1; ++mt)
-                dropped[mt] = drop.bits<NT1, true>(n0 + krow1 + 16 * mt + g, m0 + qcol1 + 2 * t);
+                dropped[mt] = drop.bits<NT1, true, false>(n0 + krow1 + 16 * mt + g, m0 + qcol1 + 2 * t);  // (eight)
         }
         if constexpr (FRT_ALIBI)  // (the pair's query head's slope; positions in the sequence)
             Alibi(p, b, pa.h, vis.shift).add<MT1, NT1, true>(Fragments{n0 + krow1 + g, m0 + qcol1 + 2 * t},
