@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 from typing import TYPE_CHECKING
 
 from . import _env
@@ -605,7 +604,13 @@ def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm
 # Decoding (kernels_cu/sm80/decode.cu, flashrt/decoding.py)
 # ---------------------------------------------------------------------------
 DECODE_WARPS = 4
-DECODE_SPLIT_OVERHEAD_TILES = 2  # a split's pipeline fill and epilogue, in key tiles' time (an estimate)
+# decode_splits' time model, in key tiles' time per SM (docs/perf-notes.md, Decode: splits and the combine), fitted on
+# scripts/probes/decode_splits_sweep.py's 20 shapes (H200; at each its pick ran within 1% of the fastest split count):
+DECODE_SPLIT_OVERHEAD_TILES = 2  # a split's pipeline fill and epilogue
+DECODE_COMBINE_TILES = 1 / 16  # the combine's time per split (8/1 D=128 1 x 4k: 64 splits 9.7 us against 32's 8.7)
+# A block streams at most its shared memory's worth of keys in flight; an SM's share of the bandwidth needs about this
+# many bytes in flight (D=64 16 x 8k: one block per SM 80.3 us, two 71.7; D=128's 106 KB blocks need one).
+DECODE_SM_BYTES_IN_FLIGHT = 96 * 1024
 # Splits at most: 256 (combine.cu's most) ran 0.72 against 0.94 TB/s at 8/1 D=128 1 x 32k, 1.61 against 1.88 at 128k
 # (H100, scripts/probes/decode_max_splits.py): 2-tile splits and a 256-part combine cost more than they spread.
 DECODE_MAX_SPLITS = 128
@@ -641,22 +646,26 @@ def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int, softc
 
 def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, sm_count: int, smem_per_sm: int,
                   requested: int = 0) -> int:
-    """Blocks over each sequence's keys (decode.cu's grid x): `requested` if > 0, else the count that wastes least
-    time, at most DECODE_MAX_SPLITS: the last wave's idle slots (blocks of equal work, as many running at once as the shared memory
-    allows) and each split's fixed cost, DECODE_SPLIT_OVERHEAD_TILES. The lengths are on the device: the cache's
-    capacity stands for them (docs/perf-notes.md, Decode: splits)."""
+    """Blocks over each sequence's keys (decode.cu's grid x): `requested` if > 0, else the count of least modelled
+    time, at most DECODE_MAX_SPLITS: the blocks an SM runs one after another or side by side (memory-bound: their
+    tiles add up), each split's tiles rounded up plus DECODE_SPLIT_OVERHEAD_TILES, at the share of the SM's bandwidth
+    its resident blocks keep in flight (DECODE_SM_BYTES_IN_FLIGHT), plus the combine's DECODE_COMBINE_TILES per split.
+    The lengths are on the device: the cache's capacity stands for them (docs/perf-notes.md, Decode: splits and the
+    combine)."""
     tiles_max = _cdiv(max(capacity, 1), spec.block_n)
     most = max(1, min(DECODE_MAX_SPLITS, tiles_max))
     if requested > 0:
         return min(requested, most)
     blocks = max(1, B * Hkv * _cdiv(rows, spec.block_m))
-    slots = sm_count * max(1, min(16, (smem_per_sm + 1024) // (spec.smem_bytes + 1024)))  # blocks running at once
+    resident = max(1, min(16, (smem_per_sm + 1024) // (spec.smem_bytes + 1024)))  # blocks an SM holds at once
+    share = min(1.0, spec.smem_bytes / DECODE_SM_BYTES_IN_FLIGHT)  # of the SM's bandwidth, one block alone
 
-    def score(s: int) -> float:  # the share of the launch's time spent streaming keys
-        waves = blocks * s / slots
-        tiles = tiles_max / s
-        return waves / math.ceil(waves) * tiles / (tiles + DECODE_SPLIT_OVERHEAD_TILES)
-    return max(range(1, most + 1), key=lambda s: (round(score(s), 3), -s))
+    def time(s: int) -> float:
+        per_sm = _cdiv(blocks * s, sm_count)
+        tiles = _cdiv(tiles_max, s) + DECODE_SPLIT_OVERHEAD_TILES
+        streaming = per_sm * tiles / min(1.0, min(per_sm, resident) * share)
+        return streaming + (DECODE_COMBINE_TILES * s if s > 1 else 0.0)
+    return min(range(1, most + 1), key=lambda s: (round(time(s), 6), s))
 
 
 def combine_row_warps(parts: int, rows: int, sm_count: int, warps: int) -> int:
