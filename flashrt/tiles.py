@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import TYPE_CHECKING
 
 from . import _env
@@ -604,8 +605,8 @@ def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm
 # Decoding (kernels_cu/sm80/decode.cu, flashrt/decoding.py)
 # ---------------------------------------------------------------------------
 DECODE_WARPS = 4
-# decode_splits' time model, in key tiles' time per SM (docs/perf-notes.md, Decode: splits and the combine), fitted on
-# scripts/probes/decode_splits_sweep.py's 20 shapes (H200; at each its pick ran within 1% of the fastest split count):
+# decode_splits' constants, in key tiles' time (docs/perf-notes.md, Decode: splits and the combine; the time model's
+# fitted on scripts/probes/decode_splits_sweep.py's single-wave shapes, H200):
 DECODE_SPLIT_OVERHEAD_TILES = 2  # a split's pipeline fill and epilogue
 DECODE_COMBINE_TILES = 1 / 16  # the combine's time per split (8/1 D=128 1 x 4k: 64 splits 9.7 us against 32's 8.7)
 # A block streams at most its shared memory's worth of keys in flight; an SM's share of the bandwidth needs about this
@@ -646,18 +647,25 @@ def decode_variants(head_dim: int, dtype: str, arch: str, smem_limit: int, softc
 
 def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, sm_count: int, smem_per_sm: int,
                   requested: int = 0) -> int:
-    """Blocks over each sequence's keys (decode.cu's grid x): `requested` if > 0, else the count of least modelled
-    time, at most DECODE_MAX_SPLITS: the blocks an SM runs one after another or side by side (memory-bound: their
-    tiles add up), each split's tiles rounded up plus DECODE_SPLIT_OVERHEAD_TILES, at the share of the SM's bandwidth
-    its resident blocks keep in flight (DECODE_SM_BYTES_IN_FLIGHT), plus the combine's DECODE_COMBINE_TILES per split.
-    The lengths are on the device: the cache's capacity stands for them (docs/perf-notes.md, Decode: splits and the
-    combine)."""
+    """Blocks over each sequence's keys (decode.cu's grid x): `requested` if > 0, else, at most DECODE_MAX_SPLITS:
+    where one split per sequence already gives every SM a block, the count that wastes least of the last wave (blocks
+    of equal work, as many running at once as the shared memory allows) and of each split's fixed cost
+    (DECODE_SPLIT_OVERHEAD_TILES); under that, the count of least modelled time: an SM's blocks add up, each split's
+    tiles rounded up plus its fixed cost, at the bandwidth share its resident blocks keep in flight
+    (DECODE_SM_BYTES_IN_FLIGHT), plus the combine's DECODE_COMBINE_TILES per split. The lengths are on the device: the
+    cache's capacity stands for them (docs/perf-notes.md, Decode: splits and the combine)."""
     tiles_max = _cdiv(max(capacity, 1), spec.block_n)
     most = max(1, min(DECODE_MAX_SPLITS, tiles_max))
     if requested > 0:
         return min(requested, most)
     blocks = max(1, B * Hkv * _cdiv(rows, spec.block_m))
     resident = max(1, min(16, (smem_per_sm + 1024) // (spec.smem_bytes + 1024)))  # blocks an SM holds at once
+    if blocks >= sm_count:
+        def share_streaming(s: int) -> float:  # the share of the launch's time spent streaming keys
+            waves = blocks * s / (sm_count * resident)
+            tiles = tiles_max / s
+            return waves / math.ceil(waves) * tiles / (tiles + DECODE_SPLIT_OVERHEAD_TILES)
+        return max(range(1, most + 1), key=lambda s: (round(share_streaming(s), 3), -s))
     share = min(1.0, spec.smem_bytes / DECODE_SM_BYTES_IN_FLIGHT)  # of the SM's bandwidth, one block alone
 
     def time(s: int) -> float:
