@@ -200,7 +200,7 @@ struct Dropout {
     // 8 bits: a half's 8 elements as bits (bits' order: 4 v + 2 hh + e in a block, byte i of the half; TRANSPOSED:
     // byte 2 hh + v of word e). WORDWISE: compared 4 at a time, a byte in a 16-bit lane plus 0x8000 - keep setting
     // the lane's top bit where it is >= keep (even: bytes 0 and 2, odd: 1 and 3), one byte_perm gathering 4 of those
-    // top bits in bit order, which a multiply packs (wgmma backward: fwd+bwd 2-9% faster than one byte at a time,
+    // top bits in bit order, which a multiply packs (wgmma backward: fwd+bwd 2-10% less time than one byte at a time,
     // H200, docs/perf-notes.md: Dropout; it spilled the mma.sync fused kernel at head_dim 256 4 bytes).
     template <bool TRANSPOSED, bool WORDWISE>
     FRT_DEVICE u32 eight(uint2 h) const {
