@@ -58,8 +58,8 @@ _MOD = ([(n, _PTR) for n in ("mod_map", "mod_rows", "mod_rows_count", "mod_cols"
 _ALIBI = [("alibi", _PTR), ("alibi_bstride", _I32)]
 # A score_mod expression's tensors (null: unused), last in both structs.
 _SCORE = [(f"score_t{i}", _PTR) for i in range(4)]
-# Dropout (kernels_cu/attention/dropout.cuh): the (seed, offset) pair in device memory, the 16-bit keep threshold and
-# 1 / (1 - p), last in both structs.
+# Dropout (kernels_cu/attention/dropout.cuh): the (seed, offset) pair in device memory, the keep threshold of an
+# element's 8 or 16 bits (spec.dropout_resolution) and the kept probabilities' scale, ~1 / (1 - p).
 _DROPOUT = [("drop_rng", _PTR), ("drop_keep", _I32), ("drop_scale", _F32)]
 # The tensors' head_dims, q's and k's and v's (a kernel's D is their larger or the wgmma instance above it:
 # tiles.sm90_head_dim), last in both structs.

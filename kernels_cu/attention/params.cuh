@@ -78,8 +78,8 @@ struct FwdParams {
     const void* score_t1;
     const void* score_t2;
     const void* score_t3;
-    // FRT_DROPOUT (dropout.cuh): the call's seed and offset (2 int64 in device memory), the 16-bit keep threshold and
-    // the kept probabilities' scale (2^16 / threshold)
+    // FRT_DROPOUT (dropout.cuh): the call's seed and offset (2 int64 in device memory), the keep threshold of an
+    // element's FRT_DROPOUT bits and the kept probabilities' scale (2^bits / threshold)
     const u64* drop_rng;
     int drop_keep;
     float drop_scale;
