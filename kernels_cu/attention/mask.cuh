@@ -394,6 +394,20 @@ struct Fragments {
     }
 };
 
+// The element test of the rules whose visible pairs are one interval per row (QueryTile / KeyTile::INTERVALS): a
+// row sees the columns [lo, hi) of `iv`, kept relative to the thread's first column (tile + lane: the tile's first
+// column and the lane's offset 2 t from it), so that each element is two compares against offsets known at compile
+// time: column tile + lane + x is visible where visible<LO>(x) (LO: the interval may start after the tile's first
+// column, else the lower compare is left out). The forward, the wgmma dQ and the wgmma dK / dV kernels (transposed:
+// rows are keys, intervals of queries) test their interval rules with it.
+struct RowInterval {
+    int lo, hi;
+    RowInterval() = default;
+    FRT_DEVICE RowInterval(int2 iv, int tile, int lane) : lo(iv.x - tile - lane), hi(iv.y - tile - lane) {}
+    template <bool LO = true>
+    FRT_DEVICE bool visible(int x) const { return !((LO && x < lo) | (x >= hi)); }
+};
+
 // Elements x(mt, jj, c) (a float&) of MT m-tiles by N8 n-groups whose pair is hidden become `hidden` (-inf
 // before the softmax, 0 for P).
 template <int MT, int N8, bool TRANSPOSED = false, class Elem, class Visible>

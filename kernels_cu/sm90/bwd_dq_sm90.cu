@@ -82,13 +82,10 @@ FRT_DEVICE void row_stats(const BwdParams& p, const Tile& tile, int r0, int t, f
 template <int BN, bool IV, class Tile, class Op>
 FRT_DEVICE void with_element_test(const Tile& tile, int row_base, int n0, int t, int h, Op op) {
     if constexpr (IV) {
-        int2 rel[2];
+        RowInterval keys[2];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int2 keys = tile.key_interval(row_base + 8 * hh, n0, BN);
-            rel[hh] = make_int2(keys.x - n0 - 2 * t, keys.y - n0 - 2 * t);
-        }
-        op([&](int hh, int x) { return !((Tile::KEY_LO && x < rel[hh].x) | (x >= rel[hh].y)); });
+        for (int hh = 0; hh < 2; ++hh) keys[hh] = RowInterval(tile.key_interval(row_base + 8 * hh, n0, BN), n0, 2 * t);
+        op([&](int hh, int x) { return keys[hh].visible<Tile::KEY_LO>(x); });
     } else {
         auto general = [&](int hh, int x) { return tile.visible(row_base + 8 * hh, n0 + 2 * t + x, h); };
         if constexpr (Tile::MOD && !Tile::IDS) {

@@ -84,13 +84,10 @@ FRT_DEVICE HiddenWord<BM> hidden_bits(const Tile& tile, int h, int m, int key_ba
     HiddenWord<BM> hidden = 0;
     const int q0 = m * BM + 2 * t;
     if constexpr (Tile::INTERVALS && INTERVALS) {  // each key's queries [lo, hi) of the tile, two compares per pair
-        int2 rel[2];
+        RowInterval queries[2];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int2 qs = tile.query_interval(key_base + 8 * hh, m * BM, BM);
-            rel[hh] = make_int2(qs.x - q0, qs.y - q0);
-        }
-        hidden = hidden_where<BM>(0, 0, [&](int x, int key) { return !((x < rel[key >> 3].x) | (x >= rel[key >> 3].y)); });
+        for (int hh = 0; hh < 2; ++hh) queries[hh] = RowInterval(tile.query_interval(key_base + 8 * hh, m * BM, BM), q0, 0);
+        hidden = hidden_where<BM>(0, 0, [&](int x, int key) { return queries[key >> 3].visible(x); });
     } else {
         auto general = [&](int i, int j) { return tile.visible(i, j, h); };
         if constexpr (Tile::MOD && !Tile::IDS) {  // inside the sequence: no length tests or clamps

@@ -118,13 +118,12 @@ struct FwdRows {
             if constexpr (Tile::INTERVALS) {  // keys [lo, hi) of the tile per row
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const int2 keys = tile.key_interval(row_base + 8 * hh, n0, BN);
-                    const int lo = keys.x - n0 - 2 * t, hi = keys.y - n0 - 2 * t;  // in columns 8 jj + e
+                    const RowInterval keys(tile.key_interval(row_base + 8 * hh, n0, BN), n0, 2 * t);
 #pragma unroll
                     for (int jj = 0; jj < BN / 8; ++jj)
 #pragma unroll
                         for (int e = 0; e < 2; ++e)
-                            if ((Tile::KEY_LO && 8 * jj + e < lo) | (8 * jj + e >= hi)) s[4 * jj + 2 * hh + e] = -FRT_INF;
+                            if (!keys.visible<Tile::KEY_LO>(8 * jj + e)) s[4 * jj + 2 * hh + e] = -FRT_INF;
                 }
             } else if constexpr (MOD_FENCED && Tile::MOD) {
                 mod_mask(tile, n0, row_base, t);
