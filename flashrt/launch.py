@@ -13,7 +13,7 @@ import sys
 import threading
 from functools import lru_cache
 
-from . import cache, nvrtc, tiles
+from . import cache, nvrtc, params, tiles
 from .spec import CLASSIFY, ELEMENTWISE, KEY_PARALLEL, QUERY_PARALLEL, KernelSpec
 
 _DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel gets without opting in
@@ -72,24 +72,31 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _axes(layout: str, **extents: int) -> tuple[int, int, int]:
+    """A grid's (x, y, z) from its coordinates' extents, in the axes params.GRID_AXES gives `layout` (the kernels read
+    them through the same table: kernels_cu/attention/params.cuh, grid_index)."""
+    return tuple(extents[c] for c in params.GRID_AXES[layout])
+
+
 def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count: int = 132,
          splits: int = 1, row_warps: int = 1) -> tuple[int, int, int]:
-    """Launch grid of a variant; mirrors the blockIdx decoding in kernels_cu/<family>.cu (fwd_sm90: a 1-D grid
-    of work items, kernels_cu/attention/params.cuh: work_item)."""
+    """Launch grid of a variant: the tiled kernels' axes as params.GRID_AXES lays them out (fwd_sm90: a 1-D grid of
+    work items, kernels_cu/attention/params.cuh: work_item; the elementwise kernels: grid-stride loops)."""
     if spec.family == "fwd_sm90":
         g = (_cdiv(Sq, spec.block_m) * H * B, 1, 1)
     elif spec.family == "fwd_sm90_ws":  # persistent: one block per SM, at most one per work item
         g = (min(_cdiv(Sq, spec.block_m) * H * B, sm_count), 1, 1)
-    elif spec.family == "decode":  # kernels_cu/sm80/decode.cu: (split, KV head x row tile, batch entry); Sq: rows
-        g = (splits, Hkv * _cdiv(H // Hkv * Sq, spec.block_m), B)
+    elif spec.family == "decode":  # Sq: rows
+        g = _axes("decode", split=splits, kv_head_row_tile=Hkv * _cdiv(H // Hkv * Sq, spec.block_m), batch=B)
     elif spec.family in QUERY_PARALLEL:
-        g = (_cdiv(Sq, spec.block_m), H, B)
+        g = _axes("query", tile=_cdiv(Sq, spec.block_m), head=H, batch=B)
     elif spec.family in CLASSIFY:  # kernels_cu/helpers/mask_classify.cu; B, H: the lists' batch entries and heads
         m_tiles, n_tiles, nw = _cdiv(Sq, spec.block_m), _cdiv(Sk, spec.block_n), spec.warps
-        g = {"mask_map": (_cdiv(n_tiles, tiles.map_slots(spec)), m_tiles, B * H),
+        g = {"mask_map": _axes("mask_map", slot_block=_cdiv(n_tiles, tiles.map_slots(spec)), query_tile=m_tiles,
+                               batch_head=B * H),
              "mask_rows": (_cdiv(B * H * m_tiles, nw), 1, 1), "mask_cols": (_cdiv(B * H * n_tiles, nw), 1, 1)}[spec.family]
     elif spec.family in KEY_PARALLEL:
-        g = (_cdiv(Sk, spec.block_n), Hkv * splits, B)
+        g = _axes("key", tile=_cdiv(Sk, spec.block_n), split_kv_head=Hkv * splits, batch=B)
     elif spec.family == "mask_check":  # one block (kernels_cu/helpers/mask_check.cu)
         g = (1, 1, 1)
     elif spec.family in ELEMENTWISE:  # grid-stride loops: enough blocks for the work, at most 32 per SM

@@ -23,6 +23,14 @@ MASK_BITS = {"lengths": 1, "window": 2, "block_ids": 4, "segments": 8, "mod": 16
 REPORT_WORDS = ("code", "arg", "seq", "pos", "value", "limit", "call")
 CHECK_FAILURES = ("length", "cu_start", "cu_order", "cu_end", "cu_longest", "ids_order",
                   "cache_seqlens", "page_id")  # (the last two: decode.cu)
+# The tiled kernels' grids: the coordinate each CUDA grid axis (x, y, z) carries. launch.grid sizes the axes from it,
+# and the kernels read their coordinates through it (kernels_cu/attention/params.cuh: grid_index, grid_extent). A
+# coordinate "a_b" holds a * (b's extent) + b. The tile axis is x, which the hardware starts fastest (the chunked
+# orders of params.cuh count on it).
+GRID_AXES = {"query": ("tile", "head", "batch"),          # query-parallel kernels: fwd, bwd_dq, bwd_dq_sm90
+             "key": ("tile", "split_kv_head", "batch"),   # key-parallel ones: bwd_dkdv, bwd_fused and their sm90 forms
+             "decode": ("split", "kv_head_row_tile", "batch"),
+             "mask_map": ("slot_block", "query_tile", "batch_head")}  # mask_classify.cu: key tiles by slots
 TABLES_HEADER = "flashrt_tables.cuh"
 
 
@@ -39,6 +47,8 @@ def tables_header() -> str:
         enum(f"MASK_{name.upper()} = {bit}" for name, bit in MASK_BITS.items()),
         enum([f"REPORT_{w.upper()}" for w in REPORT_WORDS] + ["REPORT_WORDS"]),
         enum(f"BAD_{name.upper()} = {code}" for code, name in enumerate(CHECK_FAILURES, 1)),
+        enum(f"GRID_{layout.upper()}_{coord.upper()} = {axis}" for layout, coords in GRID_AXES.items()
+             for axis, coord in enumerate(coords)),
         "}  // namespace frt", ""])
 
 

@@ -450,6 +450,31 @@ def test_shared_tables_reach_the_kernels_from_one_definition():
             assert not re.search(r"FRT_MASK\s*&\s*\d", source), name  # the bits by name (FRT_MASK_*), not by value
 
 
+def test_grid_axes_are_one_table_for_launch_and_kernels():
+    """params.GRID_AXES lays out the tiled kernels' grids: launch.grid sizes each axis from it, and the kernels read
+    their coordinates through its constants (flashrt_tables.cuh: GRID_*), never blockIdx / gridDim by axis name."""
+    text = params.tables_header()
+    for layout, coords in params.GRID_AXES.items():
+        for axis, coord in enumerate(coords):
+            assert f"GRID_{layout.upper()}_{coord.upper()} = {axis}" in text
+    assert params.GRID_AXES["query"][0] == params.GRID_AXES["key"][0] == "tile"  # (the chunked orders: x fastest)
+    # a layout's axes moved: launch.grid moves its extents with them
+    key = spec(family="bwd_dkdv", block_m=64, block_n=32, warps=8)
+    saved = dict(params.GRID_AXES)
+    try:
+        params.GRID_AXES["key"] = ("tile", "batch", "split_kv_head")
+        assert launch.grid(key, B=2, H=8, Hkv=3, Sq=5, Sk=100, splits=2) == (4, 2, 6)
+    finally:
+        params.GRID_AXES.clear()
+        params.GRID_AXES.update(saved)
+    assert launch.grid(key, B=2, H=8, Hkv=3, Sq=5, Sk=100, splits=2) == (4, 6, 2)
+    # the tiled kernels' decoding reads the axes through grid_index / grid_extent only
+    sources = cache.kernel_sources()
+    for name in ("attention/params.cuh", "sm80/decode.cu", "helpers/mask_classify.cu"):
+        body = sources[name].split("static_assert(GRID_QUERY_TILE")[-1]  # (after the helpers that read them)
+        assert not re.search(r"blockIdx\.[yz]|gridDim\.[yz]", body), name
+
+
 def test_check_report_messages_name_the_argument():
     report = dict(zip(params.REPORT_WORDS, (params.CHECK_FAILURES.index("ids_order") + 1, 5, 1, 10, -1, 0, 0)))
     text = masks.report_message(report)

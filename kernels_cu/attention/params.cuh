@@ -316,19 +316,39 @@ FRT_DEVICE WorkItem work_item(const P& p, int item, int n_m) {
 // chunk heaviest tile first: fewer SMs idle behind a heavy block at the launch's end); else a pair's tiles
 // in a row, heaviest first when causal (and where ORDER is false: the decode's registers spilled the head_dim
 // 64 dQ at two blocks per SM, 5% slower; and fwd.cu, 8 bytes of spills with lengths at head_dim 128).
+// Grid axis AXIS's block index and extent, AXIS a GRID_* coordinate of flashrt/params.py's GRID_AXES (generated
+// into flashrt_tables.cuh), which launch.grid sizes the grid by.
+template <int AXIS>
+FRT_DEVICE unsigned grid_index() {
+    if constexpr (AXIS == 0) return blockIdx.x;
+    else if constexpr (AXIS == 1) return blockIdx.y;
+    else return blockIdx.z;
+}
+template <int AXIS>
+FRT_DEVICE unsigned grid_extent() {
+    if constexpr (AXIS == 0) return gridDim.x;
+    else if constexpr (AXIS == 1) return gridDim.y;
+    else return gridDim.z;
+}
 FRT_DEVICE int linear_block() { return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); }
+static_assert(GRID_QUERY_TILE == 0 && GRID_KEY_TILE == 0, "the chunked orders take the tile axis as the fastest");
 template <bool CAUSAL, bool ORDER, class P>
 FRT_DEVICE WorkItem query_block(const P& p) {
-    if (CAUSAL && ORDER && p.sched_pairs > 0) return work_item<true>(p, linear_block(), gridDim.x);
-    return make_work_item(p, CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+    constexpr int TILE = GRID_QUERY_TILE;
+    if (CAUSAL && ORDER && p.sched_pairs > 0) return work_item<true>(p, linear_block(), grid_extent<TILE>());
+    return make_work_item(p, CAUSAL ? grid_extent<TILE>() - 1 - grid_index<TILE>() : grid_index<TILE>(),
+                          grid_index<GRID_QUERY_HEAD>(), grid_index<GRID_QUERY_BATCH>());
 }
+// (tile, grid row: GRID_KEY_SPLIT_KV_HEAD, batch entry)
 template <bool CAUSAL>
 FRT_DEVICE int3 key_block(int chunk) {
     if (CAUSAL && chunk > 0) {
-        const ChunkedItem c = chunked_order<true>(linear_block(), gridDim.x, gridDim.y * gridDim.z, chunk);
-        return make_int3(c.t, c.pair % gridDim.y, c.pair / gridDim.y);
+        constexpr int ROW = GRID_KEY_SPLIT_KV_HEAD;
+        const ChunkedItem c = chunked_order<true>(linear_block(), grid_extent<GRID_KEY_TILE>(),
+                                                  grid_extent<ROW>() * grid_extent<GRID_KEY_BATCH>(), chunk);
+        return make_int3(c.t, c.pair % grid_extent<ROW>(), c.pair / grid_extent<ROW>());
     }
-    return make_int3(blockIdx.x, blockIdx.y, blockIdx.z);
+    return make_int3(grid_index<GRID_KEY_TILE>(), grid_index<GRID_KEY_SPLIT_KV_HEAD>(), grid_index<GRID_KEY_BATCH>());
 }
 // Key tile t of every (batch entry, grid row) of a chunk of `chunk` of them (0: all) before key tile t + 1 of any
 // (chunked_order): the causal ordered fused dQ's order (bwd_fused_sm90_ws.cu), where key tile t waits for t - 1 of
@@ -338,9 +358,11 @@ FRT_DEVICE int3 key_block(int chunk) {
 // of its own chunk, which start first (a chunk holds whole rows: one split). Not causal, a row's key tiles together
 // ran 1.02-1.16x faster (docs/perf-notes.md, Ordered grid).
 FRT_DEVICE int3 key_block_tile_major(int chunk) {
-    const int pairs = gridDim.y * gridDim.z;
-    const ChunkedItem c = chunked_order<false>(linear_block(), gridDim.x, pairs, chunk > 0 ? min(chunk, pairs) : pairs);
-    return make_int3(c.t, c.pair % gridDim.y, c.pair / gridDim.y);
+    constexpr int ROW = GRID_KEY_SPLIT_KV_HEAD;
+    const int pairs = grid_extent<ROW>() * grid_extent<GRID_KEY_BATCH>();
+    const ChunkedItem c = chunked_order<false>(linear_block(), grid_extent<GRID_KEY_TILE>(), pairs,
+                                               chunk > 0 ? min(chunk, pairs) : pairs);
+    return make_int3(c.t, c.pair % grid_extent<ROW>(), c.pair / grid_extent<ROW>());
 }
 
 // The query tile that a block of a query-parallel kernel (fwd, bwd_dq; grid

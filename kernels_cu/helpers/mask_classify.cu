@@ -63,9 +63,10 @@ FRT_DEVICE void mask_map(const FwdParams& p) {
     static_assert(BM % (R * SPLIT) == 0 && T::NW % SPLIT == 0, "whole rounds, whole tiles per block");
     __shared__ int seen[SLOTS];  // per key tile of the block: 1 a visible pair, 2 a hidden one
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, slot = warp / SPLIT, part = warp % SPLIT;
-    const int z = blockIdx.z, h = z % p.mod_heads, b = z / p.mod_heads, m = blockIdx.y;
+    const int z = grid_index<GRID_MASK_MAP_BATCH_HEAD>(), h = z % p.mod_heads, b = z / p.mod_heads;
+    const int m = grid_index<GRID_MASK_MAP_QUERY_TILE>();
     const int m_tiles = ceil_div(p.Sq, BM), n_tiles = ceil_div(p.Sk, BN);
-    const int n_begin = blockIdx.x * SLOTS, count = min(SLOTS, n_tiles - n_begin);
+    const int n_begin = grid_index<GRID_MASK_MAP_SLOT_BLOCK>() * SLOTS, count = min(SLOTS, n_tiles - n_begin);
     if (tid < SLOTS) seen[tid] = 0;
     // One list stands for every head (batch entry) when mod_heads (mod_batches) is 1: the mask does
     // not depend on it, so head 0 (batch entry 0) is as good as any. (A copy in registers: its fields
@@ -95,7 +96,7 @@ FRT_DEVICE void mask_map(const FwdParams& p) {
     auto tile_class = [&](int i) { return seen[i] == 1 ? TILE_FULL : seen[i] == 3 ? TILE_PARTIAL : TILE_EMPTY; };
     const i64 row = (i64)z * m_tiles + m;  // the ModLists index of this query tile's list
     if (tid < count) p.mod_map[row * n_tiles + n_begin + tid] = tile_class(tid);
-    if (p.mod_rows && gridDim.x == 1 && warp == 0)
+    if (p.mod_rows && grid_extent<GRID_MASK_MAP_SLOT_BLOCK>() == 1 && warp == 0)
         write_list(p.mod_rows + row * n_tiles, p.mod_rows_count + row, n_tiles, tile_class, lane);
 }
 

@@ -57,7 +57,9 @@ __device__ void decode(const DecodeParams& p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3, wm = warp % T::WM, wn = warp / T::WM;
     const int group = p.H / p.Hkv, R = group * p.Sq, row_tiles = ceil_div(R, BM);
-    const int split = blockIdx.x, rt = blockIdx.y % row_tiles, hk = blockIdx.y / row_tiles, b = blockIdx.z;
+    const int split = grid_index<GRID_DECODE_SPLIT>(), b = grid_index<GRID_DECODE_BATCH>();
+    const unsigned y = grid_index<GRID_DECODE_KV_HEAD_ROW_TILE>();
+    const int rt = y % row_tiles, hk = y / row_tiles;
     const int row0 = rt * BM, rows = cmin(BM, R - row0);
 
     // The sequence: L0 cached keys, then n_new appended ones; query i sits at key position shift + i.
