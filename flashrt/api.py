@@ -124,8 +124,8 @@ def _as_batch(a: Array) -> Array:
 def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: bool = False, alibi: bool = False,
                 dropout: int = 0, head_dims: tuple = ()):
     """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi, score_mod, dropout (its bits: _drop_bits) and
-    query length (tiles.long_rows); `head_dims`: q's and v's head_dims, which a spec.V_DIM_FAMILIES kernel takes where they
-    differ."""
+    query length (tiles.long_rows); `head_dims`: q's and v's head_dims, which a spec.V_DIM_FAMILIES kernel takes
+    where they differ."""
     spec = tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi,
                             tiles.long_rows(family, D, m.Sq), m.score_mod, dropout)
     if family in V_DIM_FAMILIES and head_dims and head_dims[0] != head_dims[1]:

@@ -199,7 +199,7 @@ class KernelSpec:
             raise ValueError(f"{self.family} computes no scores: it takes no ALiBi")
         if self.alibi and self.softcap:
             raise ValueError("softcap and alibi together are not supported yet")
-        if self.dropout not in (0, 8, 16) or self.dropout is True:
+        if self.dropout not in (0, 8, 16):  # (True == 1: refused too)
             raise ValueError(f"dropout is 0 or the bits of a draw, 8 or 16, got {self.dropout!r}")
         if self.dropout and self.family not in DROPOUT_FAMILIES:
             raise ValueError(f"{self.family} has no dropout variant")

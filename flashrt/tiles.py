@@ -605,7 +605,7 @@ def dkdv_splits(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm
 # Decoding (kernels_cu/sm80/decode.cu, flashrt/decoding.py)
 # ---------------------------------------------------------------------------
 DECODE_WARPS = 4
-# decode_splits' constants, in key tiles' time (docs/perf-notes.md, Decode: splits and the combine; the time model's
+# decode_splits' constants, in key tiles' time (docs/perf-notes.md, Decode: splits and the combine; its time model
 # fitted on scripts/probes/decode_splits_sweep.py's single-wave shapes, H200):
 DECODE_SPLIT_OVERHEAD_TILES = 2  # a split's pipeline fill and epilogue
 DECODE_COMBINE_TILES = 1 / 16  # the combine's time per split (8/1 D=128 1 x 4k: 64 splits 9.7 us against 32's 8.7)
