@@ -273,9 +273,10 @@ class KernelSpec:
         check and decode's combine, from sm_90 on (docs/perf-notes.md: Device check of mask arrays; Decode)."""
         return self.family in ("mask_check", "decode_combine") and int(ARCH_RE.fullmatch(self.arch).group(1)) >= 90
 
-    # -- geometry (mirrors the traits structs in kernels_cu/*.cu) ------------------
+    # -- geometry: the traits structs' rules in kernels_cu/ -----------------------------
     def layout_problem(self) -> str | None:
-        """Why the kernel's static_asserts would reject this tiling, or None."""
+        """Why the kernel's static_asserts would reject this tiling, or None. The two agree over a grid of tilings of
+        every tiled family (tests/test_compile.py: test_host_layout_rules_are_the_kernels_static_asserts)."""
         bm, bn, nw = self.block_m, self.block_n, self.warps
         most = 32 if self.family in CLASSIFY else 16
         if nw < 1 or nw > most:

@@ -9,6 +9,7 @@ other tests monkeypatch flashrt.nvrtc meanwhile.
 """
 import concurrent.futures
 import dataclasses
+import itertools
 import multiprocessing
 import os
 import re
@@ -238,3 +239,71 @@ def test_unsupported_arch_is_rejected():
         nvrtc.check_arch("ampere")
     with pytest.raises(ValueError, match="cannot compile for sm_10"):
         nvrtc.check_arch("sm_10")
+
+
+def _unchecked(**fields) -> KernelSpec:
+    """A KernelSpec with these fields and no __post_init__ (so, no layout_problem): the tiling as the kernel sees it."""
+    values = {f.name: f.default for f in dataclasses.fields(KernelSpec) if f.default is not dataclasses.MISSING}
+    values.update(fields)
+    spec = object.__new__(KernelSpec)
+    for name, value in values.items():
+        object.__setattr__(spec, name, value)
+    return spec
+
+
+def _fields(spec: KernelSpec) -> dict:
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(KernelSpec)}
+
+
+def _host_refusal(spec: KernelSpec) -> str | None:
+    try:
+        KernelSpec(**_fields(spec))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _kernel_refusal(spec: KernelSpec) -> str | None:
+    """The compile errors of the variant's front end (NVRTC -fdevice-syntax-only: templates instantiated and
+    static_asserts evaluated, no code made), or None."""
+    try:
+        nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options() + ["-fdevice-syntax-only"],
+                            cache.kernel_sources())
+    except nvrtc.CompileError as exc:
+        return " | ".join(line.strip() for line in exc.log.splitlines() if "error" in line) or exc.log
+    return None
+
+
+def test_host_layout_rules_are_the_kernels_static_asserts():
+    """KernelSpec.layout_problem (and __post_init__'s per-family refusals) and the kernels' static_asserts agree: over
+    a grid of tilings around the accepted ones, for every tiled family, the host refuses exactly the tilings whose
+    kernel does not compile. (Some refusals show as a division by zero: bwd_dkdv's GEMMs with no warp layout,
+    decode with fewer warps than 16-row slices.)"""
+    cases = []
+    for family, dims in (("fwd", (64,)), ("bwd_dq", (64,)), ("bwd_dkdv", (64, 128)), ("bwd_fused", (64, 128))):
+        for D, bm, bn, nw in itertools.product(dims, (32, 40, 64, 128), (32, 64, 128), (2, 4, 8)):
+            cases.append(_unchecked(family=family, head_dim=D, dtype="bf16", block_m=bm, block_n=bn, warps=nw,
+                                    causal=True, arch="sm_80"))
+    for family in ("fwd_sm90", "fwd_sm90_ws", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90"):
+        for D, bm, bn, nw in itertools.product((64, 128, 256), (64, 128, 192), (64, 80, 128), (8, 12, 16)):
+            cases.append(_unchecked(family=family, head_dim=D, dtype="bf16", block_m=bm, block_n=bn, warps=nw,
+                                    causal=True, arch="sm_90a"))
+    for bm, bn, nw in itertools.product((16, 32, 64), (32, 64, 128), (2, 4, 8)):
+        cases.append(_unchecked(family="decode", head_dim=128, dtype="bf16", block_m=bm, block_n=bn, warps=nw,
+                                causal=False, arch="sm_80"))
+    # the per-family refusals of __post_init__ that a static_assert makes too
+    for family, D in (("bwd_dkdv_sm90", 64), ("bwd_dkdv_sm90", 128), ("bwd_fused_sm90", 64)):
+        spec = tiles.tiling(family, D, "bf16", True, "sm_90a", SMEM_OPTIN[90])
+        cases.append(_unchecked(**dict(_fields(spec), dropout=8)))
+    cases.append(_unchecked(**dict(_fields(cases[-1]), score_mod=("s * 0.5f", "", ()))))
+
+    def verdicts(spec):
+        return spec, _host_refusal(spec), _kernel_refusal(spec)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # (NVRTC releases the GIL)
+        results = list(pool.map(verdicts, cases))
+    differ = [f"{s.name}: host {h or 'accepts'}; kernel {k or 'compiles'}"
+              for s, h, k in results if (h is None) != (k is None)]
+    assert not differ, "\n".join(differ)
+    accepted = sum(h is None for _, h, _ in results)
+    assert 50 < accepted < len(results) - 100, "the grid must hold both kinds"
