@@ -134,8 +134,9 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             }
         } else if (warp == 1 && lane == 0) {  // ---- the dQ writer ----
             const int* job = reinterpret_cast<const int*>(smem + (sJob - smem_base));
-            for (int it = it_begin, j = 0; it < it_end; ++it, ++j) {
-                mbar_wait(bar(T::DQ_FULL, 0), j & 1);  // both warpgroups have staged the pair's dQ (and its job)
+            Ring<1> staged;  // the dQ stage's fills so far (one slot)
+            for (int it = it_begin; it < it_end; ++it, ++staged) {
+                mbar_wait(bar(T::DQ_FULL, 0), staged.parity());  // both warpgroups have staged the pair's dQ and job
                 const int sem_at = job[3], turn = job[4], bytes = job[2];
                 const i64 at = *reinterpret_cast<const i64*>(job);
                 if (sem_at >= 0)
@@ -273,7 +274,8 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             fence_acc_and_frags(acc, pa, dsa);
             mbar_arrive(bar(T::EMPTY, s_));
         }
-        if (it > it_begin) mbar_wait(bar(T::DQ_EMPTY, 0), (it - it_begin - 1) & 1);
+        // the writer has read the stage's last fill (this loop's fills so far, one slot)
+        if (it > it_begin) mbar_wait(bar(T::DQ_EMPTY, 0), Ring<1>{(u32)(it - it_begin)}.prev().parity());
         const i64 row0 = (i64)b * p.st_sb + (i64)pr.h * p.st_sh + tile.vis.q_row0 + pr.m * BM;
         stage_dq<D, T::DQ_N>(sDQ, dq, row0, T::WIDE ? 64 * wg : 0, T::WIDE ? 0 : wg * T::DQ_N, w, g, t);
         if (tid == 0) {  // the writer's job: where the tile goes, its bytes, the counter and its turn (ordered)
