@@ -368,8 +368,10 @@ class KernelSpec:
             stages = 4 if self.head_dim == 64 and bm == 64 else 2
             return ((2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + 2 * bn * bm * 2
                     + bm * self.head_dim * 4 + 8 * (3 + 2 * stages) + 32 + 1024)
-        if self.family == "decode":  # Q + stages of (K, V) (decode.cu: DecodeTraits::STAGES)
-            return (bm + (3 if self.head_dim <= 128 else 2) * 2 * bn) * ld
+        if self.family == "decode":  # Q + stages of (K, V); Q in the last stage where it is read into registers and
+            # fits there (decode.cu: DecodeTraits::STAGES, Q_IN_STAGE)
+            q_in_stage = _round_up(self.head_dim, 16) <= 128 and bm <= 2 * bn
+            return (0 if q_in_stage else bm) * ld + (3 if self.head_dim <= 128 else 2) * 2 * bn * ld
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)

@@ -129,6 +129,56 @@ def ordered_chunk_cases():
     torch.cuda.synchronize()
 
 
+def i32(values):
+    return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+# Decoding (kernels_cu/sm80/decode.cu, helpers/combine.cu): contiguous and paged caches with appends, one and
+# several splits, 16-row to 64-row tiles, windows; then bad lengths and page ids, which must read and write nothing
+# outside the cache (the rows get NaN and a report).
+def decode_case(B, Sq, H, Hkv, D, cap, page, splits, lens, **kw):
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
+    kn, vn = (torch.randn(B, Sq, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if page:
+        pages = -(-cap // page)
+        kc, vc = (torch.randn(B * pages + 1, page, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table = torch.randperm(B * pages + 1, device="cuda")[:B * pages].view(B, pages).to(torch.int32)
+    else:
+        kc, vc = (torch.randn(B, cap, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table = None
+    flashrt.decode(q, kc, vc, cache_seqlens=i32(lens), k=kn, v=vn, page_table=table, num_splits=splits, **kw)
+    flashrt.decode(q, kc, vc, cache_seqlens=i32(lens), page_table=table, num_splits=splits, **kw)
+    return q, kc, vc, kn, vn, table
+
+
+def decode_cases():
+    decode_case(2, 1, 32, 8, 128, 300, 0, 0, [0, 299])
+    decode_case(2, 3, 8, 2, 72, 200, 16, 3, [50, 197], window=(40, 0))
+    decode_case(1, 16, 8, 1, 256, 150, 64, 2, [100], causal=False)
+    decode_case(2, 4, 16, 2, 64, 500, 32, 1, [10, 480])
+    decode_case(1, 16, 8, 2, 64, 300, 0, 2, [250], causal=True)  # 64 rows at head_dim 64: Q in the last stage
+    decode_case(2, 2, 8, 2, 128, 300, 0, 1, [0, 250], sinks=torch.randn(8, device="cuda"))  # sinks: decode.cu joins
+    decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], sinks=torch.randn(8, device="cuda"))  # and combine.cu does
+    decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], softcap=20.0)  # softcap and ALiBi ((H,) and (B, H)
+    decode_case(2, 3, 8, 2, 64, 200, 0, 2, [7, 190], alibi_slopes=torch.rand(8, device="cuda"))  # slopes): decode.cu
+    decode_case(2, 1, 16, 4, 128, 300, 16, 0, [0, 280], alibi_slopes=torch.rand(2, 16, device="cuda"))
+    q, kc, vc, kn, vn, table = decode_case(2, 2, 8, 2, 128, 256, 64, 2, [10, 20])
+    flat_k, flat_v = (torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    table[1, 1] = 1 << 20
+    for bad_lens, caches, tbl in (([255, -3], (kc, vc), table), ([5, 70], (kc, vc), table),
+                                  ([2**31 - 1, 0], (flat_k, flat_v), None)):
+        flashrt.decode(q, *caches, cache_seqlens=i32(bad_lens), k=kn, v=vn, page_table=tbl, num_splits=2)
+        try:
+            flashrt.synchronize()
+            raise SystemExit("decode did not report a bad value")
+        except ValueError:
+            pass
+    parts = [flashrt.forward(q, flat_k[:, a:b], flat_v[:, a:b]) for a, b in ((0, 100), (100, 256))]
+    flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
+    flashrt.combine(torch.stack([p[0].float() for p in parts]), torch.stack([p[1] for p in parts]))
+    torch.cuda.synchronize()
+
+
 if sys.argv[1:] == ["ordered"]:  # (that part alone)
     ordered_chunk_cases()
     sys.exit(0)
@@ -137,6 +187,9 @@ if sys.argv[1:] == ["padded"]:  # (that part alone)
     sys.exit(0)
 if sys.argv[1:] == ["dropout"]:  # (that part alone)
     dropout_cases()
+    sys.exit(0)
+if sys.argv[1:] == ["decode"]:  # (that part alone)
+    decode_cases()
     sys.exit(0)
 if sys.argv[1:] == ["score_mods"]:  # (that part alone)
     score_mod_cases()
@@ -202,12 +255,11 @@ ki, vi = (torch.randn(2, 600, 4, 64, device="cuda", dtype=torch.bfloat16) for _ 
 runs = torch.randint(0, 40, (2, 600), dtype=torch.int32, device="cuda").sort(-1).values
 run(qi, ki, vi, True, block_ids_q=runs, block_ids_k=runs, segment_ids_q=runs // 8, segment_ids_k=runs // 8,
     seqlens_q=torch.tensor([600, 413], dtype=torch.int32, device="cuda"))
+
+
 # Arrays that break every rule, with validate=False: the kernels stay inside their tensors whatever the arrays
-# hold (kernels_cu/attention/mask.cuh clamps lengths and offsets); at head_dim 64 (the warp-specialised forward, TMA) and 256.
-def i32(values):
-    return torch.tensor(values, dtype=torch.int32, device="cuda")
-
-
+# hold (kernels_cu/attention/mask.cuh clamps lengths and offsets); at head_dim 64 (the warp-specialised forward, TMA)
+# and 256.
 def run_unchecked(q, k, v, causal, **mask):  # (the forward, and the split and unordered fused backward)
     out, lse = flashrt.forward(q, k, v, causal=causal, validate=False, **mask)
     do = torch.randn_like(out)
@@ -235,47 +287,7 @@ except ValueError:
 torch.cuda.synchronize()
 print(f"sanitize workload: {len(CASES) + 13 + 10 + 1} cases ran")
 
-# Decoding (kernels_cu/sm80/decode.cu, helpers/combine.cu): contiguous and paged caches with appends, one and
-# several splits, 16-row to 64-row tiles, windows; then bad lengths and page ids, which must read and write nothing
-# outside the cache (the rows get NaN and a report).
-def decode_case(B, Sq, H, Hkv, D, cap, page, splits, lens, **kw):
-    q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
-    kn, vn = (torch.randn(B, Sq, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    if page:
-        pages = -(-cap // page)
-        kc, vc = (torch.randn(B * pages + 1, page, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        table = torch.randperm(B * pages + 1, device="cuda")[:B * pages].view(B, pages).to(torch.int32)
-    else:
-        kc, vc = (torch.randn(B, cap, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        table = None
-    flashrt.decode(q, kc, vc, cache_seqlens=i32(lens), k=kn, v=vn, page_table=table, num_splits=splits, **kw)
-    flashrt.decode(q, kc, vc, cache_seqlens=i32(lens), page_table=table, num_splits=splits, **kw)
-    return q, kc, vc, kn, vn, table
-
-
-decode_case(2, 1, 32, 8, 128, 300, 0, 0, [0, 299])
-decode_case(2, 3, 8, 2, 72, 200, 16, 3, [50, 197], window=(40, 0))
-decode_case(1, 16, 8, 1, 256, 150, 64, 2, [100], causal=False)
-decode_case(2, 4, 16, 2, 64, 500, 32, 1, [10, 480])
-decode_case(2, 2, 8, 2, 128, 300, 0, 1, [0, 250], sinks=torch.randn(8, device="cuda"))  # sinks: decode.cu joins
-decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], sinks=torch.randn(8, device="cuda"))  # and combine.cu does
-decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], softcap=20.0)  # softcap and ALiBi ((H,) and (B, H)
-decode_case(2, 3, 8, 2, 64, 200, 0, 2, [7, 190], alibi_slopes=torch.rand(8, device="cuda"))  # slopes): decode.cu
-decode_case(2, 1, 16, 4, 128, 300, 16, 0, [0, 280], alibi_slopes=torch.rand(2, 16, device="cuda"))
-q, kc, vc, kn, vn, table = decode_case(2, 2, 8, 2, 128, 256, 64, 2, [10, 20])
-flat_k, flat_v = (torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-table[1, 1] = 1 << 20
-for bad_lens, caches, tbl in (([255, -3], (kc, vc), table), ([5, 70], (kc, vc), table),
-                              ([2**31 - 1, 0], (flat_k, flat_v), None)):
-    flashrt.decode(q, *caches, cache_seqlens=i32(bad_lens), k=kn, v=vn, page_table=tbl, num_splits=2)
-    try:
-        flashrt.synchronize()
-        raise SystemExit("decode did not report a bad value")
-    except ValueError:
-        pass
-parts = [flashrt.forward(q, flat_k[:, a:b], flat_v[:, a:b]) for a, b in ((0, 100), (100, 256))]
-flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
-flashrt.combine(torch.stack([p[0].float() for p in parts]), torch.stack([p[1] for p in parts]))
+decode_cases()
 torch.cuda.synchronize()
 score_mod_cases()
 padded_cases()

@@ -31,7 +31,11 @@ struct DecodeTraits {
                   "warps must tile block_m by 16 rows and block_n by 16-key multiples");
     static constexpr int STAGES = D <= 128 ? 3 : 2;  // spec.KernelSpec.smem_bytes
     static constexpr bool Q_IN_REGS = DP <= 128;
-    static constexpr int SMEM_Q = BM * LD, SMEM_STAGE = 2 * BN * LD;  // a stage: K, then V
+    static constexpr int SMEM_STAGE = 2 * BN * LD;  // a stage: K, then V
+    // Q read into registers at the first tile lands in the last stage, which the first tile's loads leave free (one
+    // block more per SM at head_dim 56 / 64; docs/perf-notes.md, Decode: the loader); else before the stages.
+    static constexpr bool Q_IN_STAGE = Q_IN_REGS && BM <= 2 * BN;
+    static constexpr int SMEM_Q = Q_IN_STAGE ? 0 : BM * LD;
     static constexpr int SMEM = SMEM_Q + STAGES * SMEM_STAGE;
     // The epilogue reuses it: each warp column's row maxima and sums, then its O rows (fp32, pitch OP).
     static constexpr int OP = DP + 4;
@@ -113,7 +117,8 @@ __device__ void decode(const DecodeParams& p) {
         }
     }
 
-    const u32 sQ = smem_u32(smem), sKV = sQ + T::SMEM_Q;
+    const u32 sKV = smem_u32(smem) + T::SMEM_Q;
+    const u32 sQ = T::Q_IN_STAGE ? sKV + (STAGES - 1) * T::SMEM_STAGE : smem_u32(smem);
     for (int idx = tid; idx < BM * CPR; idx += T::NTHREADS) {
         const int r = idx / CPR, c = idx % CPR, rg = row0 + r;
         const bool ok = r < rows && c * 8 < T::D;
@@ -221,6 +226,13 @@ __device__ void decode(const DecodeParams& p) {
         const int j = first + it, stage = it % STAGES;
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile it is in; every warp is done with the stage the next load overwrites
+        if constexpr (T::Q_IN_REGS) {
+            if (it == 0) {  // (Q came with tile 0's loads)
+#pragma unroll
+                for (int kk = 0; kk < KS_D; ++kk) load_a(sQw, LD, 0, kk, lane, qf[kk][0]);
+                if constexpr (T::Q_IN_STAGE) __syncthreads();  // every warp holds Q before the next load overwrites it
+            }
+        }
         if (it + STAGES - 1 < n_blocks) load_kv(sKV + ((it + STAGES - 1) % STAGES) * T::SMEM_STAGE, j + STAGES - 1);
         cp_async_commit();
 
@@ -228,10 +240,6 @@ __device__ void decode(const DecodeParams& p) {
         float s[1][NT_S][4];
         zero(s);
         if constexpr (T::Q_IN_REGS) {
-            if (it == 0) {
-#pragma unroll
-                for (int kk = 0; kk < KS_D; ++kk) load_a(sQw, LD, 0, kk, lane, qf[kk][0]);
-            }
             gemm_rs<T::BF16, 1, NT_S, KS_D, B_NK>(s, qf, sK, LD, lane);
         } else {
             gemm_ss<T::BF16, 1, NT_S, KS_D, B_NK>(s, sQw, LD, sK, LD, lane);
