@@ -70,22 +70,29 @@ __device__ void combine(const CombineParams& p) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
         if (sink != -FRT_INF) sum += expf(sink - m);
-        // This warp's parts in index order; a part of weight 0 is not read.
+        // This warp's parts in index order; a part of weight 0 is not read. BATCH parts' loads are issued together,
+        // then added in order (one at a time, each waited for in turn, 8 splits' combine took 8 us: H100 ncu).
+        constexpr int BATCH = 4;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < PARTS_PER_LANE; ++k) {
             if (32 * k >= p.n) break;
-#pragma unroll 8
-            for (int t = wr; t < 32; t += rw) {
-                const int s = 32 * k + t;
-                if (s >= p.n) break;
-                const float ws = __shfl_sync(0xffffffffu, w[k], t);
-                if (ws != 0.f && c < p.D) {
-                    float x[8];
-                    load8<PART_F32, T::BF16>(p.o_part, (s * rows + row) * p.D + c, x);
+#pragma unroll 1
+            for (int t0 = wr; t0 < 32 && 32 * k + t0 < p.n; t0 += BATCH * rw) {
+                float ws[BATCH], x[BATCH][8];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(ws, x[e], acc[e]);
+                for (int u = 0; u < BATCH; ++u) {
+                    const int t = t0 + u * rw, s = 32 * k + t;
+                    ws[u] = __shfl_sync(0xffffffffu, w[k], t & 31);  // (t is the warp's: every lane takes part)
+                    if (t >= 32 || s >= p.n || c >= p.D) ws[u] = 0.f;
+                    if (ws[u] != 0.f)
+                        load8<PART_F32, T::BF16>(p.o_part, (s * rows + row) * p.D + c, x[u]);
                 }
+#pragma unroll
+                for (int u = 0; u < BATCH; ++u)
+                    if (ws[u] != 0.f)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[e] = fmaf(ws[u], x[u][e], acc[e]);
             }
         }
         if (rw > 1) {
