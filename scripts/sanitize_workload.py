@@ -157,6 +157,7 @@ def decode_cases():
     decode_case(1, 16, 8, 1, 256, 150, 64, 2, [100], causal=False)
     decode_case(2, 4, 16, 2, 64, 500, 32, 1, [10, 480])
     decode_case(1, 16, 8, 2, 64, 300, 0, 2, [250], causal=True)  # 64 rows at head_dim 64: Q in the last stage
+    decode_case(2, 1, 8, 1, 128, 2000, 0, 12, [1500, 2000])  # 12 splits: combine.cu's batches of parts
     decode_case(2, 2, 8, 2, 128, 300, 0, 1, [0, 250], sinks=torch.randn(8, device="cuda"))  # sinks: decode.cu joins
     decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], sinks=torch.randn(8, device="cuda"))  # and combine.cu does
     decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], softcap=20.0)  # softcap and ALiBi ((H,) and (B, H)
