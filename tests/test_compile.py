@@ -13,6 +13,7 @@ import itertools
 import multiprocessing
 import os
 import re
+import time
 
 import pytest
 
@@ -146,8 +147,8 @@ LEARNED = ("s * w[h] + bias[h * 8191 + k - q + 4095] + 0.1f * (float)ids[k]", ""
 
 def _compile_verbose(spec: KernelSpec, fresh: bool = False) -> tuple[bytes, str]:
     # fresh: an unused define makes the program new to NVRTC, whose CUDA 13 release returns a program it
-    # compiled before in this process with an empty log (no ptxas report).
-    extra = ["-DFRT_FRESH_COMPILE=1"] if fresh else []
+    # compiled before, in this process or an earlier one, with an empty log (no ptxas report): a value of its own.
+    extra = [f"-DFRT_FRESH_COMPILE={os.getpid()}_{time.monotonic_ns()}"] if fresh else []
     return nvrtc.compile_cubin(spec.translation_unit(), spec.name, spec.options() + ["-Xptxas=-v"] + extra,
                                cache.kernel_sources())
 
