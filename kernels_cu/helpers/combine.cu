@@ -71,7 +71,8 @@ __device__ void combine(const CombineParams& p) {
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
         if (sink != -FRT_INF) sum += expf(sink - m);
         // This warp's parts in index order; a part of weight 0 is not read. BATCH parts' loads are issued together,
-        // then added in order (one at a time, each waited for in turn, 8 splits' combine took 8 us: H100 ncu).
+        // then added in order (loaded one at a time, 8 splits took 8.2 us, batched 6.8: H100 ncu; docs/perf-notes.md,
+        // Decode: splits and the combine).
         constexpr int BATCH = 4;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
