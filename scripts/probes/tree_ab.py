@@ -34,23 +34,11 @@ def shapes(head_dims):
                 yield TOKENS // S, S, WIDTH // D, D, causal
 
 
-def time_ms(torch, fn, reps):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def points(packages, head_dims, rounds, reps):
     """{label: [{point: ms} per round]} for the packages {label: module}, alternating within every round."""
     import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from mask_times import time_ms  # (scripts/: CUDA events after 3 warm-up calls, the median of reps)
 
     times = {label: [{} for _ in range(rounds)] for label in packages}
     labels = list(packages)
@@ -61,9 +49,9 @@ def points(packages, head_dims, rounds, reps):
         for r in range(rounds):
             for label in (labels if r % 2 == 0 else labels[::-1]):
                 fr, (out, lse) = packages[label], saved[label]
-                times[label][r][f"fwd {tag}"] = time_ms(torch, lambda: fr.forward(q, k, v, causal=causal), reps)
+                times[label][r][f"fwd {tag}"] = time_ms(lambda: fr.forward(q, k, v, causal=causal), reps)
                 times[label][r][f"bwd {tag}"] = time_ms(
-                    torch, lambda: fr.backward(do, q, k, v, out, lse, causal=causal), reps)
+                    lambda: fr.backward(do, q, k, v, out, lse, causal=causal), reps)
     return times
 
 
