@@ -315,7 +315,11 @@ class KernelSpec:
         if self.family == "decode":  # warps over 16-row and 16-key multiples (decode.cu: DecodeTraits)
             wm = bm // 16
             ok = nw % wm == 0 and bn % (nw // wm) == 0 and bn // (nw // wm) % 16 == 0
-            return None if ok else "warps must tile block_m by 16 rows and block_n by multiples of 16 keys"
+            if not ok:
+                return "warps must tile block_m by 16 rows and block_n by multiples of 16 keys"
+            wn = nw // wm  # the epilogue's exchange in the stages: each warp column's row statistics and fp32 O rows
+            exchange = 2 * wn * bm * 4 + wn * bm * (_round_up(self.head_dim, 16) + 4) * 4
+            return None if exchange <= self.smem_bytes else "the epilogue's exchange must fit in the shared memory"
         dp = _round_up(self.head_dim, 16)
         for what, m, n, wm in zip(("keys x queries", "keys x head_dim", "queries x head_dim"),
                                   (bn, bn, bm), (bm, dp, dp), self.gemm_warps):
