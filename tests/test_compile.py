@@ -289,8 +289,8 @@ def test_host_layout_rules_are_the_kernels_static_asserts():
         for D, bm, bn, nw in itertools.product((64, 128, 256), (64, 128, 192), (64, 80, 128), (8, 12, 16)):
             cases.append(_unchecked(family=family, head_dim=D, dtype="bf16", block_m=bm, block_n=bn, warps=nw,
                                     causal=True, arch="sm_90a"))
-    for bm, bn, nw in itertools.product((16, 32, 64), (32, 64, 128), (2, 4, 8)):
-        cases.append(_unchecked(family="decode", head_dim=128, dtype="bf16", block_m=bm, block_n=bn, warps=nw,
+    for D, bm, bn, nw in itertools.product((64, 128, 256), (16, 32, 64), (16, 32, 64), (2, 4, 8)):
+        cases.append(_unchecked(family="decode", head_dim=D, dtype="bf16", block_m=bm, block_n=bn, warps=nw,
                                 causal=False, arch="sm_80"))
     # the per-family refusals of __post_init__ that a static_assert makes too
     for family, D in (("bwd_dkdv_sm90", 64), ("bwd_dkdv_sm90", 128), ("bwd_fused_sm90", 64)):
