@@ -7,14 +7,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import flashrt  # noqa: E402
+from bench_decode import call_of  # noqa: E402
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 B, S, H, Hkv, D = map(int, args[:5])
 page = int(args[5]) if len(args) > 5 else 0
+assert not (page and "--cudnn" in sys.argv), "--cudnn reads a contiguous cache"
 q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
 if page:
     kc, vc = (torch.randn(B * S // page, page, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -24,14 +26,8 @@ else:
     table = None
 lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
 
-
-def call():
-    if "--cudnn" in sys.argv:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2),
-                                                                    vc.transpose(1, 2), enable_gqa=True)
-    return flashrt.decode(q, kc, vc, cache_seqlens=lens, page_table=table)
-
+call = (call_of("cudnn", q, kc, vc, lens, None) if "--cudnn" in sys.argv  # (bench_decode's SDPA call)
+        else lambda: flashrt.decode(q, kc, vc, cache_seqlens=lens, page_table=table))
 
 for _ in range(3):
     call()
