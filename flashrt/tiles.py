@@ -175,6 +175,10 @@ FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (12
                       (64, 128, True, True): 2048,
                       (64, 64, False, False): 0, (64, 64, False, True): 4096, (64, 64, True, False): 16384,
                       (64, 64, True, True): 16384}
+# ... ordered, not causal, with one split (its key tiles fill the GPU: key_waves > 0.5, dkdv_splits), where its query
+# tiles run rotated (rotate_ordered_dq; docs/perf-notes.md: Ordered grid): at 64 with 128-query tiles 1.16x / 1.30x /
+# 1.41x / 1.43x the split pair at 1k / 2k / 4k / 8k (H200, scripts/probes/bwd_fused_ws.py, 16k tokens).
+FUSED_WGMMA_MIN_SQ_ROTATED = {(64, 128, True, False): 0}
 # ... with a score modification (softcap, ALiBi, score_mod), where the split pair computes it twice (P in both kernels)
 # and the fused kernel once: entries that differ from FUSED_WGMMA_MIN_SQ's. flashrt.backward alone, the same shapes,
 # softcap, ALiBi and the three score_mod expressions of scripts/probes/bwd_mods_impl.py (docs/perf-notes.md: Backward:
@@ -198,7 +202,8 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
     kernel's query tile `fused_block_m`, deterministic, causal) on (`seqlen_q`; GQA alike: 1.08-1.35x the split pair
     at 32/8 and 16/2, H200), or FUSED_WGMMA_MIN_SQ_MODIFIED with a score modification (`modified`), and with no id or
     mask_mod masks (`mask`, MASK_BITS: not measured); ordered and causal, only where its grid of key tiles fills the
-    SMs ORDERED_CAUSAL_MIN_WAVES times (`key_waves`: its blocks per SM; it runs one block per SM).
+    SMs ORDERED_CAUSAL_MIN_WAVES times (`key_waves`: its blocks per SM; it runs one block per SM); ordered and not
+    causal in one split, from FUSED_WGMMA_MIN_SQ_ROTATED's length.
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -215,6 +220,8 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
         least = FUSED_WGMMA_MIN_SQ.get(key)
         if modified:
             least = FUSED_WGMMA_MIN_SQ_MODIFIED.get(key, least)
+        elif key_waves > 0.5:
+            least = FUSED_WGMMA_MIN_SQ_ROTATED.get(key, least)
         if (fused_wgmma and plain and least is not None and seqlen_q >= least
                 and (ordered_ok or not deterministic)
                 and (key_waves >= ORDERED_CAUSAL_MIN_WAVES or not (deterministic and causal))):
@@ -570,6 +577,19 @@ def ordered_key_chunk(dev: Device, pairs: int, splits: int) -> int:
     if splits > 1:
         return 0
     return _equal_chunks(pairs, max(1, dev.sm_count // ORDERED_KEY_TILES_TOGETHER))
+
+
+# The ordered non-causal fused backward's rotated order (kernels_cu/sm90/bwd_sm90.cuh: dq_turn) has a key tile wait
+# for the one above it, which the hardware may start later: safe only while a row's key tiles all fit on the GPU at
+# once, here at one block per SM on at most this share of the SMs (the rest may be held by other work).
+ORDERED_ROTATION_SM_SHARE = 0.5
+
+
+def rotate_ordered_dq(dev: Device, key_tiles: int) -> bool:
+    """Whether the ordered non-causal fused backward visits each key tile's query tiles rotated by the key tile
+    (p.dq_rotate; docs/perf-notes.md, Ordered grid): where a row's `key_tiles` blocks fit on
+    ORDERED_ROTATION_SM_SHARE of the SMs."""
+    return key_tiles <= dev.sm_count * ORDERED_ROTATION_SM_SHARE
 
 
 def _equal_chunks(pairs: int, most: int) -> int:

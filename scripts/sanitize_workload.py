@@ -180,8 +180,29 @@ def decode_cases():
     torch.cuda.synchronize()
 
 
+def rotated_cases():
+    """The ordered non-causal fused backward with each key tile's query tiles rotated (tiles.rotate_ordered_dq):
+    more key tiles than query tiles, fewer, and padding lengths, at head_dim 64 and 128 (grids of key tiles that
+    fill the GPU: one split)."""
+    for D in (64, 128):
+        for B, Sq, Sk, H, Hkv, lengths in ((2, 300, 1100, 4, 4, False), (4, 1100, 300, 6, 6, False),
+                                          (3, 600, 800, 4, 4, True)):
+            q, k, v, do = (torch.randn(B, s, h, D, device="cuda", dtype=torch.bfloat16)
+                           for s, h in ((Sq, H), (Sk, Hkv), (Sk, Hkv), (Sq, H)))
+            mask = {}
+            if lengths:
+                mask = dict(seqlens_q=torch.tensor([Sq - 70, Sq, 1], device="cuda", dtype=torch.int32),
+                            seqlens_k=torch.tensor([Sk, Sk - 200, 130], device="cuda", dtype=torch.int32))
+            out, lse = flashrt.forward(q, k, v, **mask)
+            flashrt.backward(do, q, k, v, out, lse, impl="fused", deterministic=True, **mask)
+    torch.cuda.synchronize()
+
+
 if sys.argv[1:] == ["ordered"]:  # (that part alone)
     ordered_chunk_cases()
+    sys.exit(0)
+if sys.argv[1:] == ["rotated"]:  # (that part alone)
+    rotated_cases()
     sys.exit(0)
 if sys.argv[1:] == ["padded"]:  # (that part alone)
     padded_cases()
@@ -293,4 +314,5 @@ torch.cuda.synchronize()
 score_mod_cases()
 padded_cases()
 ordered_chunk_cases()
+rotated_cases()
 dropout_cases()

@@ -549,6 +549,40 @@ def test_ordered_causal_fused_backward_in_chunks_of_pairs(torch, poison, monkeyp
     _close_and_bitwise_the_same([grads[c] for c in (1, 4, 0)], (rdq, rdk, rdv), "chunks of 1, 4 and all pairs")
 
 
+@pytest.mark.parametrize("D,B,Sq,Sk,H,Hkv,lengths", [(64, 2, 1000, 1500, 12, 3, False),
+                                                     (128, 4, 1500, 520, 8, 4, False), (128, 3, 900, 1100, 6, 3, True)])
+def test_ordered_fused_backward_rotated(torch, poison, monkeypatch, D, B, Sq, Sk, H, Hkv, lengths):
+    """The ordered non-causal wgmma fused backward visits each key tile's query tiles rotated by the key tile, and
+    adds each query tile's dQ in the order the key tiles reach it (tiles.rotate_ordered_dq;
+    kernels_cu/sm90/bwd_sm90.cuh: dq_turn): with more key tiles than query tiles (several key tiles at one step),
+    fewer, and padding lengths. Close to float64 and bitwise the same over repeats; and in another order than without
+    the rotation (the bits differ: at 4 or more key tiles fp32 sums in two orders do not agree everywhere), so the
+    rotated order ran."""
+    import cupy
+    dev = launch.device(torch.cuda.current_device())
+    if dev.arch != "sm_90a":
+        pytest.skip(f"the wgmma fused backward is for sm_90a; this GPU is {dev.arch}")
+    spec = tiles.kernel_for("bwd_fused_sm90", D, "bf16", False, dev, MASK_BITS["lengths"] if lengths else 0)
+    assert tiles.dkdv_splits(spec, B, H, Hkv, Sq, Sk, dev.sm_count) == 1  # (one split: the rotation's case)
+    assert tiles.rotate_ordered_dq(dev, -(-Sk // spec.block_n)) and -(-Sk // spec.block_n) >= 4
+    q, k, v, do = (cupy.from_dlpack(x) for x in make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D + Sq))
+    kw = {}
+    if lengths:
+        kw = dict(seqlens_q=cupy.asarray([Sq - 130, Sq, Sq - 64][:B], dtype=cupy.int32),
+                  seqlens_k=cupy.asarray([Sk, Sk - 300, Sk - 1][:B], dtype=cupy.int32))
+    out, lse = flashrt.forward(q, k, v, **kw)
+    grads = [flashrt.backward(do, q, k, v, out, lse, impl="fused", deterministic=True, **kw) for _ in range(3)]
+    assert any(n.startswith(f"flashrt_bwd_fused_sm90_hd{D}_") for n, _ in launch._functions)
+    keep = reference.visible(B, Sq, Sk, xp=cupy, **{n: cupy.asnumpy(a) for n, a in kw.items()})
+    _, _, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+    _close_and_bitwise_the_same(grads, (rdq, rdk, rdv), "repeats")
+    monkeypatch.setattr(tiles, "ORDERED_ROTATION_SM_SHARE", 0.0)
+    api._PLANS.clear()
+    in_order = flashrt.backward(do, q, k, v, out, lse, impl="fused", deterministic=True, **kw)
+    assert reference.rel_error(f64(in_order[0]), rdq) < 2e-2
+    assert not bool((in_order[0] == grads[0][0]).all()), "dq came out bitwise as without the rotation"
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", ["gqa-ragged-causal", "varlen"])
 def test_fused_backward_without_tma_is_bitwise_the_same(torch, poison, monkeypatch, D, case):

@@ -113,6 +113,7 @@ struct BwdParams {
     int sched_key_pairs; // causal key-parallel kernels: (batch entry, grid row) pairs per chunk (key_block); 0: none
     int dq_swizzle;      // bwd_fused_sm90: dq_accum rows hold their 16-byte chunks permuted (bwd_sm90.cuh: stage_dq)
     int use_tma;         // the maps are set (0: FLASHRT_NO_TMA or another kernel; every tile by cp.async)
+    int dq_rotate;       // ordered fused, not causal: key tile k visits the query tiles rotated by k (KeyTile::rotate)
     // Masks (kernels_cu/attention/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
     // offsets, (B, S) or packed (total,) non-decreasing ids.
     const int* seqlens_q;
@@ -524,7 +525,8 @@ FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, i64 k_row0, int 
 // it: the group's query heads in order, each with the query tiles [m_first, m_first + m_count)
 // last to first, or with mask_mod the tiles of its ModLists column (per head when the mask
 // differs per head). The pairs are split into `splits` contiguous chunks; this block visits
-// pairs [it_begin, it_end).
+// pairs [it_begin, it_end). rotate(): each head's query tiles start rot = n_block % m_count tiles further
+// down, wrapping (the ordered non-causal fused dQ: bwd_sm90.cuh, dq_turn).
 template <int BM, int BN, bool CAUSAL, int MASK>
 struct KeyTile {
     static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
@@ -532,6 +534,8 @@ struct KeyTile {
     int n_block, hk, split, b, group, n0, rows;     // rows <= 0: past a packed sequence's end
     int live;  // of the rows, the keys inside the sequence (padding: the rest are never read; their dK, dV are zeros)
     int m_first, m_count, it_begin, it_end;
+    int rot;       // rotate(): the query-tile offset of this key tile; else 0
+    bool rotated;  // rotate() was called
     ModLists lists;
     const TileIntervals<BN>* queries;  // IDS: each key's visible queries (Visibility::queries_of)
 
@@ -552,7 +556,8 @@ struct KeyTile {
         n0 = n_block * BN;
         rows = min(BN, vis.Ek - n0);
         live = min(rows, vis.Lk - n0);
-        m_first = m_count = it_begin = it_end = 0;
+        m_first = m_count = it_begin = it_end = rot = 0;
+        rotated = false;
         queries = nullptr;
         if (rows <= 0) return;  // (the launcher uses one split when varlen: no partials to write)
         int n_pairs, q_lo = 0, q_hi = vis.Lq;
@@ -577,6 +582,15 @@ struct KeyTile {
                                           nthreads);
     }
 
+    // Start each head's query tiles rot = n_block % m_count tiles below the last, wrapping, so that the key tiles
+    // of a row visit different query tiles at each step. Only where every key tile of the row sees the same query
+    // tiles (not causal, no window, no ids, no mask_mod: dq_turn counts on it).
+    FRT_DEVICE void rotate() {
+        static_assert(!CAUSAL && !IDS && !MOD && !(MASK & MASK_WINDOW), "KeyTile::rotate: equal query spans only");
+        rotated = true;
+        rot = m_count > 0 ? n_block % m_count : 0;
+    }
+
     // Without ids or mask_mod, key j sees an interval of each query tile's queries (QueryTile::key_interval's
     // twin; both ends may cut it).
     static constexpr bool INTERVALS = !IDS && !MOD;
@@ -598,7 +612,7 @@ struct KeyTile {
     }
 
     // Pair `it`: query heads of the group in order, query tiles last to first (the ordered
-    // fused dQ of bwd_dkdv.cu relies on it).
+    // fused dQ of bwd_dkdv.cu relies on it), or rotated (rotate()).
     template <class P>
     FRT_DEVICE Pair pair(const P& p, int it) const {
         if constexpr (MOD) {
@@ -613,7 +627,9 @@ struct KeyTile {
             const int e = lists.list[lists.index(p, b, h, n_block) * lists.n_inner + it];
             return {h, ModLists::tile(e), e < 0};
         } else {
-            const int m = m_first + m_count - 1 - it % m_count;
+            int mi = m_count - 1 - it % m_count - rot;
+            if (mi < 0) mi += m_count;
+            const int m = m_first + mi;
             bool partial;
             if constexpr (IDS)
                 partial = !queries->covers(m * BM, BM);

@@ -10,7 +10,7 @@ H = 2048 // head_dim), or with --gqa at GQA prefill shapes (head_dim 128). TFLOP
 4 B H S^2 D, halved when causal. Prints a table last.
 --defines: an A/B of compile-time switches in one process: the fused variants are checked and timed once per named
 set of NVRTC defines (the kernels reloaded at each switch), the split pair once; an item "bm64=64" sets the fused
-kernel's query tile at head_dim 64.
+kernel's query tile at head_dim 64, "rotate=0" turns the ordered non-causal rotation off (tiles.rotate_ordered_dq).
 """
 from __future__ import annotations
 
@@ -24,18 +24,23 @@ from flashrt import api, launch, spec, tiles
 
 BASE_OPTIONS = spec.NVRTC_OPTIONS
 BASE_TILES = list(tiles._PREFERENCES["bwd_fused_sm90"])
+BASE_ROTATION = tiles.ORDERED_ROTATION_SM_SHARE
 DEFINES: dict[str, tuple] = {"": ()}  # name -> NVRTC options added, and "bm64=M" (--defines)
 
 
 def use_defines(name: str) -> None:
     """Compile and load the kernels with the named set of defines from here on (a separate cache entry each); a
-    "bm64=M" item: the fused kernel's query tile of M rows at head_dim 64."""
-    opts = tuple(o for o in DEFINES[name] if not o.startswith("bm64="))
+    "bm64=M" item: the fused kernel's query tile of M rows at head_dim 64; "rotate=X": tiles.ORDERED_ROTATION_SM_SHARE
+    (0: the ordered non-causal kernel's query tiles in order)."""
+    opts = tuple(o for o in DEFINES[name] if not o.startswith(("bm64=", "rotate=")))
     bm64 = [int(o[5:]) for o in DEFINES[name] if o.startswith("bm64=")]
+    rotate = [float(o[7:]) for o in DEFINES[name] if o.startswith("rotate=")] or [BASE_ROTATION]
     prefs = BASE_TILES if not bm64 else [(64, [(bm64[0], 128, 12)]), *BASE_TILES[1:]]
-    if spec.NVRTC_OPTIONS != BASE_OPTIONS + opts or tiles._PREFERENCES["bwd_fused_sm90"] != prefs:
+    if (spec.NVRTC_OPTIONS != BASE_OPTIONS + opts or tiles._PREFERENCES["bwd_fused_sm90"] != prefs
+            or tiles.ORDERED_ROTATION_SM_SHARE != rotate[0]):
         spec.NVRTC_OPTIONS = BASE_OPTIONS + opts
         tiles._PREFERENCES["bwd_fused_sm90"] = prefs
+        tiles.ORDERED_ROTATION_SM_SHARE = rotate[0]
         launch._functions.clear()
         tiles.kernel_for.cache_clear()
         api._PLANS.clear()
