@@ -706,8 +706,9 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         p["dq_swizzle"] = int(fused_family == "bwd_fused_sm90")
         if deterministic:  # a counter per query tile
             allocs.append(_Alloc(("dq_sem",), (m.B, H, -(-m.Sq // main.block_m)), "i32", 0))
+            key_tiles = -(-m.Sk // main.block_n)
             p["dq_rotate"] = int(main.family == "bwd_fused_sm90" and not m.causal and splits == 1
-                                 and tiles.rotate_ordered_dq(dev, -(-m.Sk // main.block_n)))
+                                 and tiles.rotate_ordered_dq(dev, key_tiles))
         families = ["bwd_preprocess", fused_family, "bwd_dq_convert"]
     elif dq_family == "bwd_dq_sm90":  # it computes delta and lse2 (bwd_preprocess's work) for the dK/dV pass
         families = [dq_family, dkdv_family]

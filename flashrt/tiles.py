@@ -177,7 +177,8 @@ FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (12
                       (64, 64, True, True): 16384}
 # ... ordered, not causal, with one split (its key tiles fill the GPU: key_waves > 0.5, dkdv_splits), where its query
 # tiles run rotated (rotate_ordered_dq; docs/perf-notes.md: Ordered grid): at 64 with 128-query tiles 1.16x / 1.30x /
-# 1.41x / 1.43x the split pair at 1k / 2k / 4k / 8k (H200, scripts/probes/bwd_fused_ws.py, 16k tokens).
+# 1.41x / 1.43x the split pair at 1k / 2k / 4k / 8k (H200), 1.13x / 1.28x / 1.35x at 1k / 2k / 4k (H100;
+# scripts/probes/bwd_fused_ws.py, 16k tokens).
 FUSED_WGMMA_MIN_SQ_ROTATED = {(64, 128, True, False): 0}
 # ... with a score modification (softcap, ALiBi, score_mod), where the split pair computes it twice (P in both kernels)
 # and the fused kernel once: entries that differ from FUSED_WGMMA_MIN_SQ's. flashrt.backward alone, the same shapes,
@@ -579,16 +580,16 @@ def ordered_key_chunk(dev: Device, pairs: int, splits: int) -> int:
     return _equal_chunks(pairs, max(1, dev.sm_count // ORDERED_KEY_TILES_TOGETHER))
 
 
-# The ordered non-causal fused backward's rotated order (kernels_cu/sm90/bwd_sm90.cuh: dq_turn) has a key tile wait
-# for the one above it, which the hardware may start later: safe only while a row's key tiles all fit on the GPU at
-# once, here at one block per SM on at most this share of the SMs (the rest may be held by other work).
+# The ordered non-causal fused backward's rotated order (kernels_cu/attention/params.cuh: dq_turn) has a key tile
+# wait for the one above it, which the hardware may start later: safe only while a row's key tiles all fit on the GPU
+# at once, here at one block per SM on at most this share of the SMs (the rest may be held by other work).
 ORDERED_ROTATION_SM_SHARE = 0.5
 
 
 def rotate_ordered_dq(dev: Device, key_tiles: int) -> bool:
-    """Whether the ordered non-causal fused backward visits each key tile's query tiles rotated by the key tile
+    """Whether the ordered non-causal wgmma fused backward visits each key tile's query tiles rotated by the key tile
     (p.dq_rotate; docs/perf-notes.md, Ordered grid): where a row's `key_tiles` blocks fit on
-    ORDERED_ROTATION_SM_SHARE of the SMs."""
+    ORDERED_ROTATION_SM_SHARE of the SMs. The kernel rotates only where the mask lets it (KeyTile::ROTATABLE)."""
     return key_tiles <= dev.sm_count * ORDERED_ROTATION_SM_SHARE
 
 

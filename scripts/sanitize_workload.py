@@ -157,7 +157,7 @@ def decode_cases():
     decode_case(1, 16, 8, 1, 256, 150, 64, 2, [100], causal=False)
     decode_case(2, 4, 16, 2, 64, 500, 32, 1, [10, 480])
     decode_case(1, 16, 8, 2, 64, 300, 0, 2, [250], causal=True)  # 64 rows at head_dim 64: Q in the last stage
-    decode_case(2, 1, 8, 1, 128, 2000, 0, 12, [1500, 2000])  # 12 splits: combine.cu's batches of parts
+    decode_case(2, 1, 8, 1, 128, 2000, 0, 12, [1500, 1999])  # 12 splits: combine.cu's batches of parts
     decode_case(2, 2, 8, 2, 128, 300, 0, 1, [0, 250], sinks=torch.randn(8, device="cuda"))  # sinks: decode.cu joins
     decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], sinks=torch.randn(8, device="cuda"))  # and combine.cu does
     decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], softcap=20.0)  # softcap and ALiBi ((H,) and (B, H)
@@ -181,9 +181,9 @@ def decode_cases():
 
 
 def rotated_cases():
-    """The ordered non-causal fused backward with each key tile's query tiles rotated (tiles.rotate_ordered_dq):
-    more key tiles than query tiles, fewer, and padding lengths, at head_dim 64 and 128 (grids of key tiles that
-    fill the GPU: one split)."""
+    """The ordered non-causal wgmma fused backward with each key tile's query tiles rotated (tiles.rotate_ordered_dq):
+    more key tiles than query tiles, fewer, and padding lengths, at head_dim 64 and 128 (grids of key tiles that fill
+    the GPU: one split)."""
     for D in (64, 128):
         for B, Sq, Sk, H, Hkv, lengths in ((2, 300, 1100, 4, 4, False), (4, 1100, 300, 6, 6, False),
                                           (3, 600, 800, 4, 4, True)):
@@ -316,3 +316,5 @@ padded_cases()
 ordered_chunk_cases()
 rotated_cases()
 dropout_cases()
+torch.cuda.synchronize()
+print("sanitize workload: every part ran")

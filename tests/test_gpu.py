@@ -554,7 +554,7 @@ def test_ordered_causal_fused_backward_in_chunks_of_pairs(torch, poison, monkeyp
 def test_ordered_fused_backward_rotated(torch, poison, monkeypatch, D, B, Sq, Sk, H, Hkv, lengths):
     """The ordered non-causal wgmma fused backward visits each key tile's query tiles rotated by the key tile, and
     adds each query tile's dQ in the order the key tiles reach it (tiles.rotate_ordered_dq;
-    kernels_cu/sm90/bwd_sm90.cuh: dq_turn): with more key tiles than query tiles (several key tiles at one step),
+    kernels_cu/attention/params.cuh: dq_turn): with more key tiles than query tiles (several key tiles at one step),
     fewer, and padding lengths. Close to float64 and bitwise the same over repeats; and in another order than without
     the rotation (the bits differ: at 4 or more key tiles fp32 sums in two orders do not agree everywhere), so the
     rotated order ran."""
@@ -562,9 +562,11 @@ def test_ordered_fused_backward_rotated(torch, poison, monkeypatch, D, B, Sq, Sk
     dev = launch.device(torch.cuda.current_device())
     if dev.arch != "sm_90a":
         pytest.skip(f"the wgmma fused backward is for sm_90a; this GPU is {dev.arch}")
-    spec = tiles.kernel_for("bwd_fused_sm90", D, "bf16", False, dev, MASK_BITS["lengths"] if lengths else 0)
+    family = "bwd_fused_sm90"
+    spec = tiles.kernel_for(family, D, "bf16", False, dev, MASK_BITS["lengths"] if lengths else 0)
+    key_tiles = -(-Sk // spec.block_n)
     assert tiles.dkdv_splits(spec, B, H, Hkv, Sq, Sk, dev.sm_count) == 1  # (one split: the rotation's case)
-    assert tiles.rotate_ordered_dq(dev, -(-Sk // spec.block_n)) and -(-Sk // spec.block_n) >= 4
+    assert tiles.rotate_ordered_dq(dev, key_tiles) and key_tiles >= 4
     q, k, v, do = (cupy.from_dlpack(x) for x in make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D + Sq))
     kw = {}
     if lengths:
@@ -572,7 +574,7 @@ def test_ordered_fused_backward_rotated(torch, poison, monkeypatch, D, B, Sq, Sk
                   seqlens_k=cupy.asarray([Sk, Sk - 300, Sk - 1][:B], dtype=cupy.int32))
     out, lse = flashrt.forward(q, k, v, **kw)
     grads = [flashrt.backward(do, q, k, v, out, lse, impl="fused", deterministic=True, **kw) for _ in range(3)]
-    assert any(n.startswith(f"flashrt_bwd_fused_sm90_hd{D}_") for n, _ in launch._functions)
+    assert any(n.startswith(f"flashrt_{family}_hd{D}_") for n, _ in launch._functions)
     keep = reference.visible(B, Sq, Sk, xp=cupy, **{n: cupy.asnumpy(a) for n, a in kw.items()})
     _, _, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
     _close_and_bitwise_the_same(grads, (rdq, rdk, rdv), "repeats")

@@ -113,7 +113,7 @@ struct BwdParams {
     int sched_key_pairs; // causal key-parallel kernels: (batch entry, grid row) pairs per chunk (key_block); 0: none
     int dq_swizzle;      // bwd_fused_sm90: dq_accum rows hold their 16-byte chunks permuted (bwd_sm90.cuh: stage_dq)
     int use_tma;         // the maps are set (0: FLASHRT_NO_TMA or another kernel; every tile by cp.async)
-    int dq_rotate;       // ordered fused, not causal: key tile k visits the query tiles rotated by k (KeyTile::rotate)
+    int dq_rotate;       // ordered fused wgmma, not causal: query tiles rotated by the key tile (KeyTile::rotate_if_asked)
     // Masks (kernels_cu/attention/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
     // offsets, (B, S) or packed (total,) non-decreasing ids.
     const int* seqlens_q;
@@ -520,22 +520,30 @@ FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, i64 k_row0, int 
                                           p.v + b * p.v_sb + n0 * p.v_ss + hk * p.v_sh, p.v_ss, ek - j * BN, tid);
 }
 
+// Whether a key-parallel kernel's key tiles of one row all see the same query tiles, so that KeyTile may rotate them
+// (ROTATE): not causal, no window, no ids, no mask_mod.
+__host__ __device__ constexpr bool rotatable(bool causal, int mask) {
+    return !causal && !(mask & (MASK_WINDOW | MASK_BLOCK_IDS | MASK_SEGMENTS | MASK_MOD));
+}
+
 // The key tile that a block of a key-parallel kernel (bwd_dkdv, bwd_fused, bwd_dkdv_sm90; grid
 // (ceil(Sk / BN), Hkv * splits, B)) owns, and the (query head, query tile) pairs that can see
 // it: the group's query heads in order, each with the query tiles [m_first, m_first + m_count)
 // last to first, or with mask_mod the tiles of its ModLists column (per head when the mask
 // differs per head). The pairs are split into `splits` contiguous chunks; this block visits
-// pairs [it_begin, it_end). rotate(): each head's query tiles start rot = n_block % m_count tiles further
-// down, wrapping (the ordered non-causal fused dQ: bwd_sm90.cuh, dq_turn).
-template <int BM, int BN, bool CAUSAL, int MASK>
+// pairs [it_begin, it_end). ROTATE, rotate_if_asked: each head's query tiles start rot = n_block % m_count
+// tiles further down, wrapping (the ordered non-causal wgmma fused dQ: dq_turn).
+template <int BM, int BN, bool CAUSAL, int MASK, bool ROTATE = false>
 struct KeyTile {
     static constexpr bool MOD = MASK & MASK_MOD, IDS = MASK & (MASK_BLOCK_IDS | MASK_SEGMENTS);
+    static_assert(!ROTATE || rotatable(CAUSAL, MASK), "KeyTile: rotation needs equal query spans");
+    static constexpr bool CAN_ROTATE = ROTATE;
     typename VisibilityOf<CAUSAL, MASK>::type vis;  // in shared memory when MASK != 0 (block_visibility)
     int n_block, hk, split, b, group, n0, rows;     // rows <= 0: past a packed sequence's end
     int live;  // of the rows, the keys inside the sequence (padding: the rest are never read; their dK, dV are zeros)
     int m_first, m_count, it_begin, it_end;
-    int rot;       // rotate(): the query-tile offset of this key tile; else 0
-    bool rotated;  // rotate() was called
+    int rot;       // rotate_if_asked: the query-tile offset of this key tile; else 0
+    bool rotated;  // ... it rotated
     ModLists lists;
     const TileIntervals<BN>* queries;  // IDS: each key's visible queries (Visibility::queries_of)
 
@@ -582,13 +590,17 @@ struct KeyTile {
                                           nthreads);
     }
 
-    // Start each head's query tiles rot = n_block % m_count tiles below the last, wrapping, so that the key tiles
-    // of a row visit different query tiles at each step. Only where every key tile of the row sees the same query
-    // tiles (not causal, no window, no ids, no mask_mod: dq_turn counts on it).
-    FRT_DEVICE void rotate() {
-        static_assert(!CAUSAL && !IDS && !MOD && !(MASK & MASK_WINDOW), "KeyTile::rotate: equal query spans only");
-        rotated = true;
-        rot = m_count > 0 ? n_block % m_count : 0;
+    // ROTATE, ordered (p.dq_sem) with p.dq_rotate and one split: start each head's query tiles rot = n_block %
+    // m_count tiles below the last, wrapping, so that the key tiles of a row visit different query tiles at each
+    // step (every key tile of the row sees the same query tiles: rotatable; dq_turn counts on it).
+    template <class P>
+    FRT_DEVICE void rotate_if_asked(const P& p) {
+        if constexpr (ROTATE) {
+            if (p.dq_sem && p.dq_rotate && p.splits == 1) {
+                rotated = true;
+                rot = m_count > 0 ? n_block % m_count : 0;
+            }
+        }
     }
 
     // Without ids or mask_mod, key j sees an interval of each query tile's queries (QueryTile::key_interval's
@@ -612,7 +624,7 @@ struct KeyTile {
     }
 
     // Pair `it`: query heads of the group in order, query tiles last to first (the ordered
-    // fused dQ of bwd_dkdv.cu relies on it), or rotated (rotate()).
+    // fused dQ of bwd_dkdv.cu relies on it), or rotated (rotate_if_asked).
     template <class P>
     FRT_DEVICE Pair pair(const P& p, int it) const {
         if constexpr (MOD) {
@@ -627,8 +639,11 @@ struct KeyTile {
             const int e = lists.list[lists.index(p, b, h, n_block) * lists.n_inner + it];
             return {h, ModLists::tile(e), e < 0};
         } else {
-            int mi = m_count - 1 - it % m_count - rot;
-            if (mi < 0) mi += m_count;
+            int mi = m_count - 1 - it % m_count;
+            if constexpr (ROTATE) {
+                mi -= rot;
+                if (mi < 0) mi += m_count;
+            }
             const int m = m_first + mi;
             bool partial;
             if constexpr (IDS)
@@ -639,6 +654,28 @@ struct KeyTile {
         }
     }
 };
+
+// Ordered fused dQ (dq_sem set: bwd_dkdv.cu's FUSED form, bwd_fused_sm90_ws.cu): the counter of query tile m of
+// (batch entry, head h), and the value it holds when this key tile's turn to add has come, at its pair `it`. Key
+// tiles add in order from the first that sees the query tile; rotated (KeyTile::rotate_if_asked), in the order they
+// reach it: by step, then key tile. Key tile k reaches query tile m at step d = (c - k) mod R (R = m_count, c = R -
+// 1 - m's index, d = it mod R), so its turn counts the nk key tiles (nk = ceil(Lk / BN), all of which see every query
+// tile) whose step is below d, plus those of its own residue below k. Each waits for the key tile one above it one
+// step before (no startup chain: docs/perf-notes.md, Ordered grid), which is why a row's key tiles must all fit on
+// the GPU at once (tiles.rotate_ordered_dq).
+template <int BM, class Tile>
+FRT_DEVICE int* dq_counter(const BwdParams& p, const Tile& tile, int h, int m) {
+    return p.dq_sem + ((i64)tile.b * p.H + h) * ceil_div(p.Sq, BM) + m;
+}
+template <int BM, int BN, class Tile>
+FRT_DEVICE int dq_turn(const Tile& tile, int m, int it) {
+    if (!(Tile::CAN_ROTATE && tile.rotated)) return tile.n_block - tile.vis.first_key_tile_of(m, BM, BN);
+    const int R = tile.m_count, nk = ceil_div(tile.vis.Lk, BN), e = nk % R;
+    const int c = R - 1 - (m - tile.m_first), d = it % R, lo = c - d + 1;
+    // d' in [0, d) whose residue (c - d') mod R is below e: those residues hold nk / R + 1 key tiles, the rest nk / R
+    const int extra = lo >= 0 ? max(0, min(c + 1, e) - lo) : min(c + 1, e) + max(0, e - (R + lo));
+    return d * (nk / R) + extra + tile.n_block / R;
+}
 
 }  // namespace frt
 

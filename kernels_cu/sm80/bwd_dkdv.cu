@@ -92,7 +92,7 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     const KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(p, tid, T::NTHREADS);
     const int rows_k = tile.rows;
     if (rows_k <= 0) return;
-    const int n_block = tile.n_block, hk = tile.hk, split = tile.split, b = tile.b, n0 = tile.n0;
+    const int hk = tile.hk, split = tile.split, b = tile.b, n0 = tile.n0;
     const auto& vis = tile.vis;
     const int it_begin = tile.it_begin, it_end = tile.it_end;
     const Softcap cap = FRT_SOFTCAP ? Softcap(p.softcap, p.scale_log2) : Softcap();
@@ -214,10 +214,11 @@ __device__ void bwd_dkdv(const BwdParams& p) {
             // dQ_pair = dS K: A = dS^T read transposed from shared memory, B = K.
             const int h = pa.h;
             float* dq_rows = p.dq_accum + ((i64)b * p.st_sb + (i64)h * p.st_sh + vis.q_row0 + m0) * T::D;
-            int* sem = p.dq_sem ? p.dq_sem + ((i64)b * p.H + h) * ceil_div(p.Sq, BM) + pa.m : nullptr;
-            // Key tiles add into a query tile in order, counted from the first that visits it
-            // (never with mask_mod: flashrt/masks.py sends those to split or unordered fused).
-            const int turn = sem ? n_block - vis.first_key_tile_of(pa.m, BM, BN) : 0;
+            int* sem = p.dq_sem ? dq_counter<BM>(p, tile, h, pa.m) : nullptr;
+            // Key tiles add into a query tile in order, counted from the first that visits it (params.cuh:
+            // dq_turn; not rotated here: docs/perf-notes.md, Ordered grid; never with mask_mod: flashrt/masks.py
+            // sends those to split or unordered fused).
+            const int turn = sem ? dq_turn<BM, BN>(tile, pa.m, it) : 0;
 #pragma unroll 1
             for (int pass = 0; pass < T::NT3 / T::NQ; ++pass) {
                 const int col0 = dcol3 + pass * T::NQ * 8;

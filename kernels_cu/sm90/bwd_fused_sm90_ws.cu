@@ -33,7 +33,7 @@
 //     Ordered (dq_sem set, deterministic=True), it first waits for its key tile's turn on the query tile's counter
 //     (key tiles in order; causal or split, the grid key-tile-major: key_block_tile_major; else a row's key tiles
 //     together, whose blocks share its Q and dO in L2: docs/perf-notes.md, Ordered grid; with p.dq_rotate, in the
-//     order they reach the query tile: bwd_sm90.cuh, dq_turn) and releases the next once its add is performed: the
+//     order they reach the query tile: params.cuh, dq_turn) and releases the next once its add is performed: the
 //     consumers never wait for a turn.
 #include "sm90/bwd_sm90.cuh"
 
@@ -56,9 +56,6 @@ struct FusedWsTraits {
     static constexpr int PRODUCER_REGS = (168 * 384 - 2 * 128 * CONSUMER_REGS) / 128;
     static constexpr bool INTERVALS = MASK != 0 || D <= 64;  // as bwd_dkdv_sm90.cu's
     static constexpr bool ORDERED = !(MASK & (MASK_SEGMENTS | MASK_MOD));  // (flashrt/masks.py: ordered_dq_ok)
-    // Ordered with p.dq_rotate, each key tile starts its query tiles at its own (KeyTile::rotate): every key tile
-    // of the row must see the same query tiles
-    static constexpr bool ROTATABLE = !CAUSAL && !(MASK & (MASK_WINDOW | MASK_BLOCK_IDS | MASK_SEGMENTS | MASK_MOD));
     // K and V rows as the A operands of S^T and dP^T (bwd_dkdv_sm90.cu); not with 128-query tiles (the registers),
     // nor with a score_mod (beside its expression's registers they spilled 4-16 bytes, NVRTC 12.9)
     static constexpr bool KV_REGS = D == 64 && !WIDE && !FRT_SCORE_MOD;
@@ -97,13 +94,11 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         for (int s = 0; s < S; ++s) mbar_init(bar(T::FULL, s), 33), mbar_init(bar(T::EMPTY, s), T::CONSUMERS);
     }
     __syncthreads();
-    KeyTile<BM, BN, T::CAUSAL, T::MASK> tile(
+    KeyTile<BM, BN, T::CAUSAL, T::MASK, rotatable(T::CAUSAL, T::MASK)> tile(
         p, ordered && (T::CAUSAL || p.splits > 1) ? key_block_tile_major(p.sched_key_pairs)
                                                 : key_block<T::CAUSAL>(p.sched_key_pairs),
         tid, T::NTHREADS);
-    if constexpr (T::ROTATABLE) {
-        if (ordered && p.dq_rotate && p.splits == 1) tile.rotate();
-    }
+    if (ordered) tile.rotate_if_asked(p);
     if (tile.rows <= 0) return;
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
 

@@ -279,25 +279,4 @@ FRT_DEVICE void stage_dq(u32 s_tile, const float (&dq)[DQ_N / 2], i64 row0, int 
     sm90::fence_proxy_async();  // the staged rows -> visible to the bulk copy (async proxy)
 }
 
-// Ordered fused dQ (dq_sem set): the counter of query tile m of (batch entry, head h), and the value it holds when
-// this key tile's turn to add has come, at its pair `it`. Key tiles add in order from the first that sees the query
-// tile; rotated (KeyTile::rotate), in the order they reach it: by step, then key tile. Key tile k reaches query tile
-// m at step d = (c - k) mod R (R = m_count, c = R - 1 - m's index, d = it mod R), so its turn counts the nk key
-// tiles (nk = ceil(Lk / BN), all of which see every query tile) whose step is below d, plus those of its own
-// residue below k. Each waits for the key tile one above it one step before (no startup chain: docs/perf-notes.md,
-// Ordered grid), which is why a row's key tiles must all fit on the GPU at once (tiles.rotate_ordered_dq).
-template <int BM, class Tile>
-FRT_DEVICE int* dq_counter(const BwdParams& p, const Tile& tile, int h, int m) {
-    return p.dq_sem + ((i64)tile.b * p.H + h) * ceil_div(p.Sq, BM) + m;
-}
-template <int BM, int BN, class Tile>
-FRT_DEVICE int dq_turn(const Tile& tile, int m, int it) {
-    if (!tile.rotated) return tile.n_block - tile.vis.first_key_tile_of(m, BM, BN);
-    const int R = tile.m_count, nk = ceil_div(tile.vis.Lk, BN), e = nk % R;
-    const int c = R - 1 - (m - tile.m_first), d = it % R, lo = c - d + 1;
-    // d' in [0, d) whose residue (c - d') mod R is below e: those residues hold nk / R + 1 key tiles, the rest nk / R
-    const int extra = lo >= 0 ? max(0, min(c + 1, e) - lo) : min(c + 1, e) + max(0, e - (R + lo));
-    return d * (nk / R) + extra + tile.n_block / R;
-}
-
 }  // namespace frt

@@ -1,7 +1,7 @@
 """The warp-specialised wgmma fused backward (bwd_fused_sm90), ordered and not, against the split pair.
 
     python scripts/probes/bwd_fused_ws.py [--check-only] [--rounds 3] [--heads 64,128] [--seqlens 1024,4096,16384]
-                                         [--gqa] [--defines "a=-DX=1;b=-DX=0"]
+                                         [--gqa] [--defines "a=-DX=1;b=-DX=0"] [--no-sm90]
 
 Checks first (float64 reference, fresh inputs): the fused kernel, ordered and not, at small shapes with causal, GQA
 and MQA; the ordered form bitwise over repeats. Then times flashrt.backward alone (out and lse from one
@@ -11,10 +11,12 @@ H = 2048 // head_dim), or with --gqa at GQA prefill shapes (head_dim 128). TFLOP
 --defines: an A/B of compile-time switches in one process: the fused variants are checked and timed once per named
 set of NVRTC defines (the kernels reloaded at each switch), the split pair once; an item "bm64=64" sets the fused
 kernel's query tile at head_dim 64, "rotate=0" turns the ordered non-causal rotation off (tiles.rotate_ordered_dq).
+--no-sm90: the same for the mma.sync fused kernel and split pair (FLASHRT_NO_SM90=1).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -144,7 +146,10 @@ def main():
     ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--gqa", action="store_true", help="GQA shapes instead of the grid")
     ap.add_argument("--defines", default="", help='named sets of NVRTC defines to A/B: "a=-DX=1 -DY=2;b=-DX=0"')
+    ap.add_argument("--no-sm90", action="store_true", help="FLASHRT_NO_SM90=1: the mma.sync fused kernel and pair")
     a = ap.parse_args()
+    if a.no_sm90:
+        os.environ["FLASHRT_NO_SM90"] = "1"
     if a.defines:
         DEFINES.clear()
         for item in a.defines.split(";"):
