@@ -589,7 +589,7 @@ ORDERED_ROTATION_SM_SHARE = 0.5
 def rotate_ordered_dq(dev: Device, key_tiles: int) -> bool:
     """Whether the ordered non-causal wgmma fused backward visits each key tile's query tiles rotated by the key tile
     (p.dq_rotate; docs/perf-notes.md, Ordered grid): where a row's `key_tiles` blocks fit on
-    ORDERED_ROTATION_SM_SHARE of the SMs. The kernel rotates only where the mask lets it (KeyTile::ROTATABLE)."""
+    ORDERED_ROTATION_SM_SHARE of the SMs. The kernel rotates only where the mask lets it (params.cuh: rotatable)."""
     return key_tiles <= dev.sm_count * ORDERED_ROTATION_SM_SHARE
 
 

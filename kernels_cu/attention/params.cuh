@@ -113,7 +113,7 @@ struct BwdParams {
     int sched_key_pairs; // causal key-parallel kernels: (batch entry, grid row) pairs per chunk (key_block); 0: none
     int dq_swizzle;      // bwd_fused_sm90: dq_accum rows hold their 16-byte chunks permuted (bwd_sm90.cuh: stage_dq)
     int use_tma;         // the maps are set (0: FLASHRT_NO_TMA or another kernel; every tile by cp.async)
-    int dq_rotate;       // ordered fused wgmma, not causal: query tiles rotated by the key tile (KeyTile::rotate_if_asked)
+    int dq_rotate;       // ordered wgmma fused, not causal: query tiles rotated per key tile (KeyTile::rotate_if_asked)
     // Masks (kernels_cu/attention/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
     // offsets, (B, S) or packed (total,) non-decreasing ids.
     const int* seqlens_q;
