@@ -19,7 +19,7 @@ import struct
 
 from . import _env, cache, interop, launch, masks, nvrtc, params, tiles, tma
 from .interop import Array
-from .spec import ELEMENTWISE, V_DIM_FAMILIES, dropout_resolution
+from .spec import ELEMENTWISE, V_DIM_FAMILIES, KernelSpec, dropout_resolution
 
 _LOG2E = 1.4426950408889634
 
@@ -673,19 +673,27 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
     fused_family = tiles.fused_family(Dm, dev.arch, dev.smem_optin, m.bits, bool(softcap), alibi, m.score_mod)
     if drop and m.score_mod:  # (the wgmma backward has no variant with both: spec.DROPOUT_FAMILIES)
         dq_family, dkdv_family, fused_family = "bwd_dq", "bwd_dkdv", "bwd_fused"
+
+    def rotated(spec: KernelSpec, splits: int) -> bool:  # (the ordered wgmma fused kernel's query tiles)
+        return spec.family == "bwd_fused_sm90" and tiles.rotate_ordered_dq(dev, -(-m.Sk // spec.block_n), splits,
+                                                                           bool(m.causal))
+
+    def splits_of(spec: KernelSpec) -> int:  # varlen: one (a block past its sequence's end has no partials to write)
+        return 1 if m.varlen else tiles.dkdv_splits(spec, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
+
     if impl == "auto":
         fused = _kernel_for(fused_family, tiles.sm90_head_dim(fused_family, Dm), Q, m, dev, bool(softcap), alibi, drop)
         impl = tiles.backward_impl(tiles.sm90_head_dim(dkdv_family, Dm), bool(deterministic), m.ordered_dq_ok,
                                    dkdv_family == "bwd_dkdv_sm90", fused_family == "bwd_fused_sm90", bool(m.causal),
                                    m.Sq, m.bits, fused.block_m, bool(softcap or alibi or m.score_mod or drop),
-                                   m.B * Hkv * -(-m.Sk // fused.block_n) / dev.sm_count)
+                                   m.B * Hkv * -(-m.Sk // fused.block_n) / dev.sm_count,
+                                   rotated(fused, splits_of(fused)))
     # The kernels' head_dim: the tensors' D, or the wgmma instance a family pads it to (tiles.sm90_head_dim); the
     # helper kernels (spec.ELEMENTWISE) take the main kernel's, DK: the layout of the fp32 buffers it shares with them.
     DK = tiles.sm90_head_dim(fused_family if impl == "fused" else dkdv_family, Dm)
     main = _kernel_for(fused_family if impl == "fused" else dkdv_family, DK, Q, m, dev, bool(softcap), alibi, drop,
                        (D, Dv))
-    # Varlen: one split (a block past its sequence's end has no partials to write).
-    splits = 1 if m.varlen else tiles.dkdv_splits(main, m.B, H, Hkv, m.Sq, m.Sk, dev.sm_count)
+    splits = splits_of(main)
     p["splits"] = splits
     if m.causal:  # the causal blocks' order (kernels_cu/attention/params.cuh: query_block, key_block)
         p["sched_pairs"] = tiles.item_chunk(dev, m.B, m.Sk, Dm, H, Hkv)
@@ -706,9 +714,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         p["dq_swizzle"] = int(fused_family == "bwd_fused_sm90")
         if deterministic:  # a counter per query tile
             allocs.append(_Alloc(("dq_sem",), (m.B, H, -(-m.Sq // main.block_m)), "i32", 0))
-            key_tiles = -(-m.Sk // main.block_n)
-            p["dq_rotate"] = int(main.family == "bwd_fused_sm90" and not m.causal and splits == 1
-                                 and tiles.rotate_ordered_dq(dev, key_tiles))
+            p["dq_rotate"] = int(rotated(main, splits))
         families = ["bwd_preprocess", fused_family, "bwd_dq_convert"]
     elif dq_family == "bwd_dq_sm90":  # it computes delta and lse2 (bwd_preprocess's work) for the dK/dV pass
         families = [dq_family, dkdv_family]

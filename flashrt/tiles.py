@@ -175,8 +175,8 @@ FUSED_WGMMA_MIN_SQ = {(128, 64, False, False): 0, (128, 64, False, True): 0, (12
                       (64, 128, True, True): 2048,
                       (64, 64, False, False): 0, (64, 64, False, True): 4096, (64, 64, True, False): 16384,
                       (64, 64, True, True): 16384}
-# ... ordered, not causal, with one split (its key tiles fill the GPU: key_waves > 0.5, dkdv_splits), where its query
-# tiles run rotated (rotate_ordered_dq; docs/perf-notes.md: Ordered grid): at 64 with 128-query tiles 1.16x / 1.30x /
+# ... ordered, where its query tiles run rotated (rotate_ordered_dq: not causal, one split; docs/perf-notes.md:
+# Ordered grid): at 64 with 128-query tiles 1.16x / 1.30x /
 # 1.41x / 1.43x the split pair at 1k / 2k / 4k / 8k (H200), 1.13x / 1.28x / 1.35x at 1k / 2k / 4k (H100;
 # scripts/probes/bwd_fused_ws.py, 16k tokens).
 FUSED_WGMMA_MIN_SQ_ROTATED = {(64, 128, True, False): 0}
@@ -195,7 +195,8 @@ ORDERED_CAUSAL_MIN_WAVES = 2  # (backward_impl: key tiles of every pair, per SM)
 
 def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, wgmma_split: bool = False,
                   fused_wgmma: bool = False, causal: bool = False, seqlen_q: int = 0, mask: int = 0,
-                  fused_block_m: int = 64, modified: bool = False, key_waves: float = float("inf")) -> str:
+                  fused_block_m: int = 64, modified: bool = False, key_waves: float = float("inf"),
+                  rotated: bool = False) -> str:
     """The faster backward for a call: "fused" or "split" (flashrt.backward's impl="auto").
 
     `wgmma_split`: the split pair is the wgmma one (split_families); `fused_wgmma`: so is the fused kernel
@@ -203,8 +204,8 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
     kernel's query tile `fused_block_m`, deterministic, causal) on (`seqlen_q`; GQA alike: 1.08-1.35x the split pair
     at 32/8 and 16/2, H200), or FUSED_WGMMA_MIN_SQ_MODIFIED with a score modification (`modified`), and with no id or
     mask_mod masks (`mask`, MASK_BITS: not measured); ordered and causal, only where its grid of key tiles fills the
-    SMs ORDERED_CAUSAL_MIN_WAVES times (`key_waves`: its blocks per SM; it runs one block per SM); ordered and not
-    causal in one split, from FUSED_WGMMA_MIN_SQ_ROTATED's length.
+    SMs ORDERED_CAUSAL_MIN_WAVES times (`key_waves`: its blocks per SM; it runs one block per SM); where its query tiles
+    run rotated (`rotated`: rotate_ordered_dq), from FUSED_WGMMA_MIN_SQ_ROTATED's length.
     With the wgmma split pair and mma.sync fused kernel (head_dim 192 / 256): split, whose two kernels outrun it (H200
     measurements in docs/perf-notes.md: Backward: impl choice and determinism).
     Else, measured on the H100 (docs/perf-notes.md: Backward: impl choice and determinism; scripts/tune.py and
@@ -221,7 +222,7 @@ def backward_impl(head_dim: int, deterministic: bool, ordered_ok: bool = True, w
         least = FUSED_WGMMA_MIN_SQ.get(key)
         if modified:
             least = FUSED_WGMMA_MIN_SQ_MODIFIED.get(key, least)
-        elif key_waves > 0.5:
+        elif rotated:
             least = FUSED_WGMMA_MIN_SQ_ROTATED.get(key, least)
         if (fused_wgmma and plain and least is not None and seqlen_q >= least
                 and (ordered_ok or not deterministic)
@@ -586,11 +587,12 @@ def ordered_key_chunk(dev: Device, pairs: int, splits: int) -> int:
 ORDERED_ROTATION_SM_SHARE = 0.5
 
 
-def rotate_ordered_dq(dev: Device, key_tiles: int) -> bool:
-    """Whether the ordered non-causal wgmma fused backward visits each key tile's query tiles rotated by the key tile
-    (p.dq_rotate; docs/perf-notes.md, Ordered grid): where a row's `key_tiles` blocks fit on
-    ORDERED_ROTATION_SM_SHARE of the SMs. The kernel rotates only where the mask lets it (params.cuh: rotatable)."""
-    return key_tiles <= dev.sm_count * ORDERED_ROTATION_SM_SHARE
+def rotate_ordered_dq(dev: Device, key_tiles: int, splits: int, causal: bool) -> bool:
+    """Whether the ordered wgmma fused backward visits each key tile's query tiles rotated by the key tile
+    (p.dq_rotate; docs/perf-notes.md, Ordered grid): not causal, in one split (dkdv_splits), where a row's `key_tiles`
+    blocks fit on ORDERED_ROTATION_SM_SHARE of the SMs. The kernel rotates only where the mask lets it (params.cuh:
+    rotatable)."""
+    return not causal and splits == 1 and key_tiles <= dev.sm_count * ORDERED_ROTATION_SM_SHARE
 
 
 def _equal_chunks(pairs: int, most: int) -> int:

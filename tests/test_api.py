@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from flashrt import api, masks
+from flashrt import api, masks, params
 from flashrt.interop import Array
 from flashrt.spec import MASK_BITS
 
@@ -545,3 +545,23 @@ def test_ordered_causal_backward_chunks_its_pairs(monkeypatch):
     assert "bwd_dkdv_sm90" in families(1, 8, 8, 2048) and "bwd_fused_sm90" in families(1, 8, 8, 2048, False)
     assert "bwd_dkdv_sm90" in families(1, 16, 16, 2048) and "bwd_fused_sm90" in families(1, 32, 32, 2048)
     assert len(asked) == n + 1
+
+
+def test_ordered_non_causal_backward_rotates_where_its_key_tiles_fit(monkeypatch):
+    """The ordered wgmma fused backward runs its query tiles rotated (p.dq_rotate, tiles.rotate_ordered_dq) only when
+    not causal, in one split and with a row's key tiles on half the SMs; impl="auto" takes it at head_dim 64 from 1k
+    query rows there (FUSED_WGMMA_MIN_SQ_ROTATED), the split pair below 4k elsewhere (an H100's 132 SMs)."""
+    _plan_on(monkeypatch, "sm_90a")
+
+    def planned(B, S, H, causal):
+        q, lse = arr((B, S, H, 64)), arr((B, H, S), dtype="float32")
+        plan = api._backward_plan((q, q, q, q, q, lse), causal, None, "auto", True, 0, {})
+        fused = any(s.family == "bwd_fused_sm90" for s in _planned(plan))
+        rotate = {int(np.frombuffer(t, params.BWD)[0]["dq_rotate"]) for t in plan.launches.templates
+                  if len(t) == params.BWD.itemsize}
+        return fused, rotate
+
+    assert planned(16, 1024, 32, False) == (True, {1})      # 8 key tiles, one split
+    assert planned(1, 1024, 2, False) == (False, {0})       # 16 blocks: dK/dV splits, not rotated: the split pair
+    assert planned(1, 16384, 16, False) == (True, {0})      # 128 key tiles: more than half the SMs
+    assert planned(4, 4096, 32, True)[1] == {0}             # causal

@@ -566,7 +566,7 @@ def test_ordered_fused_backward_rotated(torch, poison, monkeypatch, D, B, Sq, Sk
     spec = tiles.kernel_for(family, D, "bf16", False, dev, MASK_BITS["lengths"] if lengths else 0)
     key_tiles = -(-Sk // spec.block_n)
     assert tiles.dkdv_splits(spec, B, H, Hkv, Sq, Sk, dev.sm_count) == 1  # (one split: the rotation's case)
-    assert tiles.rotate_ordered_dq(dev, key_tiles) and key_tiles >= 4
+    assert tiles.rotate_ordered_dq(dev, key_tiles, 1, False) and key_tiles >= 4
     q, k, v, do = (cupy.from_dlpack(x) for x in make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D + Sq))
     kw = {}
     if lengths:

@@ -383,15 +383,19 @@ def test_split_backward_takes_the_wgmma_pair_where_it_exists_and_fits(monkeypatc
         for ordered_ok in (False, True):
             assert tiles.backward_impl(128, det, ordered_ok, wgmma_split=True) == "split"
     for (d, bm, det, causal), sq in tiles.FUSED_WGMMA_MIN_SQ.items():
-        waves = 0.5 if det and not causal else float("inf")  # (ordered non-causal in splits: not rotated)
-        assert tiles.backward_impl(d, det, True, True, True, causal, sq, 0, bm, key_waves=waves) == "fused"
+        assert tiles.backward_impl(d, det, True, True, True, causal, sq, 0, bm) == "fused"
         if sq:
-            assert tiles.backward_impl(d, det, True, True, True, causal, sq - 1, 0, bm, key_waves=waves) == "split"
+            assert tiles.backward_impl(d, det, True, True, True, causal, sq - 1, 0, bm) == "split"
     # ordered, not causal, in one split (its query tiles rotated): FUSED_WGMMA_MIN_SQ_ROTATED's entries
     for (d, bm, det, causal), sq in tiles.FUSED_WGMMA_MIN_SQ_ROTATED.items():
         assert det and not causal and sq < tiles.FUSED_WGMMA_MIN_SQ[d, bm, det, causal]
-        assert tiles.backward_impl(d, det, True, True, True, causal, sq, 0, bm, key_waves=0.6) == "fused"
-        assert tiles.backward_impl(d, det, True, True, True, causal, sq, 0, bm, key_waves=0.5) == "split"
+        assert tiles.backward_impl(d, det, True, True, True, causal, sq, 0, bm, rotated=True) == "fused"
+        assert tiles.backward_impl(d, det, True, True, True, causal, sq, 0, bm, rotated=False) == "split"
+    # rotated: not causal, one split, a row's key tiles on half the SMs (132 SMs: 66)
+    dev = launch.Device(0, "H100", "sm_90a", 132, SMEM_OPTIN[90], 50 << 20)
+    assert tiles.rotate_ordered_dq(dev, 66, 1, False)
+    assert not tiles.rotate_ordered_dq(dev, 67, 1, False)
+    assert not tiles.rotate_ordered_dq(dev, 8, 2, False) and not tiles.rotate_ordered_dq(dev, 8, 1, True)
     # with a score modification: FUSED_WGMMA_MIN_SQ_MODIFIED's entries first, the plain table's for the rest
     for (d, bm, det, causal), sq in {**tiles.FUSED_WGMMA_MIN_SQ, **tiles.FUSED_WGMMA_MIN_SQ_MODIFIED}.items():
         assert tiles.backward_impl(d, det, True, True, True, causal, sq, 0, bm, modified=True) == "fused"
