@@ -593,5 +593,45 @@ FRT_DEVICE void sw128_rows_to_global(u16* g, i64 stride, u32 s_rows, int rows_va
     }
 }
 
+// A warpgroup's 64 x N fp32 accumulator (wgmma layout: row 16 w + g + 8 hh, columns 8 jj + 2 t, + 1), row hh's
+// values times scale[hh], as 16-bit values straight to global memory (row stride `stride` elements): rows [0,
+// rows_valid) and columns [0, cols_valid) (a multiple of 8). No shared memory: the single-Q-slot forward frees its Q
+// slot before its epilogue this way (docs/perf-notes.md: head_dim 192 and 256). Each quad transposes its 4 x 4 words
+// of four 8-column groups (two exchanges of shfl.xor) so that lane t stores group t's 8 columns by one 16-byte .cs
+// store: a quad writes 64 contiguous bytes of its row (4-byte stores of each pair took 4x the store instructions,
+// each touching 8 lines: 7% of the head_dim 256 forward at 1k).
+template <int N, bool BF16>
+FRT_DEVICE void acc_to_global(u16* g, i64 stride, const float (&d)[N / 2], const float (&scale)[2], int rows_valid,
+                              int cols_valid, int w, int gr, int t) {
+    static_assert(N % 32 == 0, "acc_to_global: whole quads of 8-column groups");
+    const bool high = t & 2, odd = t & 1;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = 16 * w + gr + 8 * hh;
+        u16* row = g + (i64)r * stride + 8 * t;
+#pragma unroll
+        for (int a = 0; a < N / 32; ++a) {
+            u32 x[4];  // x[k]: this lane's pair of group 4 a + k; after the exchanges, lane k's pair of group 4 a + t
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                x[k] = Elem<BF16>::pack(d[4 * (4 * a + k) + 2 * hh] * scale[hh],
+                                        d[4 * (4 * a + k) + 2 * hh + 1] * scale[hh]);
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {  // lanes t, t ^ 2 swap the groups of each other's half
+                const u32 got = __shfl_xor_sync(0xffffffffu, high ? x[k] : x[k + 2], 2);
+                if (high) x[k] = got; else x[k + 2] = got;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k += 2) {  // lanes t, t ^ 1 likewise within each half
+                const u32 got = __shfl_xor_sync(0xffffffffu, odd ? x[k] : x[k + 1], 1);
+                if (odd) x[k] = got; else x[k + 1] = got;
+            }
+            if (r < rows_valid && 32 * a + 8 * t < cols_valid)
+                asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                             :: "l"(row + 32 * a), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
+        }
+    }
+}
+
 }  // namespace sm90
 }  // namespace frt

@@ -231,6 +231,13 @@ struct FwdRows {
         sw128_rows_to_global<BM, D>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss,
                                     sQw, tile.rows - 64 * wg, p.head_dim_v, threadIdx.x & 127);
     }
+    // Epilogue, part 2 without shared memory (fwd_sm90_ws with one Q slot: the slot went back before the epilogue):
+    // O normalised, from registers to global memory (wgmma.cuh: acc_to_global).
+    template <class Tile>
+    FRT_DEVICE void store_o_direct(const FwdParams& p, const Tile& tile, int wg, int w, int g, int t) {
+        acc_to_global<D, BF16>(p.o + tile.b * p.o_sb + (tile.row0 + 64 * wg) * p.o_ss + tile.h * p.o_sh, p.o_ss, o,
+                               row_sum, tile.rows - 64 * wg, p.head_dim_v, w, g, t);
+    }
     template <int BM, class Tile>
     FRT_DEVICE void store(const FwdParams& p, const Tile& tile, u32 sQw, int wg, int w, int g, int t) {
         finish_rows(p, tile, wg, w, g, t);

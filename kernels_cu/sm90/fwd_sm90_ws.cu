@@ -21,12 +21,16 @@
 // cp.async (its 128 threads' `cp.async.mbarrier.arrive.noinc`). The consumers hand a buffer back by
 // arriving on its "empty" mbarrier. The producer runs up to two key tiles ahead, and, with two Q slots (head_dim
 // <= 192), into the next item: its Q lands in the other slot while the consumers finish the current one. At
-// head_dim 256 two slots do not fit beside the K / V stages (2 x 64 + 4 x 32 KiB): the next Q waits for the
-// current item's epilogue.
+// head_dim 256 two slots do not fit beside the K / V stages (2 x 64 + 4 x 32 KiB): the one slot goes back when the
+// item's last S is complete (EARLY_Q), and O is stored from registers.
 // Each consumer warpgroup runs fwd_sm90.cu's loop (S = Q K^T of tile it and O += P V of tile
 // it - 1 issued together, tile it's softmax under the P V wgmma), and the warpgroups issue
 // their wgmmas in turn (named barriers 4, 5 and 7): one's softmax runs under the others' wgmmas.
 #include "sm90/fwd_sm90.cuh"
+
+#ifndef FRT_FWD_EARLY_Q  // (0: an A/B of FwdWsTraits::EARLY_Q)
+#define FRT_FWD_EARLY_Q 1
+#endif
 
 namespace frt {
 
@@ -52,6 +56,10 @@ struct FwdWsTraits {
     static_assert(D > 128 ? BN == 64 || BN == 80 : BN == 64 || BN == 128,
                   "fwd_sm90_ws: key tiles of 64 or 128 (64 or 80 above head_dim 128: shared memory, registers)");
     static constexpr int Q_SLOTS = D == 256 ? 1 : 2;  // (spec.KernelSpec.smem_bytes)
+    // One Q slot without id arrays (whose key intervals live beside the slot): each consumer warpgroup hands the slot
+    // back once its last S is complete and stores O from registers, so that the next item's Q loads under the last
+    // tile's softmax, P V and epilogue (docs/perf-notes.md: head_dim 192 and 256).
+    static constexpr bool EARLY_Q = Q_SLOTS == 1 && !IDS && FRT_FWD_EARLY_Q;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each (Q: one per slot); then each Q
     // slot's work item (32 bytes: the item, an int, -1 when no work is left, and at 16 bytes its WorkItem,
@@ -271,6 +279,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             }
             fence_operand(r.s);
             mbar_arrive(bar(T::K_EMPTY, st));
+            if (T::EARLY_Q && it == n_blocks - 1) mbar_arrive(bar(T::Q_EMPTY, qs));  // (its last read of Q)
             return j;
         };
         int it = 0;
@@ -317,9 +326,14 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         wgmma_wait<0>();
         fence_operand(r.o);
         if (last_pv) mbar_arrive(bar(T::V_EMPTY, sl));
-        r.template store_o<BM, T::CONSUMER_WGS>(p, tile, sQw, wg, w, g, t);  // O staged in this slot, then stored
-        fence_proxy_async();  // this slot's generic reads and writes before the next TMA load into it
-        mbar_arrive(bar(T::Q_EMPTY, qs));
+        if constexpr (T::EARLY_Q) {
+            if (n_blocks == 0) mbar_arrive(bar(T::Q_EMPTY, qs));
+            r.store_o_direct(p, tile, wg, w, g, t);
+        } else {
+            r.template store_o<BM, T::CONSUMER_WGS>(p, tile, sQw, wg, w, g, t);  // O staged in this slot, then stored
+            fence_proxy_async();  // this slot's generic reads and writes before the next TMA load into it
+            mbar_arrive(bar(T::Q_EMPTY, qs));
+        }
     }
     if (wg == 0) bar_wait<4, 256>();  // the last warpgroup's last "your turn"
 }

@@ -1,9 +1,10 @@
 """Tilings of the warp-specialised forward (fwd_sm90_ws) against each other, the plain wgmma forward (fwd_sm90) and
 cuDNN: by default 64- and 80-key tiles at head_dim 192 / 256; --variants names others (head_dim 64: 128- and 192-row
-tiles, "--heads 64 --variants ws128=fwd_sm90_ws:128:128:12,ws192=fwd_sm90_ws:192:128:16").
+tiles, "--heads 64 --variants ws128=fwd_sm90_ws:128:128:12,ws192=fwd_sm90_ws:192:128:16"); a variant's NVRTC
+defines follow a "+" ("late=fwd_sm90_ws+-DFRT_FWD_EARLY_Q=0": an A/B of a compile-time switch in one process).
 
     python scripts/probes/fwd_ws_wide.py [--check-only] [--rounds 3] [--heads 192,256] [--seqlens 1024,4096,16384]
-                                         [--seed-only] [--variants name=family[:block_m:block_n:warps],...]
+                                         [--seed-only] [--variants name=family[:block_m:block_n:warps][+opt],...]
 
 Checks first (float64 reference, fresh inputs): each variant at small ragged shapes, causal and not, GQA, padded
 lengths. Then times flashrt.forward with each variant forced (tiles.forward_family and the tile table patched, the
@@ -19,17 +20,21 @@ import statistics
 import torch
 
 import flashrt
-from flashrt import api, tiles
+from flashrt import api, launch, spec, tiles
 
-# variant -> (family, its tiling (block_m, block_n, warps) or None: the library's); --variants
-VARIANTS = {"fwd_sm90": ("fwd_sm90", None), "ws64": ("fwd_sm90_ws", (128, 64, 12)),
-            "ws80": ("fwd_sm90_ws", (128, 80, 12))}
+# variant -> (family, its tiling (block_m, block_n, warps) or None: the library's, NVRTC options added); --variants
+VARIANTS = {"fwd_sm90": ("fwd_sm90", None, ()), "ws64": ("fwd_sm90_ws", (128, 64, 12), ()),
+            "ws80": ("fwd_sm90_ws", (128, 80, 12), ())}
 _forward_family = tiles.forward_family
 _tables = {f: list(t) for f, t in tiles._PREFERENCES.items()}
+BASE_OPTIONS = spec.NVRTC_OPTIONS
 
 
 def use(variant: str) -> None:
-    family, tiling = VARIANTS[variant]
+    family, tiling, opts = VARIANTS[variant]
+    if spec.NVRTC_OPTIONS != BASE_OPTIONS + opts:
+        spec.NVRTC_OPTIONS = BASE_OPTIONS + opts  # (a cache entry of their own; the loaded kernels dropped)
+        launch._functions.clear()
     tiles.forward_family = lambda *a, **k: family if _forward_family(*a, **k).startswith("fwd_sm90") else \
         _forward_family(*a, **k)
     tiles._PREFERENCES[family] = [(256, [tiling])] if tiling else _tables[family]
@@ -131,14 +136,16 @@ def main():
     ap.add_argument("--heads", default="192,256")
     ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--seed-only", action="store_true", help="time the seed shape only")
-    ap.add_argument("--variants", help="name=family[:block_m:block_n:warps],... instead of fwd_sm90, ws64, ws80")
+    ap.add_argument("--variants", help="name=family[:block_m:block_n:warps][+opt...],... instead of fwd_sm90, ws64, "
+                    "ws80")
     a = ap.parse_args()
     if a.variants:
         VARIANTS.clear()
         for v in a.variants.split(","):
             name, _, rest = v.partition("=")
+            rest, *opts = rest.split("+")
             family, *t = rest.split(":")
-            VARIANTS[name] = (family, tuple(map(int, t)) if t else None)
+            VARIANTS[name] = (family, tuple(map(int, t)) if t else None, tuple(opts))
     print(torch.cuda.get_device_name())
     rows = check(list(map(int, a.heads.split(","))))
     shapes = [] if a.seed_only else [(16384 // S, S, 2048 // D, 2048 // D, D, causal) for D in map(
