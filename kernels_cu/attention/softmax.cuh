@@ -11,8 +11,10 @@ namespace frt {
 // One key tile's update of a row: its scores become P (unnormalised), row_max / row_sum take in the tile, and
 // the return value is alpha, the rescale of what the row accumulated before (O). A row that has seen only masked
 // keys keeps row_max = -inf, and subtracts 0 then. (With FRT_SOFTCAP the callers pass tanh(s / cap) as the scores
-// and Softcap::scale_of(scale_log2) as the scale: score_mod.cuh.)
-template <int N8, class Scores>
+// and Softcap::scale_of(scale_log2) as the scale: score_mod.cuh.) POLY of every 8 key groups jj take their
+// exponentials on the FMA units (common.cuh: poly_exp2), the rest on MUFU: where the MUFU unit bounds the loop
+// (head_dim 64, softcap's tanh; docs/perf-notes.md: Exponentials on the FMA units).
+template <int N8, int POLY = 0, class Scores>
 FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Scores x) {
     float mx = -FRT_INF;
 #pragma unroll
@@ -27,7 +29,8 @@ FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Sc
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float& v = x(jj, e);
-            v = fast_exp2(fmaf(v, scale_log2, -base));
+            const float arg = fmaf(v, scale_log2, -base);
+            v = (jj & 7) < POLY ? poly_exp2(arg) : fast_exp2(arg);
             sum += v;
         }
     row_sum = row_sum * alpha + sum;

@@ -5,6 +5,7 @@ defines follow a "+" ("late=fwd_sm90_ws+-DFRT_FWD_EARLY_Q=0": an A/B of a compil
 
     python scripts/probes/fwd_ws_wide.py [--check-only] [--rounds 3] [--heads 192,256] [--seqlens 1024,4096,16384]
                                          [--seed-only] [--variants name=family[:block_m:block_n:warps][+opt],...]
+                                         [--softcap 30]
 
 Checks first (float64 reference, fresh inputs): each variant at small ragged shapes, causal and not, GQA, padded
 lengths. Then times flashrt.forward with each variant forced (tiles.forward_family and the tile table patched, the
@@ -42,11 +43,13 @@ def use(variant: str) -> None:
     api._PLANS.clear()
 
 
-def reference(q, k, v, causal, lengths=None):
+def reference(q, k, v, causal, lengths=None, softcap=0.0):
     q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     Sq, Sk = s.shape[-2:]
     hide = torch.zeros(q.shape[0], 1, Sq, Sk, dtype=torch.bool, device=s.device)
     if causal:
@@ -58,7 +61,7 @@ def reference(q, k, v, causal, lengths=None):
     return (torch.softmax(s, -1) @ v).transpose(1, 2).nan_to_num()  # (rows that see no key: 0)
 
 
-def check(heads) -> list[str]:
+def check(heads, softcap=0.0) -> list[str]:
     rows = []
     torch.manual_seed(0)
     cases = [(2, 300, 300, 4, 4, 192, False, False), (2, 300, 300, 4, 4, 256, True, False),
@@ -76,10 +79,12 @@ def check(heads) -> list[str]:
         k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
         lengths = torch.randint(1, Sk + 1, (B,), device="cuda", dtype=torch.int32) if padded else None
-        ref = reference(q, k, v, causal, lengths)
+        ref = reference(q, k, v, causal, lengths, softcap)
         for family in VARIANTS:
             use(family)
             kw = dict(seqlens_k=lengths) if padded else {}
+            if softcap:
+                kw["softcap"] = softcap
             out, _ = flashrt.forward(q, k, v, causal=causal, **kw)
             err = float((out.double() - ref).norm() / ref.norm())
             ok = err < 1e-2 and not out.isnan().any()
@@ -89,7 +94,7 @@ def check(heads) -> list[str]:
     return rows
 
 
-def time_shape(B, S, H, Hkv, D, causal, rounds) -> dict:
+def time_shape(B, S, H, Hkv, D, causal, rounds, softcap=0.0) -> dict:
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -101,11 +106,13 @@ def time_shape(B, S, H, Hkv, D, causal, rounds) -> dict:
 
     def ours(family):
         def run():
-            flashrt.forward(q, k, v, causal=causal)
+            flashrt.forward(q, k, v, causal=causal, **(dict(softcap=softcap) if softcap else {}))
         return family, run
 
     variants = dict(ours(f) for f in VARIANTS)
     try:
+        if softcap:
+            raise RuntimeError("cuDNN SDPA has no softcap")
         cudnn()
         variants["cudnn"] = cudnn
     except RuntimeError:
@@ -136,6 +143,7 @@ def main():
     ap.add_argument("--heads", default="192,256")
     ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--seed-only", action="store_true", help="time the seed shape only")
+    ap.add_argument("--softcap", type=float, default=0.0, help="every call with this softcap (no cuDNN then)")
     ap.add_argument("--variants", help="name=family[:block_m:block_n:warps][+opt...],... instead of fwd_sm90, ws64, "
                     "ws80")
     a = ap.parse_args()
@@ -147,14 +155,14 @@ def main():
             family, *t = rest.split(":")
             VARIANTS[name] = (family, tuple(map(int, t)) if t else None, tuple(opts))
     print(torch.cuda.get_device_name())
-    rows = check(list(map(int, a.heads.split(","))))
+    rows = check(list(map(int, a.heads.split(","))), a.softcap)
     shapes = [] if a.seed_only else [(16384 // S, S, 2048 // D, 2048 // D, D, causal) for D in map(
         int, a.heads.split(",")) for S in map(int, a.seqlens.split(",")) for causal in (False, True)]
     if 256 in map(int, a.heads.split(",")):
         shapes += [(2, 1024, 8, 1, 256, False), (2, 1024, 8, 1, 256, True)]  # the seed shape
     table = []
     for B, S, H, Hkv, D, causal in ([] if a.check_only else shapes):
-        tf = time_shape(B, S, H, Hkv, D, causal, a.rounds)
+        tf = time_shape(B, S, H, Hkv, D, causal, a.rounds, a.softcap)
         if not table:
             table = ["| shape | mask | " + " | ".join(tf) + " |", "|" + "---|" * (2 + len(tf))]
         table.append(f"| B{B} S{S} H{H}/{Hkv} D{D} | {'causal' if causal else 'full'} | " +
