@@ -122,6 +122,7 @@ def read_types(tensors: tuple) -> tuple:
 ARCH_RE = re.compile(r"sm_(\d+)(a?)")
 HEAD_DIMS = tuple(range(8, 257, 8))
 NVRTC_OPTIONS = ("-std=c++17",)
+SM90_SMEM_OPTIN = 232448  # sm_90's opt-in dynamic shared memory per block (cli.SMEM_OPTIN[90])
 
 
 def _round_up(x: int, m: int) -> int:
@@ -306,8 +307,10 @@ class KernelSpec:
                     return "no block / segment ids with mask_mod (fwd_sm90 has them)"
                 if (bm, nw) != (128, 12) and (bm, nw, self.head_dim) != (192, 16, 64):
                     return "block_m 128 with 12 warps (192 with 16 at head_dim 64)"
-                if self.head_dim > 128:
-                    return None if bn in (64, 80) else "block_n 64 or 80 above head_dim 128"
+                if self.head_dim > 128:  # (shared memory: 4 K / V stages beside one or two Q slots)
+                    top = 112 if self.head_dim == 192 else 80
+                    return None if bn % 16 == 0 and 64 <= bn <= top else \
+                        "block_n 64 or 80 above head_dim 128 (64 to 112 at 192), a multiple of 16"
                 return None if bn in (64, 128) else "block_n 64 or 128"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
@@ -346,6 +349,20 @@ class KernelSpec:
         return (gemm_warps_m(nw, bn, bm), gemm_warps_m(nw, bn, dp, 2),
                 gemm_warps_m(nw, bm, dp) if self.family == "bwd_fused" else 1)
 
+    def _ws_smem(self, slots: int) -> int:
+        """fwd_sm90_ws: `slots` Q slots + 2 K and 2 V stages + mbarriers and work items (192) [+ the slots' key
+        intervals] + alignment slack (kernels_cu/sm90/fwd_sm90_ws.cu: FwdWsTraits::SMEM)."""
+        ids = self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"])
+        return ((slots * self.block_m + 4 * self.block_n) * self.head_dim * 2 + 192
+                + (slots * (8 * self.block_m + 16) if ids else 0) + 1024)
+
+    @property
+    def q_slots(self) -> int:
+        """fwd_sm90_ws's Q slots (FRT_Q_SLOTS): two where they fit in sm_90's shared memory beside the K / V stages
+        (the next item's Q loads under the current one), else one (head_dim 256; 192 with key tiles over 80), which
+        goes back at the item's last S (FwdWsTraits::EARLY_Q)."""
+        return 2 if self._ws_smem(2) <= SM90_SMEM_OPTIN else 1
+
     @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
         bm, bn = self.block_m, self.block_n
@@ -355,12 +372,8 @@ class KernelSpec:
         # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
         if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
             return (bm + 4 * bn) * self.head_dim * 2 + 1024
-        # fwd_sm90_ws: Q slots (2, one at head_dim 256) + 2 K and 2 V stages + mbarriers and work items (192)
-        # [+ the slots' key intervals]
         if self.family == "fwd_sm90_ws":
-            ids = self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"])
-            slots = 1 if self.head_dim == 256 else 2
-            return (slots * bm + 4 * bn) * self.head_dim * 2 + 192 + (slots * (8 * bm + 16) if ids else 0) + 1024
+            return self._ws_smem(self.q_slots)
         if self.family == "bwd_dq_sm90":  # Q, dO + 2 stages of (K, V); above head_dim 192 one V buffer
             return (2 * bm + (3 if self.head_dim > 192 else 4) * bn) * self.head_dim * 2 + 1024
         if self.family == "bwd_dkdv_sm90":  # K, V + stages of (Q, dO, lse2, delta) [+ P^T]
@@ -404,6 +417,8 @@ class KernelSpec:
             "FRT_DROPOUT": int(self.dropout),
             **FAMILIES[self.family][2],
         }
+        if self.family == "fwd_sm90_ws":
+            defines["FRT_Q_SLOTS"] = self.q_slots
         if self.head_dims:  # (kernels_cu/attention/params.cuh)
             defines["FRT_QK_DIM"], defines["FRT_V_DIM"] = self.head_dims
         if self.score_mod:

@@ -264,9 +264,10 @@ _PREFERENCES = {
     # Forward: wgmma (fwd_sm90)).
     "fwd_sm90": [(64, [(128, 64, 8, 2), (128, 128, 8)]), (128, [(128, 128, 8), (128, 64, 8)]), (256, [(128, 64, 8)])],
     # warp-specialised (two consumer warpgroups + a producer warpgroup), persistent (its masks: _SM90_MASK_LIMITS);
-    # above head_dim 128 80-key tiles (1.00-1.10x 64-key ones, H200), at 256 one Q slot (docs/perf-notes.md: head_dim
-    # 192 and 256); at head_dim 64 from 4k query rows 192-row tiles (_LONG_PREFERENCES)
-    "fwd_sm90_ws": [(128, [(128, 128, 12)]), (256, [(128, 80, 12)])],
+    # above head_dim 128 one Q slot (spec.KernelSpec.q_slots) and 112-key tiles at 192 (0.99x 80-key ones with two
+    # slots at S=1k, 1.06-1.12x from 2k, H200), 80 at 256 (1.00-1.10x 64-key ones; docs/perf-notes.md: head_dim 192 and
+    # 256); at head_dim 64 from 4k query rows 192-row tiles (_LONG_PREFERENCES)
+    "fwd_sm90_ws": [(128, [(128, 128, 12)]), (192, [(128, 112, 12)]), (256, [(128, 80, 12)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
     # (head_dim 64: two blocks per SM, capped at 128 registers, 1-9% faster than 128-key tiles at one
@@ -351,9 +352,10 @@ _MASKED_PREFERENCES = {
     "bwd_fused": [(256, [(64, 64, 8), (64, 32, 8)])],
     # (the wgmma fused backward's 128-query tiles at head_dim 64 spill 8-36 bytes with windows or ids)
     "bwd_fused_sm90": [(128, [(64, 128, 12)])],
-    # (the warp-specialised forward at head_dim 256 with 80-key tiles spills 4-20 bytes with segment or block ids,
-    # whose consumers keep 216 registers, 64-key ones none; at head_dim 64 192-row tiles spill 8-176 bytes with ids)
-    "fwd_sm90_ws": [(128, [(128, 128, 12)]), (192, [(128, 80, 12)]), (256, [(128, 64, 12)])],
+    # (the warp-specialised forward with segment or block ids, whose consumers keep 216 registers: at head_dim 256
+    # 80-key tiles spill 4-20 bytes, 64-key ones none; at 192 112-key ones 16-28, 96-key ones none; at head_dim 64
+    # 192-row tiles spill 8-176 bytes)
+    "fwd_sm90_ws": [(128, [(128, 128, 12)]), (192, [(128, 96, 12)]), (256, [(128, 64, 12)])],
 }
 # Tilings with a mask_mod expression (MASK_BITS["mod"]): family -> buckets as in _PREFERENCES, replacing both
 # tables above for it. Chosen by spills and the timings cited: with an expression as well, the fused backward at

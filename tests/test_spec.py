@@ -8,8 +8,8 @@ import pytest
 
 from flashrt import cache, launch, masks, params, tiles
 from flashrt.cli import SMEM_OPTIN
-from flashrt.spec import (ANY_HEAD_DIM, FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS, SOFTCAP_FAMILIES,
-                          KernelSpec)
+from flashrt.spec import (ANY_HEAD_DIM, FAMILIES, HEAD_DIMS, MASK_BITS, NO_INPUTS, PACKED_ROWS, SM90_SMEM_OPTIN,
+                          SOFTCAP_FAMILIES, KernelSpec)
 
 
 def spec(**kw):
@@ -315,11 +315,12 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
         for ids in ("block_ids", "segments"):
             mask = MASK_BITS["lengths"] | MASK_BITS["mod"] | MASK_BITS[ids]
             assert tiles.forward_family(d, "sm_90a", SMEM_OPTIN[90], mask) == "fwd_sm90"
-    # one Q slot at head_dim 256 (two do not fit beside the K / V stages), 80-key tiles above 128 (64 with ids at 256)
+    # one Q slot above head_dim 128 (two do not fit beside the K / V stages), 112-key tiles at 192, 80 at 256 (64 with
+    # ids at 256)
     assert tiles.tiling("fwd_sm90_ws", 256, "bf16", True, "sm_90a", SMEM_OPTIN[90]).smem_bytes == \
         (128 + 4 * 80) * 256 * 2 + 192 + 1024
     assert tiles.tiling("fwd_sm90_ws", 192, "bf16", True, "sm_90a", SMEM_OPTIN[90]).smem_bytes == \
-        (2 * 128 + 4 * 80) * 192 * 2 + 192 + 1024
+        (128 + 4 * 112) * 192 * 2 + 192 + 1024
     segs = tiles.tiling("fwd_sm90_ws", 256, "bf16", True, "sm_90a", SMEM_OPTIN[90], MASK_BITS["segments"])
     assert (segs.block_n, segs.smem_bytes) == (64, (128 + 4 * 64) * 256 * 2 + 192 + 128 * 8 + 16 + 1024)
     # head_dim 64: 192-row tiles (three consumer warpgroups) for long query sequences, without masks beyond lengths
@@ -331,6 +332,14 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
         assert tiles.tiling("fwd_sm90_ws", 64, "bf16", True, "sm_90a", SMEM_OPTIN[90], mask, long=True).block_m == 128
     with pytest.raises(ValueError, match="block_n 64 or 80 above head_dim 128"):
         KernelSpec("fwd_sm90_ws", 192, "bf16", 128, 128, 12, True, "sm_90a")
+    with pytest.raises(ValueError, match="block_n 64 or 80 above head_dim 128"):
+        KernelSpec("fwd_sm90_ws", 256, "bf16", 128, 96, 12, True, "sm_90a")
+    # the Q slots: two where they fit beside the K / V stages (spec.SM90_SMEM_OPTIN), else one
+    assert SM90_SMEM_OPTIN == SMEM_OPTIN[90]
+    for D, bn, slots in ((192, 80, 2), (192, 96, 1), (192, 112, 1), (256, 64, 1), (256, 80, 1), (128, 128, 2)):
+        ws = KernelSpec("fwd_sm90_ws", D, "bf16", 128, bn, 12, False, "sm_90a")
+        assert ws.q_slots == slots and ws.smem_bytes == (slots * 128 + 4 * bn) * D * 2 + 192 + 1024
+        assert f"-DFRT_Q_SLOTS={slots}" in ws.options()
     # between the instances: the next one up (tiles.sm90_head_dim), from tiles.PADDED_FROM, forward and backward (the
     # fused wgmma backward's instances end at 128); the mma.sync families have every head_dim
     for d, up in ((tiles.PADDED_FROM, 64), (56, 64), (96, 128), (136, 192), (160, 192), (200, 256), (248, 256)):

@@ -366,6 +366,16 @@ struct Ring {
 #define FRT_WG_R40                                                                                         \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
     "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
+#define FRT_WG_D48 FRT_WG_D40, FRT_WG_D8(40)
+#define FRT_WG_D56 FRT_WG_D48, FRT_WG_D8(48)
+#define FRT_WG_R48    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47}"
+#define FRT_WG_R56    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}"
 #define FRT_WG_R64                                                                                         \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
     "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "   \
@@ -405,7 +415,8 @@ struct Ring {
 // desc_mn_major; 16-bit types only), e.g. dS^T stored [key][query] read as dS for dQ = dS K.
 template <int N, int TRANS_B, bool BF16 = true, int TRANS_A = 0>
 FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d) {
-    static_assert(N == 32 || N == 64 || N == 80 || N == 128, "wgmma_ss: N = 32, 64, 80 or 128");
+    static_assert(N == 32 || N == 64 || N == 80 || N == 96 || N == 112 || N == 128,
+                  "wgmma_ss: N = 32, 64, 80, 96, 112 or 128");
     static_assert((TRANS_A == 0 || TRANS_A == 1) && (TRANS_B == 0 || TRANS_B == 1), "wgmma_ss: TRANS_A/B are 0 or 1");
     if constexpr (N == 32 && BF16)
         FRT_WG_SS("m64n32k16", "bf16", FRT_WG_R16, FRT_WG_D16, "%16", "%17", "%18", "%19", "%20");
@@ -419,6 +430,14 @@ FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d)
         FRT_WG_SS("m64n80k16", "bf16", FRT_WG_R40, FRT_WG_D40, "%40", "%41", "%42", "%43", "%44");
     else if constexpr (N == 80)
         FRT_WG_SS("m64n80k16", "f16", FRT_WG_R40, FRT_WG_D40, "%40", "%41", "%42", "%43", "%44");
+    else if constexpr (N == 96 && BF16)
+        FRT_WG_SS("m64n96k16", "bf16", FRT_WG_R48, FRT_WG_D48, "%48", "%49", "%50", "%51", "%52");
+    else if constexpr (N == 96)
+        FRT_WG_SS("m64n96k16", "f16", FRT_WG_R48, FRT_WG_D48, "%48", "%49", "%50", "%51", "%52");
+    else if constexpr (N == 112 && BF16)
+        FRT_WG_SS("m64n112k16", "bf16", FRT_WG_R56, FRT_WG_D56, "%56", "%57", "%58", "%59", "%60");
+    else if constexpr (N == 112)
+        FRT_WG_SS("m64n112k16", "f16", FRT_WG_R56, FRT_WG_D56, "%56", "%57", "%58", "%59", "%60");
     else if constexpr (BF16)
         FRT_WG_SS("m64n128k16", "bf16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67", "%68");
     else

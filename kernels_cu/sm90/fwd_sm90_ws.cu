@@ -19,9 +19,9 @@
 // 128-byte-swizzled tiles (wgmma.cuh): a tile whose rows all lie inside the sequence by TMA (one thread
 // issues, the mbarrier completes on the bytes: 6-7% faster than cp.async, docs/perf-notes.md: The producer, the ring and the epilogue), a ragged one by
 // cp.async (its 128 threads' `cp.async.mbarrier.arrive.noinc`). The consumers hand a buffer back by
-// arriving on its "empty" mbarrier. The producer runs up to two key tiles ahead, and, with two Q slots (head_dim
-// <= 192), into the next item: its Q lands in the other slot while the consumers finish the current one. At
-// head_dim 256 two slots do not fit beside the K / V stages (2 x 64 + 4 x 32 KiB): the one slot goes back when the
+// arriving on its "empty" mbarrier. The producer runs up to two key tiles ahead, and, with two Q slots (chosen by the host
+// where they fit), into the next item: its Q lands in the other slot while the consumers finish the current one. Where
+// two slots do not fit beside the K / V stages (head_dim 256: 2 x 64 + 4 x 40 KiB), the one slot goes back when the
 // item's last S is complete (EARLY_Q), and O is stored from registers.
 // Each consumer warpgroup runs fwd_sm90.cu's loop (S = Q K^T of tile it and O += P V of tile
 // it - 1 issued together, tile it's softmax under the P V wgmma), and the warpgroups issue
@@ -53,9 +53,10 @@ struct FwdWsTraits {
     static_assert(D % 64 == 0 && D <= 256, "fwd_sm90_ws: head_dim 64, 128, 192 or 256 (whole swizzle blocks)");
     static_assert((BM == 128 || (BM == 192 && D == 64)) && NW == BM / 16 + 4,
                   "fwd_sm90_ws: 128 query rows (192 at head_dim 64), a consumer warpgroup per 64 and a producer one");
-    static_assert(D > 128 ? BN == 64 || BN == 80 : BN == 64 || BN == 128,
-                  "fwd_sm90_ws: key tiles of 64 or 128 (64 or 80 above head_dim 128: shared memory, registers)");
-    static constexpr int Q_SLOTS = D == 256 ? 1 : 2;  // (spec.KernelSpec.smem_bytes)
+    static_assert(D > 128 ? BN % 16 == 0 && 64 <= BN && BN <= (D == 192 ? 112 : 80) : BN == 64 || BN == 128,
+                  "fwd_sm90_ws: key tiles of 64 or 128 (above head_dim 128 64 to 80, 112 at 192: shared memory)");
+    static constexpr int Q_SLOTS = FRT_Q_SLOTS;  // (spec.KernelSpec.q_slots: two where they fit)
+    static_assert(Q_SLOTS == 1 || Q_SLOTS == 2, "fwd_sm90_ws: one or two Q slots");
     // One Q slot without id arrays (whose key intervals live beside the slot): each consumer warpgroup hands the slot
     // back once its last S is complete and stores O from registers, so that the next item's Q loads under the last
     // tile's softmax, P V and epilogue (docs/perf-notes.md: head_dim 192 and 256).
