@@ -311,7 +311,9 @@ class KernelSpec:
                     top = 112 if self.head_dim == 192 else 80
                     return None if bn % 16 == 0 and 64 <= bn <= top else \
                         "block_n 64 or 80 above head_dim 128 (64 to 112 at 192), a multiple of 16"
-                return None if bn in (64, 128) else "block_n 64 or 128"
+                if bn == 176 and self.head_dim == 128 and not self.causal:  # (tiles._DENSE_PREFERENCES)
+                    return None
+                return None if bn in (64, 128) else "block_n 64 or 128 (176 at head_dim 128, not causal)"
             return None if (bm, nw) == (128, 8) and bn in (64, 128) else "block_m 128, 8 warps, block_n 64 or 128"
         if self.family in ("fwd", "bwd_dq"):
             return None if bm % (16 * nw) == 0 else "block_m must be a multiple of 16 * warps"

@@ -379,6 +379,12 @@ _MOD_PREFERENCES = {
 # 16k tokens, docs/perf-notes.md: head_dim 64: 192-row tiles): dense / causal 1.09x / 1.02x as fast at S=4k, 1.14x /
 # 1.09x at 16k, but 0.99x / 0.83x at 1k (a third of the last tile idle; no causal diagonal loop).
 _LONG_PREFERENCES = {"fwd_sm90_ws": (4096, {64: [(192, 128, 16)]})}
+# Tilings of non-causal calls without masks beyond lengths and without score modifications or dropout, ahead of the
+# plain table: family -> {head_dim: tilings}. The warp-specialised forward at head_dim 128 with 176-key tiles and one Q
+# slot (FlashAttention-3's choice) against 128 x 128 with two (H200, 16k tokens, docs/perf-notes.md: head_dim 128:
+# 176-key tiles): 1.01x at S=1k, 1.02x at 2k-4k, 1.06x at 16k. (Causal calls keep 128 x 128 and its diagonal loop; with
+# ids or a score_mod 176 keys spill.)
+_DENSE_PREFERENCES = {"fwd_sm90_ws": {128: [(128, 176, 12)]}}
 
 
 def long_rows(family: str, head_dim: int, seqlen_q: int) -> bool:
@@ -472,8 +478,10 @@ def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem
     scores = family in SOFTCAP_FAMILIES
     score_mod = score_mod if family in SCORE_MOD_FAMILIES else ()
     dropout = dropout if family in DROPOUT_FAMILIES else 0
-    return _first_fit(family, head_dim, smem_limit,
-                      candidates(family, head_dim, mask, softcap, alibi, long, score_mod, dropout),
+    shapes = candidates(family, head_dim, mask, softcap, alibi, long, score_mod, dropout)
+    if not (causal or long or mask & ~MASK_BITS["lengths"] or softcap or alibi or score_mod or dropout):
+        shapes = [(*t, 1) for t in _DENSE_PREFERENCES.get(family, {}).get(head_dim, [])] + shapes
+    return _first_fit(family, head_dim, smem_limit, shapes,
                       lambda bm, bn, nw, mb: KernelSpec(family, head_dim, dtype, bm, bn, nw, causal and not elementwise,
                                                         arch, 0 if elementwise else mask,
                                                         "" if elementwise else mask_mod,

@@ -278,14 +278,20 @@ runs = torch.randint(0, 40, (2, 600), dtype=torch.int32, device="cuda").sort(-1)
 run(qi, ki, vi, True, block_ids_q=runs, block_ids_k=runs, segment_ids_q=runs // 8, segment_ids_k=runs // 8,
     seqlens_q=torch.tensor([600, 413], dtype=torch.int32, device="cuda"))
 
-# head_dim 256 with more work items than SMs (fwd_sm90_ws's one Q slot goes back at each warpgroup's last S, EARLY_Q,
-# and the next item's Q lands in it while O is stored from registers), dense, causal, and a ragged last key tile;
-# softcap at head_dim 64 (exponentials on the FMA units, online_row's POLY)
-qw = torch.randn(1, 260, 96, 256, device="cuda", dtype=torch.bfloat16)
-kw2, vw2 = (torch.randn(1, 260, 8, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-for causal_w, mask_w in ((True, {}), (False, {}), (False, dict(seqlens_k=i32([200])))):
-    flashrt.forward(qw, kw2, vw2, causal=causal_w, **mask_w)
+# head_dim 192 / 256 with more work items than SMs (fwd_sm90_ws's one Q slot goes back at each warpgroup's last S,
+# EARLY_Q, and the next item's Q lands in it while O is stored from registers), dense, causal, and a ragged last key
+# tile; softcap at head_dim 64 (exponentials on the FMA units, online_row's POLY)
+for dw in (192, 256):
+    qw = torch.randn(1, 260, 96, dw, device="cuda", dtype=torch.bfloat16)
+    kw2, vw2 = (torch.randn(1, 260, 8, dw, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for causal_w, mask_w in ((True, {}), (False, {}), (False, dict(seqlens_k=i32([200])))):
+        flashrt.forward(qw, kw2, vw2, causal=causal_w, **mask_w)
 flashrt.forward(qi, ki, vi, causal=True, softcap=20.0, seqlens_k=i32([600, 0]))
+# head_dim 128 not causal: 176-key tiles with one Q slot (tiles._DENSE_PREFERENCES), more items than SMs
+qd = torch.randn(1, 300, 96, 128, device="cuda", dtype=torch.bfloat16)
+kd, vd = (torch.randn(1, 300, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+flashrt.forward(qd, kd, vd)
+flashrt.forward(qd, kd, vd, seqlens_k=i32([250]))
 
 
 # Arrays that break every rule, with validate=False: the kernels stay inside their tensors whatever the arrays
@@ -316,7 +322,7 @@ try:
 except ValueError:
     pass
 torch.cuda.synchronize()
-print(f"sanitize workload: {len(CASES) + 17 + 10 + 1} cases ran")
+print(f"sanitize workload: {len(CASES) + 22 + 10 + 1} cases ran")
 
 decode_cases()
 torch.cuda.synchronize()

@@ -340,6 +340,17 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
         ws = KernelSpec("fwd_sm90_ws", D, "bf16", 128, bn, 12, False, "sm_90a")
         assert ws.q_slots == slots and ws.smem_bytes == (slots * 128 + 4 * bn) * D * 2 + 192 + 1024
         assert f"-DFRT_Q_SLOTS={slots}" in ws.options()
+    # head_dim 128: 176-key tiles (one Q slot) for non-causal calls without masks beyond lengths, score modifications or
+    # dropout (tiles._DENSE_PREFERENCES); the rest keep 128 x 128 with two slots
+    def bn128(causal, **kw):
+        t = tiles.tiling("fwd_sm90_ws", 128, "bf16", causal, "sm_90a", SMEM_OPTIN[90], **kw)
+        return t.block_n, t.q_slots
+    assert bn128(False) == bn128(False, mask=MASK_BITS["lengths"]) == (176, 1)
+    for causal, kw in ((True, {}), (False, dict(mask=MASK_BITS["window"])), (False, dict(softcap=True)),
+                       (False, dict(alibi=True)), (False, dict(dropout=8)), (False, dict(score_mod=("s", "", ())))):
+        assert bn128(causal, **kw) == (128, 2), (causal, kw)
+    with pytest.raises(ValueError, match="176 at head_dim 128, not causal"):
+        KernelSpec("fwd_sm90_ws", 128, "bf16", 128, 176, 12, True, "sm_90a")
     # between the instances: the next one up (tiles.sm90_head_dim), from tiles.PADDED_FROM, forward and backward (the
     # fused wgmma backward's instances end at 128); the mma.sync families have every head_dim
     for d, up in ((tiles.PADDED_FROM, 64), (56, 64), (96, 128), (136, 192), (160, 192), (200, 256), (248, 256)):

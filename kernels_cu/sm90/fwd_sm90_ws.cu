@@ -53,8 +53,10 @@ struct FwdWsTraits {
     static_assert(D % 64 == 0 && D <= 256, "fwd_sm90_ws: head_dim 64, 128, 192 or 256 (whole swizzle blocks)");
     static_assert((BM == 128 || (BM == 192 && D == 64)) && NW == BM / 16 + 4,
                   "fwd_sm90_ws: 128 query rows (192 at head_dim 64), a consumer warpgroup per 64 and a producer one");
-    static_assert(D > 128 ? BN % 16 == 0 && 64 <= BN && BN <= (D == 192 ? 112 : 80) : BN == 64 || BN == 128,
-                  "fwd_sm90_ws: key tiles of 64 or 128 (above head_dim 128 64 to 80, 112 at 192: shared memory)");
+    static_assert(D > 128 ? BN % 16 == 0 && 64 <= BN && BN <= (D == 192 ? 112 : 80)
+                          : BN == 64 || BN == 128 || (BN == 176 && D == 128 && !CAUSAL),
+                  "fwd_sm90_ws: key tiles of 64 or 128 (176 at 128 not causal; above head_dim 128 64 to 80, 112 at "
+                  "192: shared memory)");
     static constexpr int Q_SLOTS = FRT_Q_SLOTS;  // (spec.KernelSpec.q_slots: two where they fit)
     static_assert(Q_SLOTS == 1 || Q_SLOTS == 2, "fwd_sm90_ws: one or two Q slots");
     // One Q slot without id arrays (whose key intervals live beside the slot): each consumer warpgroup hands the slot

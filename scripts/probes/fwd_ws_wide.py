@@ -73,7 +73,10 @@ def check(heads, softcap=0.0) -> list[str]:
         (2, 300, 300, 4, 4, 64, False, False), (2, 577, 577, 4, 4, 64, True, False),
         (1, 517, 700, 8, 2, 64, True, False), (3, 200, 333, 4, 1, 64, True, False),
         (2, 1024, 1024, 4, 4, 64, False, False),
-        (2, 640, 640, 4, 2, 64, False, True), (1, 131, 77, 4, 4, 64, True, False)] * (64 in heads)
+        (2, 640, 640, 4, 2, 64, False, True), (1, 131, 77, 4, 4, 64, True, False)] * (64 in heads) + [
+        (2, 300, 300, 4, 4, 128, False, False), (1, 517, 700, 8, 2, 128, False, False),
+        (2, 1024, 1024, 4, 4, 128, False, False), (2, 640, 640, 4, 2, 128, False, True),
+        (1, 131, 77, 4, 4, 128, True, False)] * (128 in heads)
     for B, Sq, Sk, H, Hkv, D, causal, padded in cases:
         q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
@@ -85,7 +88,11 @@ def check(heads, softcap=0.0) -> list[str]:
             kw = dict(seqlens_k=lengths) if padded else {}
             if softcap:
                 kw["softcap"] = softcap
-            out, _ = flashrt.forward(q, k, v, causal=causal, **kw)
+            try:
+                out, _ = flashrt.forward(q, k, v, causal=causal, **kw)
+            except (ValueError, tiles.TilingError) as e:  # (a tiling the host refuses for this call)
+                rows.append(f"| B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} | {family} | refused: {str(e)[:60]} | |")
+                continue
             err = float((out.double() - ref).norm() / ref.norm())
             ok = err < 1e-2 and not out.isnan().any()
             rows.append(f"| B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'causal' if causal else 'full'}"
@@ -109,7 +116,14 @@ def time_shape(B, S, H, Hkv, D, causal, rounds, softcap=0.0) -> dict:
             flashrt.forward(q, k, v, causal=causal, **(dict(softcap=softcap) if softcap else {}))
         return family, run
 
-    variants = dict(ours(f) for f in VARIANTS)
+    variants = {}
+    for f in VARIANTS:
+        use(f)
+        try:
+            flashrt.forward(q, k, v, causal=causal, **(dict(softcap=softcap) if softcap else {}))
+            variants.update([ours(f)])
+        except (ValueError, tiles.TilingError):  # (a tiling the host refuses for this call)
+            pass
     try:
         if softcap:
             raise RuntimeError("cuDNN SDPA has no softcap")
@@ -133,7 +147,8 @@ def time_shape(B, S, H, Hkv, D, causal, rounds, softcap=0.0) -> dict:
             e1.record()
             torch.cuda.synchronize()
             times[name].append(e0.elapsed_time(e1) / n)
-    return {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
+    return {n: flops / statistics.median(times[n]) / 1e9 if n in times else float("nan") for n in [*VARIANTS, "cudnn"]
+            if n in times or n in VARIANTS}
 
 
 def main():
