@@ -361,8 +361,8 @@ class KernelSpec:
     @property
     def q_slots(self) -> int:
         """fwd_sm90_ws's Q slots (FRT_Q_SLOTS): two where they fit in sm_90's shared memory beside the K / V stages
-        (the next item's Q loads under the current one), else one (head_dim 256; 192 with key tiles over 80), which
-        goes back at the item's last S (FwdWsTraits::EARLY_Q)."""
+        (the next item's Q loads under the current one), else one (head_dim 256; 192 with key tiles over 80, 128 with
+        176), which goes back at the item's last S (FwdWsTraits::EARLY_Q)."""
         return 2 if self._ws_smem(2) <= SM90_SMEM_OPTIN else 1
 
     @functools.cached_property  # read at every launch

@@ -22,7 +22,8 @@ namespace sm90 {
 template <int D, int BN, bool BF16, bool MOD_FENCED = false>
 struct FwdRows {
     // Of every 8 key groups of a row, those whose exponentials run on the FMA units (softmax.cuh: online_row): 2 with
-    // softcap (whose tanh is a second MUFU op per score), else none (docs/perf-notes.md: Exponentials on the FMA units).
+    // softcap (whose tanh is a second MUFU op per score), else none (docs/perf-notes.md: Exponentials on the FMA
+    // units).
     static constexpr int EXP_POLY = FRT_EXP_POLY >= 0 ? FRT_EXP_POLY : FRT_SOFTCAP ? 2 : 0;
     float o[D / 2];
     float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
@@ -186,8 +187,9 @@ struct FwdRows {
     FRT_DEVICE void online(float scale_log2, int row_base, int n0, int t) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            alpha[hh] = online_row<JHI, EXP_POLY>(row_max[hh], row_sum[hh], ScoreMod::exp_scale(cap.scale_of(scale_log2)),
-                                        [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; });
+            alpha[hh] = online_row<JHI, EXP_POLY>(row_max[hh], row_sum[hh],
+                                                  ScoreMod::exp_scale(cap.scale_of(scale_log2)),
+                                                  [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; });
 #pragma unroll
             for (int jj = JHI; jj < BN / 8; ++jj) s[4 * jj + 2 * hh] = s[4 * jj + 2 * hh + 1] = 0.f;
         }

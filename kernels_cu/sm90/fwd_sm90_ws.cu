@@ -19,10 +19,10 @@
 // 128-byte-swizzled tiles (wgmma.cuh): a tile whose rows all lie inside the sequence by TMA (one thread
 // issues, the mbarrier completes on the bytes: 6-7% faster than cp.async, docs/perf-notes.md: The producer, the ring and the epilogue), a ragged one by
 // cp.async (its 128 threads' `cp.async.mbarrier.arrive.noinc`). The consumers hand a buffer back by
-// arriving on its "empty" mbarrier. The producer runs up to two key tiles ahead, and, with two Q slots (chosen by the host
-// where they fit), into the next item: its Q lands in the other slot while the consumers finish the current one. Where
-// two slots do not fit beside the K / V stages (head_dim 256: 2 x 64 + 4 x 40 KiB), the one slot goes back when the
-// item's last S is complete (EARLY_Q), and O is stored from registers.
+// arriving on its "empty" mbarrier. The producer runs up to two key tiles ahead, and, with two Q slots (the host's
+// choice, where they fit), into the next item: its Q lands in the other slot while the consumers finish the current
+// one. Where two slots do not fit beside the K / V stages (head_dim 256: 2 x 64 + 4 x 40 KiB; 192 at 112-key tiles,
+// 128 at 176), the one slot goes back when the item's last S is complete (EARLY_Q), and O is stored from registers.
 // Each consumer warpgroup runs fwd_sm90.cu's loop (S = Q K^T of tile it and O += P V of tile
 // it - 1 issued together, tile it's softmax under the P V wgmma), and the warpgroups issue
 // their wgmmas in turn (named barriers 4, 5 and 7): one's softmax runs under the others' wgmmas.
