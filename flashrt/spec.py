@@ -307,6 +307,8 @@ class KernelSpec:
                     return "no block / segment ids with mask_mod (fwd_sm90 has them)"
                 if (bm, nw) != (128, 12) and (bm, nw, self.head_dim) != (192, 16, 64):
                     return "block_m 128 with 12 warps (192 with 16 at head_dim 64)"
+                if self.mask & MASK_BITS["mod"] and bn % 64:  # (FwdRows::mod_mask)
+                    return "block_n 64 or 128 with a mask_mod"
                 if self.head_dim > 128:  # (shared memory: 4 K / V stages beside one or two Q slots)
                     top = 112 if self.head_dim == 192 else 80
                     return None if bn % 16 == 0 and 64 <= bn <= top else \

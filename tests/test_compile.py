@@ -289,6 +289,11 @@ def test_host_layout_rules_are_the_kernels_static_asserts():
         for D, bm, bn, nw in itertools.product((64, 128, 256), (64, 128, 192), (64, 80, 128), (8, 12, 16)):
             cases.append(_unchecked(family=family, head_dim=D, dtype="bf16", block_m=bm, block_n=bn, warps=nw,
                                     causal=True, arch="sm_90a"))
+    # the warp-specialised forward's wider key tiles: 96 / 112 at head_dim 192, 176 at 128 not causal (one Q slot), and
+    # none of them with a mask_mod (FwdRows::mod_mask)
+    for D, bn, causal, mask in itertools.product((128, 192, 256), (96, 112, 176), (False, True), (0, MASK_BITS["mod"])):
+        cases.append(_unchecked(family="fwd_sm90_ws", head_dim=D, dtype="bf16", block_m=128, block_n=bn, warps=12,
+                                causal=causal, arch="sm_90a", mask=mask, mask_mod="k <= q" if mask else ""))
     for D, bm, bn, nw in itertools.product((64, 128, 256), (16, 32, 64), (16, 32, 64), (2, 4, 8)):
         cases.append(_unchecked(family="decode", head_dim=D, dtype="bf16", block_m=bm, block_n=bn, warps=nw,
                                 causal=False, arch="sm_80"))

@@ -109,13 +109,14 @@ FRT_DEVICE float fast_exp2(float x) {
 // online softmax takes for part of each row's elements where MUFU is the bottleneck (softmax.cuh: online_row). x =
 // j + f with j = round(x), from the low mantissa bits of x + 1.5 * 2^23, and f in [-0.5, 0.5]; 2^f by a degree-3
 // minimax polynomial (relative error 7.5e-5 in fp32, under bf16's and fp16's rounding of P); j added to the exponent
-// field. 0 below -126, as ex2.approx.ftz flushes, and exactly 0 for a masked score's -inf (whose f is NaN).
+// field. 0 below -126, as ex2.approx.ftz flushes, and exactly 0 for a masked score's -inf (whose f is NaN); a NaN
+// argument is returned (as ex2 propagates it).
 FRT_DEVICE float poly_exp2(float x) {
     const float t = __fadd_rn(x, 12582912.f);              // (the _rn adds: never folded away)
     const float f = __fsub_rn(x, __fsub_rn(t, 12582912.f));  // x - round(x)
     const float p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261113f), f, 0.69326097f), f, 0.99992806f);
-    const float r = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-    return x < -126.f ? 0.f : r;
+    const float r = __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+    return x >= -126.f ? r : x < -126.f ? 0.f : x;
 }
 
 FRT_DEVICE float fast_rcp(float x) {

@@ -67,6 +67,7 @@ struct FwdRows {
     // element (docs/perf-notes.md: mask_mod element mask).
     template <class Tile>
     FRT_DEVICE void mod_mask(const Tile& tile, int n0, int row_base, int t) {
+        static_assert(BN % 64 == 0, "mod_mask: key tiles of 64 or 128 (its groups of 4 jj and 64-key bit words)");
         const auto& vis = tile.vis;
         // (With a window too, the fenced form spilled 8-16 bytes with lengths at head_dim 64 and 128.)
         constexpr bool FENCED = !Tile::WINDOW;

@@ -28,6 +28,7 @@ VARIANTS = {"fwd_sm90": ("fwd_sm90", None, ()), "ws64": ("fwd_sm90_ws", (128, 64
             "ws80": ("fwd_sm90_ws", (128, 80, 12), ())}
 _forward_family = tiles.forward_family
 _tables = {f: list(t) for f, t in tiles._PREFERENCES.items()}
+_dense = dict(tiles._DENSE_PREFERENCES)
 BASE_OPTIONS = spec.NVRTC_OPTIONS
 
 
@@ -39,6 +40,8 @@ def use(variant: str) -> None:
     tiles.forward_family = lambda *a, **k: family if _forward_family(*a, **k).startswith("fwd_sm90") else \
         _forward_family(*a, **k)
     tiles._PREFERENCES[family] = [(256, [tiling])] if tiling else _tables[family]
+    # (a forced tiling also replaces the dense calls' preference, which tiles.tiling puts ahead of the table)
+    tiles._DENSE_PREFERENCES[family] = {} if tiling else _dense.get(family, {})
     tiles.kernel_for.cache_clear()
     api._PLANS.clear()
 
