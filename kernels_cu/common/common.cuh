@@ -116,7 +116,7 @@ FRT_DEVICE float poly_exp2(float x) {
     const float f = __fsub_rn(x, __fsub_rn(t, 12582912.f));  // x - round(x)
     const float p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261113f), f, 0.69326097f), f, 0.99992806f);
     const float r = __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
-    return x >= -126.f ? r : x < -126.f ? 0.f : x;
+    return x < -126.f ? 0.f : __fadd_rn(r, __fsub_rn(x, x));  // (x - x: 0, or NaN for a NaN x)
 }
 
 FRT_DEVICE float fast_rcp(float x) {
