@@ -397,6 +397,13 @@ struct Ring {
                  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " R ", " IA ", " IB \
                  ", p, 1, 1, " ITA ", " IT ";\n}\n"                                              \
                  : D : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A), "n"(TRANS_B))
+#define FRT_WG_SS_N(SHAPE, H, IA, IB, IP, ITA, IT)                                              \
+    do {                                                                                        \
+        if constexpr (BF16)                                                                     \
+            FRT_WG_SS(SHAPE, "bf16", FRT_WG_R##H, FRT_WG_D##H, IA, IB, IP, ITA, IT);            \
+        else                                                                                    \
+            FRT_WG_SS(SHAPE, "f16", FRT_WG_R##H, FRT_WG_D##H, IA, IB, IP, ITA, IT);             \
+    } while (0)
 #define FRT_WG_RS(SHAPE, TY, R, D, IA, IB, IP, IT)                                              \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                             \
                  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " R ", " IA ", " IB \
@@ -425,34 +432,21 @@ FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d)
     static_assert(N == 32 || N == 64 || N == 80 || N == 96 || N == 112 || N == 128 || N == 176,
                   "wgmma_ss: N = 32, 64, 80, 96, 112, 128 or 176");
     static_assert((TRANS_A == 0 || TRANS_A == 1) && (TRANS_B == 0 || TRANS_B == 1), "wgmma_ss: TRANS_A/B are 0 or 1");
-    if constexpr (N == 32 && BF16)
-        FRT_WG_SS("m64n32k16", "bf16", FRT_WG_R16, FRT_WG_D16, "%16", "%17", "%18", "%19", "%20");
-    else if constexpr (N == 32)
-        FRT_WG_SS("m64n32k16", "f16", FRT_WG_R16, FRT_WG_D16, "%16", "%17", "%18", "%19", "%20");
-    else if constexpr (N == 64 && BF16)
-        FRT_WG_SS("m64n64k16", "bf16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35", "%36");
+    // (FRT_WG_SS_N: the bf16 or f16 form of one shape; H = N / 2 accumulator registers, then the operands' indices)
+    if constexpr (N == 32)
+        FRT_WG_SS_N("m64n32k16", 16, "%16", "%17", "%18", "%19", "%20");
     else if constexpr (N == 64)
-        FRT_WG_SS("m64n64k16", "f16", FRT_WG_R32, FRT_WG_D32, "%32", "%33", "%34", "%35", "%36");
-    else if constexpr (N == 80 && BF16)
-        FRT_WG_SS("m64n80k16", "bf16", FRT_WG_R40, FRT_WG_D40, "%40", "%41", "%42", "%43", "%44");
+        FRT_WG_SS_N("m64n64k16", 32, "%32", "%33", "%34", "%35", "%36");
     else if constexpr (N == 80)
-        FRT_WG_SS("m64n80k16", "f16", FRT_WG_R40, FRT_WG_D40, "%40", "%41", "%42", "%43", "%44");
-    else if constexpr (N == 96 && BF16)
-        FRT_WG_SS("m64n96k16", "bf16", FRT_WG_R48, FRT_WG_D48, "%48", "%49", "%50", "%51", "%52");
+        FRT_WG_SS_N("m64n80k16", 40, "%40", "%41", "%42", "%43", "%44");
     else if constexpr (N == 96)
-        FRT_WG_SS("m64n96k16", "f16", FRT_WG_R48, FRT_WG_D48, "%48", "%49", "%50", "%51", "%52");
-    else if constexpr (N == 112 && BF16)
-        FRT_WG_SS("m64n112k16", "bf16", FRT_WG_R56, FRT_WG_D56, "%56", "%57", "%58", "%59", "%60");
+        FRT_WG_SS_N("m64n96k16", 48, "%48", "%49", "%50", "%51", "%52");
     else if constexpr (N == 112)
-        FRT_WG_SS("m64n112k16", "f16", FRT_WG_R56, FRT_WG_D56, "%56", "%57", "%58", "%59", "%60");
-    else if constexpr (N == 176 && BF16)
-        FRT_WG_SS("m64n176k16", "bf16", FRT_WG_R88, FRT_WG_D88, "%88", "%89", "%90", "%91", "%92");
+        FRT_WG_SS_N("m64n112k16", 56, "%56", "%57", "%58", "%59", "%60");
     else if constexpr (N == 176)
-        FRT_WG_SS("m64n176k16", "f16", FRT_WG_R88, FRT_WG_D88, "%88", "%89", "%90", "%91", "%92");
-    else if constexpr (BF16)
-        FRT_WG_SS("m64n128k16", "bf16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67", "%68");
+        FRT_WG_SS_N("m64n176k16", 88, "%88", "%89", "%90", "%91", "%92");
     else
-        FRT_WG_SS("m64n128k16", "f16", FRT_WG_R64, FRT_WG_D64, "%64", "%65", "%66", "%67", "%68");
+        FRT_WG_SS_N("m64n128k16", 64, "%64", "%65", "%66", "%67", "%68");
 }
 
 // A from registers (four 16x2-bit registers, layout above), B from shared memory (descriptor).
@@ -499,12 +493,16 @@ FRT_DEVICE void wgmma_abt(float (&acc)[N / 2], const u32 (&a)[KSTEPS][4], u32 s_
 
 #undef FRT_WG_TY
 #undef FRT_WG_SS
+#undef FRT_WG_SS_N
 #undef FRT_WG_RS
 #undef FRT_WG_D8
 #undef FRT_WG_D16
 #undef FRT_WG_D32
 #undef FRT_WG_D40
+#undef FRT_WG_D48
+#undef FRT_WG_D56
 #undef FRT_WG_D64
+#undef FRT_WG_D88
 #undef FRT_WG_D96
 #undef FRT_WG_D128
 #undef FRT_WG_R96
@@ -512,7 +510,10 @@ FRT_DEVICE void wgmma_abt(float (&acc)[N / 2], const u32 (&a)[KSTEPS][4], u32 s_
 #undef FRT_WG_R16
 #undef FRT_WG_R32
 #undef FRT_WG_R40
+#undef FRT_WG_R48
+#undef FRT_WG_R56
 #undef FRT_WG_R64
+#undef FRT_WG_R88
 
 // d += A B, issued (not committed): A the K_ROWS / 16 register fragments `a` (acc_to_a_frag), B the
 // MN-major K_ROWS x N shared tile at s_b (desc_mn_major).
