@@ -381,9 +381,9 @@ _MOD_PREFERENCES = {
 _LONG_PREFERENCES = {"fwd_sm90_ws": (4096, {64: [(192, 128, 16)]})}
 # Tilings of non-causal calls without masks beyond lengths and without score modifications or dropout, ahead of the
 # plain table: family -> {head_dim: tilings}. The warp-specialised forward at head_dim 128 with 176-key tiles and one Q
-# slot (FlashAttention-3's choice) against 128 x 128 with two (H200, 16k tokens, docs/perf-notes.md: head_dim 128:
-# 176-key tiles): 1.01x at S=1k, 1.02x at 2k-4k, 1.06x at 16k. (Causal calls keep 128 x 128 and its diagonal loop; with
-# ids or a score_mod 176 keys spill.)
+# slot (FlashAttention-3's choice) against 128 x 128 with two (16k tokens, docs/perf-notes.md: head_dim 128: 176-key
+# tiles): H200 1.01x at S=1k, 1.02x at 2k-4k, 1.06x at 16k; H100 1.01-1.05x. (Causal calls keep 128 x 128 and its
+# diagonal loop; with ids or a score_mod 176 keys spill, and a mask_mod needs 64-key multiples.)
 _DENSE_PREFERENCES = {"fwd_sm90_ws": {128: [(128, 176, 12)]}}
 
 
