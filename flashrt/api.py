@@ -127,7 +127,7 @@ def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: b
     query length (tiles.long_rows); `head_dims`: q's and v's head_dims, which a spec.V_DIM_FAMILIES kernel takes
     where they differ."""
     spec = tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi,
-                            tiles.long_rows(family, D, m.Sq), m.score_mod, dropout)
+                            tiles.long_rows(family, D, m.Sq, m.causal), m.score_mod, dropout)
     if family in V_DIM_FAMILIES and head_dims and head_dims[0] != head_dims[1]:
         spec = dataclasses.replace(spec, head_dims=tuple(head_dims))
     return spec

@@ -266,7 +266,7 @@ _PREFERENCES = {
     # warp-specialised (two consumer warpgroups + a producer warpgroup), persistent (its masks: _SM90_MASK_LIMITS);
     # above head_dim 128 one Q slot (spec.KernelSpec.q_slots) and 112-key tiles at 192 (0.99x 80-key ones with two
     # slots at S=1k, 1.06-1.12x from 2k, H200), 80 at 256 (1.00-1.10x 64-key ones; docs/perf-notes.md: head_dim 192 and
-    # 256); at head_dim 64 from 4k query rows 192-row tiles (_LONG_PREFERENCES)
+    # 256); at head_dim 64 from 4k query rows (1.5k not causal) 192-row tiles (_LONG_PREFERENCES)
     "fwd_sm90_ws": [(128, [(128, 128, 12)]), (192, [(128, 112, 12)]), (256, [(128, 80, 12)])],
     # wgmma split backward (sm_90a, head_dim 64, 128, 192, 256): dQ with two warpgroups of 64 query rows,
     # dK/dV with two warpgroups of 64 keys (one warpgroup per gradient above 128) and 64-row query tiles
@@ -373,12 +373,13 @@ _MOD_PREFERENCES = {
     # not divide 128 rows at 80 keys)
     "fwd_sm90_ws": [(128, [(128, 128, 12)]), (256, [(128, 64, 12)])],
 }
-# Tilings for long query sequences: family -> (the least query length, {head_dim: tilings}), replacing the plain table
-# (_PREFERENCES; not those of masks beyond lengths or mask_mod) at those head dims from that length on (long_rows). The
-# warp-specialised forward at head_dim 64 with 192-row tiles and three consumer warpgroups, against 128 x 128 (H200,
-# 16k tokens, docs/perf-notes.md: head_dim 64: 192-row tiles): dense / causal 1.09x / 1.02x as fast at S=4k, 1.14x /
-# 1.09x at 16k, but 0.99x / 0.83x at 1k (a third of the last tile idle; no causal diagonal loop).
-_LONG_PREFERENCES = {"fwd_sm90_ws": (4096, {64: [(192, 128, 16)]})}
+# Tilings for long query sequences: family -> ((the least query length causal, not causal), {head_dim: tilings}),
+# replacing the plain table (_PREFERENCES; not those of masks beyond lengths or mask_mod) at those head dims from that
+# length on (long_rows). The warp-specialised forward at head_dim 64 with 192-row tiles and three consumer warpgroups,
+# against 128 x 128 (H200, 16k tokens, docs/perf-notes.md: head_dim 64: 192-row tiles): dense / causal 1.09x / 1.02x
+# as fast at S=4k, 1.14x / 1.09x at 16k, 0.99x / 0.83x at 1k (a third of the last tile idle; no causal diagonal loop);
+# dense 1.10-1.17x at 1.5k-3k, causal 0.98-1.05x there.
+_LONG_PREFERENCES = {"fwd_sm90_ws": ((4096, 1536), {64: [(192, 128, 16)]})}
 # Tilings of non-causal calls without masks beyond lengths and without score modifications or dropout, ahead of the
 # plain table: family -> {head_dim: tilings}. The warp-specialised forward at head_dim 128 with 176-key tiles and one Q
 # slot (FlashAttention-3's choice) against 128 x 128 with two (16k tokens, docs/perf-notes.md: head_dim 128: 176-key
@@ -387,11 +388,11 @@ _LONG_PREFERENCES = {"fwd_sm90_ws": (4096, {64: [(192, 128, 16)]})}
 _DENSE_PREFERENCES = {"fwd_sm90_ws": {128: [(128, 176, 12)]}}
 
 
-def long_rows(family: str, head_dim: int, seqlen_q: int) -> bool:
+def long_rows(family: str, head_dim: int, seqlen_q: int, causal: bool = True) -> bool:
     """Whether a call with query sequences of up to `seqlen_q` rows takes `family`'s long-sequence tiling
-    (_LONG_PREFERENCES) at this head_dim."""
-    least, tables = _LONG_PREFERENCES.get(family, (0, {}))
-    return head_dim in tables and seqlen_q >= least
+    (_LONG_PREFERENCES) at this head_dim, causal or not."""
+    least, tables = _LONG_PREFERENCES.get(family, ((0, 0), {}))
+    return head_dim in tables and seqlen_q >= least[0 if causal else 1]
 
 
 # Spills allowed: measured exceptions to "no register spills": (family, head_dim, min_blocks) -> bytes of local
@@ -440,7 +441,7 @@ def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
     sequences, long_rows; `dropout`: _DROPOUT_PREFERENCES first)."""
     table = _PREFERENCES[family]
     if (long and not score_mod and not (dropout and mask & ~MASK_BITS["lengths"])
-            and head_dim in _LONG_PREFERENCES.get(family, (0, {}))[1]):
+            and head_dim in _LONG_PREFERENCES.get(family, ((0, 0), {}))[1]):
         table = [(head_dim, _LONG_PREFERENCES[family][1][head_dim])]
     if mask & ~MASK_BITS["lengths"]:
         table = _MASKED_PREFERENCES.get(family, table)

@@ -325,6 +325,9 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
     assert (segs.block_n, segs.smem_bytes) == (64, (128 + 4 * 64) * 256 * 2 + 192 + 128 * 8 + 16 + 1024)
     # head_dim 64: 192-row tiles (three consumer warpgroups) for long query sequences, without masks beyond lengths
     assert tiles.long_rows("fwd_sm90_ws", 64, 4096) and not tiles.long_rows("fwd_sm90_ws", 64, 4095)
+    # (not causal from 1.5k rows: no diagonal loop to lose there)
+    assert tiles.long_rows("fwd_sm90_ws", 64, 1536, causal=False) and not tiles.long_rows("fwd_sm90_ws", 64, 1535, False)
+    assert not tiles.long_rows("fwd_sm90_ws", 64, 2048, causal=True)
     assert not tiles.long_rows("fwd_sm90_ws", 128, 1 << 20) and not tiles.long_rows("fwd_sm90", 64, 1 << 20)
     tall = tiles.tiling("fwd_sm90_ws", 64, "bf16", True, "sm_90a", SMEM_OPTIN[90], MASK_BITS["lengths"], long=True)
     assert (tall.block_m, tall.block_n, tall.warps, tall.smem_bytes) == (192, 128, 16, (2 * 192 + 4 * 128) * 128 + 1216)
