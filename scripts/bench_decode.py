@@ -94,9 +94,11 @@ def copies_for(nbytes: int, l2_bytes: int) -> int:
     return max(1, min(8, math.ceil(3 * l2_bytes / nbytes)))
 
 
-def decode_calls(sets, lens) -> list:
-    """flashrt.decode on each (q, k, v) set, contiguous caches holding lens tokens: a list of calls for capture."""
-    return [lambda q=q, k=k, v=v: flashrt.decode(q, k, v, cache_seqlens=lens) for q, k, v in sets]
+def decode_calls(sets, lens, num_splits: int = 0) -> list:
+    """flashrt.decode on each (q, k, v) set, contiguous caches holding lens tokens (num_splits: flashrt.decode's): a
+    list of calls for capture."""
+    return [lambda q=q, k=k, v=v: flashrt.decode(q, k, v, cache_seqlens=lens, num_splits=num_splits)
+            for q, k, v in sets]
 
 
 def capture(fns, reps: int) -> torch.cuda.CUDAGraph:

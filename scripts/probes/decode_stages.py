@@ -1,0 +1,90 @@
+"""Decode's cp.async ring depth side by side (CUDA-graph replays, interleaved rounds):
+python scripts/probes/decode_stages.py [stages,...] [H/Hkv/D,...] [B:S,...]. Each depth compiles decode.cu with
+-DFRT_DECODE_STAGES=n and the host's shared-memory size to match (spec.KernelSpec.smem_bytes patched), so that the
+split count (tiles.decode_splits) sees the blocks per SM it gives; 0 is the library's own (3 at head_dim <= 128).
+Checks each depth against float64 first; prints TB/s of K/V read per point and depth, each depth once with its own
+split count and once with the library's (3 stages; "=" columns): a deeper ring changes the count the model picks."""
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+
+import flashrt  # noqa: E402
+from flashrt import api, launch, spec as specmod, tiles  # noqa: E402
+from bench_decode import capture, copies_for, decode_calls, kv_bytes, make_set, replay_ms  # noqa: E402
+
+DEPTHS = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "0,4,6").split(",")]
+HEADS = [tuple(map(int, h.split("/"))) for h in
+         (sys.argv[2] if len(sys.argv) > 2 else "8/1/64,32/8/64,32/8/128").split(",")]
+POINTS = [tuple(map(int, p.split(":"))) for p in
+          (sys.argv[3] if len(sys.argv) > 3 else "1:4096,16:1024,128:1024,16:8192,64:4096,1:32768").split(",")]
+BASE_OPTIONS = specmod.NVRTC_OPTIONS
+real_smem = specmod.KernelSpec.smem_bytes.func  # (a cached_property)
+_kept = []
+
+
+def use(depth: int) -> None:
+    specmod.NVRTC_OPTIONS = BASE_OPTIONS + ((f"-DFRT_DECODE_STAGES={depth}",) if depth else ())
+
+    def smem(self):
+        if self.family != "decode" or not depth:
+            return real_smem(self)
+        base = 3 if self.head_dim <= 128 else 2
+        stage = 2 * self.block_n * specmod._pitch(-(-self.head_dim // 16) * 16)  # (K, V) rows at the padded pitch
+        return real_smem(self) + (depth - base) * stage
+    specmod.KernelSpec.smem_bytes = property(smem)
+    # (a captured graph still launches these kernels and uses these plans' buffers: they stay alive)
+    _kept.extend(list(launch._functions.values()) + list(api._PLANS.values()))
+    launch._functions.clear()
+    api._PLANS.clear()
+
+
+def check(H, Hkv, D) -> float:
+    torch.manual_seed(1)
+    B, S = 3, 700
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([700, 0, 333], dtype=torch.int32, device="cuda")
+    out = flashrt.decode(q, k, v, cache_seqlens=lens, num_splits=3)
+    err = 0.0
+    for b in range(B):
+        n = int(lens[b])
+        if n == 0:
+            continue
+        qq = q[b, 0].double().view(Hkv, H // Hkv, D)
+        kk, vv = k[b, :n].double().permute(1, 0, 2), v[b, :n].double().permute(1, 0, 2)
+        p = torch.softmax(qq @ kk.transpose(1, 2) / D ** 0.5, -1)
+        ref = (p @ vv).reshape(H, D)
+        err = max(err, ((out[b, 0].double() - ref).abs().max() / ref.abs().max()).item())
+    return err
+
+
+print(torch.cuda.get_device_name())
+for depth, (H, Hkv, D) in itertools.product(DEPTHS, HEADS):
+    use(depth)
+    print(f"check depth {depth} {H}/{Hkv} D{D}: rel err {check(H, Hkv, D):.1e}", flush=True)
+RUNS = [(d, same) for d in DEPTHS for same in ((False,) if not d else (False, True))]
+table = ["| H/Hkv D | B x S | splits | " + " | ".join(f"depth {d or 'lib'}{' =' if same else ''}" for d, same in RUNS)
+         + " |", "|---|---|---|" + "---|" * len(RUNS)]
+for (H, Hkv, D), (B, S) in itertools.product(HEADS, POINTS):
+    sets = [make_set(B, S, H, Hkv, D, c) for c in range(copies_for(kv_bytes(B, S, Hkv, D), 60 * 2**20))]
+    lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    use(0)
+    dev = launch.device(torch.cuda.current_device())
+    lib = tiles.decode_splits(tiles.decode_spec(D, "bf16", H // Hkv, dev.arch, dev.smem_optin), B, Hkv, H // Hkv, S,
+                              dev.sm_count, dev.smem_optin)
+    graphs = {}
+    for d, same in RUNS:
+        use(d)
+        graphs[(d, same)] = capture(decode_calls(sets, lens, lib if same else 0), 20)
+    tbs = {r: kv_bytes(B, S, Hkv, D) / ms / 1e9 for r, ms in replay_ms(graphs, 20).items()}
+    table.append(f"| {H}/{Hkv} D{D} | {B} x {S} | {lib} | " + " | ".join(f"{tbs[r]:.2f}" for r in RUNS) + " |")
+    print(table[-1], flush=True)
+    del sets, graphs
+    torch.cuda.empty_cache()
+use(0)
+print("\nTB/s of K/V read:")
+print("\n".join(table))
