@@ -1,9 +1,9 @@
 """Decode's cp.async ring depth side by side (CUDA-graph replays, interleaved rounds):
-python scripts/probes/decode_stages.py [stages,...] [H/Hkv/D,...] [B:S,...]. Each depth compiles decode.cu with
--DFRT_DECODE_STAGES=n and the host's shared-memory size to match (spec.KernelSpec.smem_bytes patched), so that the
-split count (tiles.decode_splits) sees the blocks per SM it gives; 0 is the library's own (3 at head_dim <= 128).
-Checks each depth against float64 first; prints TB/s of K/V read per point and depth, each depth once with its own
-split count and once with the library's (3 stages; "=" columns): a deeper ring changes the count the model picks."""
+python scripts/probes/decode_stages.py [run,...] [H/Hkv/D,...] [B:S,...]. A run is a depth n (compiled with
+-DFRT_DECODE_STAGES=n and the host's shared-memory size patched to match, so that tiles.decode_splits sees the blocks
+per SM it gives; 0: the library's own, 3 at head_dim <= 128), optionally with a split count: "6" (the count the split
+model picks for that depth), "6:=" (the library's count at 3 stages), "6:1" (one split). Checks each depth against
+float64 first; prints TB/s of K/V read per point and run."""
 import itertools
 import sys
 from pathlib import Path
@@ -16,7 +16,9 @@ import flashrt  # noqa: E402
 from flashrt import api, launch, spec as specmod, tiles  # noqa: E402
 from bench_decode import capture, copies_for, decode_calls, kv_bytes, make_set, replay_ms  # noqa: E402
 
-DEPTHS = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "0,4,6").split(",")]
+RUN_ARGS = (sys.argv[1] if len(sys.argv) > 1 else "0,4,4:=,6,6:=").split(",")
+RUNS = [(int(r.split(":")[0]), r.split(":")[1] if ":" in r else "") for r in RUN_ARGS]
+DEPTHS = sorted({d for d, _ in RUNS})
 HEADS = [tuple(map(int, h.split("/"))) for h in
          (sys.argv[2] if len(sys.argv) > 2 else "8/1/64,32/8/64,32/8/128").split(",")]
 POINTS = [tuple(map(int, p.split(":"))) for p in
@@ -66,9 +68,7 @@ print(torch.cuda.get_device_name())
 for depth, (H, Hkv, D) in itertools.product(DEPTHS, HEADS):
     use(depth)
     print(f"check depth {depth} {H}/{Hkv} D{D}: rel err {check(H, Hkv, D):.1e}", flush=True)
-RUNS = [(d, same) for d in DEPTHS for same in ((False,) if not d else (False, True))]
-table = ["| H/Hkv D | B x S | splits | " + " | ".join(f"depth {d or 'lib'}{' =' if same else ''}" for d, same in RUNS)
-         + " |", "|---|---|---|" + "---|" * len(RUNS)]
+table = ["| H/Hkv D | B x S | splits | " + " | ".join(RUN_ARGS) + " |", "|---|---|---|" + "---|" * len(RUNS)]
 for (H, Hkv, D), (B, S) in itertools.product(HEADS, POINTS):
     sets = [make_set(B, S, H, Hkv, D, c) for c in range(copies_for(kv_bytes(B, S, Hkv, D), 60 * 2**20))]
     lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
@@ -77,9 +77,9 @@ for (H, Hkv, D), (B, S) in itertools.product(HEADS, POINTS):
     lib = tiles.decode_splits(tiles.decode_spec(D, "bf16", H // Hkv, dev.arch, dev.smem_optin), B, Hkv, H // Hkv, S,
                               dev.sm_count, dev.smem_optin)
     graphs = {}
-    for d, same in RUNS:
+    for d, sp in RUNS:
         use(d)
-        graphs[(d, same)] = capture(decode_calls(sets, lens, lib if same else 0), 20)
+        graphs[(d, sp)] = capture(decode_calls(sets, lens, lib if sp == "=" else int(sp or 0)), 20)
     tbs = {r: kv_bytes(B, S, Hkv, D) / ms / 1e9 for r, ms in replay_ms(graphs, 20).items()}
     table.append(f"| {H}/{Hkv} D{D} | {B} x {S} | {lib} | " + " | ".join(f"{tbs[r]:.2f}" for r in RUNS) + " |")
     print(table[-1], flush=True)
