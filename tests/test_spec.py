@@ -565,6 +565,13 @@ def test_decode_splits_take_the_fastest_count_measured():
     # every SM busy at one split: the last wave's fill (24 x 8k: 4 splits 202.9 us, 2 225.4; 48 x 4k: 2 201.0, 1 220.9)
     assert tiles.decode_splits(s, 24, 8, 4, 8192, 132, SMEM_OPTIN[90]) == 4
     assert tiles.decode_splits(s, 48, 8, 4, 4096, 132, SMEM_OPTIN[90]) == 2
+    # one split for short sequences where one gives nearly every SM a block (head_dim 64, 1k-2k keys, 128-256 blocks:
+    # 1.02-1.20x two splits' speed), not for longer ones or fewer blocks
+    s8 = tiles.decode_spec(64, "bf16", 8, "sm_90a", SMEM_OPTIN[90])
+    for B, Hkv, cap in ((128, 1, 1024), (64, 2, 1024), (128, 2, 2048), (16, 8, 1024)):
+        assert tiles.decode_splits(s8, B, Hkv, 8, cap, 132, SMEM_OPTIN[90]) == 1, (B, Hkv, cap)
+    assert tiles.decode_splits(s8, 128, 1, 8, 4096, 132, SMEM_OPTIN[90]) > 1
+    assert tiles.decode_splits(s8, 64, 1, 8, 1024, 132, SMEM_OPTIN[90]) == 4
 
 
 def test_combine_row_warps():
