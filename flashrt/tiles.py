@@ -649,11 +649,12 @@ DECODE_SM_BYTES_IN_FLIGHT = 96 * 1024
 # Splits at most: 256 (combine.cu's most) ran 0.72 against 0.94 TB/s at 8/1 D=128 1 x 32k, 1.61 against 1.88 at 128k
 # (H100, scripts/probes/decode_max_splits.py): 2-tile splits and a 256-part combine cost more than they spread.
 DECODE_MAX_SPLITS = 128
-# One split where one split already gives nearly every SM a block (this fraction of them) and a sequence is at most
-# this many keys: splitting such short sequences buys little in flight and costs each split's fill, epilogue and the
-# combine (H200, head_dim 64, forced counts, `h200-2026-11-27-decode-stages.md`: one split against the time model's /
-# last-wave rule's two 1.09-1.20x as fast at 128-256 blocks of 1k keys, 1.02-1.11x at 2k, 0.99x at 32/8 16 x 2k).
-DECODE_ONE_SPLIT_FILL, DECODE_ONE_SPLIT_KEYS = 0.9, 2048
+# One split where one split already gives nearly every SM a block (this fraction of them) within one wave and a
+# sequence is at most this many keys: splitting such short sequences buys little in flight and costs each split's fill,
+# epilogue and the combine (H200, head_dim 64, forced counts, `h200-2026-11-27-decode-stages.md`: one split against the
+# time model's / last-wave rule's two 1.09-1.20x as fast at 128-256 blocks of 1k keys, 0.99-1.11x at 2k). Only where
+# measured: sm_90a at head_dim 64 (DECODE_ONE_SPLIT_HEAD_DIMS); elsewhere the models' picks stand.
+DECODE_ONE_SPLIT_FILL, DECODE_ONE_SPLIT_KEYS, DECODE_ONE_SPLIT_HEAD_DIMS = 0.9, 2048, (64,)
 
 
 def decode_block_m(rows: int) -> int:
@@ -692,16 +693,17 @@ def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, 
     (DECODE_SPLIT_OVERHEAD_TILES); under that, the count of least modelled time: an SM's blocks add up, each split's
     tiles rounded up plus its fixed cost, at the bandwidth share its resident blocks keep in flight
     (DECODE_SM_BYTES_IN_FLIGHT), plus the combine's DECODE_COMBINE_TILES per split; one split for short sequences where
-    one already gives nearly every SM a block (DECODE_ONE_SPLIT_FILL, _KEYS). The lengths are on the device: the
-    cache's capacity stands for them (docs/perf-notes.md, Decode: splits and the combine)."""
+    one already gives nearly every SM a block in one wave (DECODE_ONE_SPLIT_*: sm_90a, head_dim 64). The lengths are
+    on the device: the cache's capacity stands for them (docs/perf-notes.md, Decode: splits and the combine)."""
     tiles_max = _cdiv(max(capacity, 1), spec.block_n)
     most = max(1, min(DECODE_MAX_SPLITS, tiles_max))
     if requested > 0:
         return min(requested, most)
     blocks = max(1, B * Hkv * _cdiv(rows, spec.block_m))
-    if blocks >= DECODE_ONE_SPLIT_FILL * sm_count and capacity <= DECODE_ONE_SPLIT_KEYS:
-        return 1
     resident = max(1, min(16, (smem_per_sm + 1024) // (spec.smem_bytes + 1024)))  # blocks an SM holds at once
+    if (spec.arch == "sm_90a" and spec.head_dim in DECODE_ONE_SPLIT_HEAD_DIMS and capacity <= DECODE_ONE_SPLIT_KEYS
+            and DECODE_ONE_SPLIT_FILL * sm_count <= blocks <= resident * sm_count):
+        return 1
     if blocks >= sm_count:
         def share_streaming(s: int) -> float:  # the share of the launch's time spent streaming keys
             waves = blocks * s / (sm_count * resident)

@@ -285,16 +285,16 @@ def test_v_head_dim_of_its_own_matches_float64(torch, poison, monkeypatch, D, Dv
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", ["ragged", "padded", "varlen"])
 def test_long_query_tiling_matches_float64(torch, poison, causal, case):
-    """Query sequences of 4k rows and more take the long-sequence tiling where a family has one (tiles.long_rows:
-    fwd_sm90_ws at head_dim 64, 192-row tiles with three consumer warpgroups on Hopper): ragged last tiles, GQA,
-    padded lengths and packed varlen against float64, every element written."""
+    """Query sequences of 4k rows and more (1.5k without a causal mask) take the long-sequence tiling where a family
+    has one (tiles.long_rows: fwd_sm90_ws at head_dim 64, 192-row tiles with three consumer warpgroups on Hopper):
+    ragged last tiles, GQA, padded lengths and packed varlen against float64, every element written."""
     import cupy
     B, S, H, Hkv, D = 2, 4200, 4, 2, 64
     q, k, v, _ = make_inputs(torch, B, S, S, H, Hkv, D, "bf16", seed=7 + causal)
     dev = launch.device(torch.cuda.current_device())
     if dev.arch == "sm_90a":
         spec = tiles.kernel_for("fwd_sm90_ws", D, "bf16", causal, dev, MASK_BITS["lengths"] * (case != "ragged"),
-                                long=tiles.long_rows("fwd_sm90_ws", D, S))
+                                long=tiles.long_rows("fwd_sm90_ws", D, S, causal))
         assert spec.block_m == 192
     qc, kc, vc = (cupy.from_dlpack(x) for x in (q, k, v))
     lens = [S, 3100] if case == "varlen" else [S - 77, 1500]

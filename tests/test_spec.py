@@ -326,7 +326,8 @@ def test_forward_family_takes_wgmma_where_it_exists_and_fits(monkeypatch):
     # head_dim 64: 192-row tiles (three consumer warpgroups) for long query sequences, without masks beyond lengths
     assert tiles.long_rows("fwd_sm90_ws", 64, 4096) and not tiles.long_rows("fwd_sm90_ws", 64, 4095)
     # (not causal from 1.5k rows: no diagonal loop to lose there)
-    assert tiles.long_rows("fwd_sm90_ws", 64, 1536, causal=False) and not tiles.long_rows("fwd_sm90_ws", 64, 1535, False)
+    assert tiles.long_rows("fwd_sm90_ws", 64, 1536, causal=False)
+    assert not tiles.long_rows("fwd_sm90_ws", 64, 1535, causal=False)
     assert not tiles.long_rows("fwd_sm90_ws", 64, 2048, causal=True)
     assert not tiles.long_rows("fwd_sm90_ws", 128, 1 << 20) and not tiles.long_rows("fwd_sm90", 64, 1 << 20)
     tall = tiles.tiling("fwd_sm90_ws", 64, "bf16", True, "sm_90a", SMEM_OPTIN[90], MASK_BITS["lengths"], long=True)
@@ -570,8 +571,14 @@ def test_decode_splits_take_the_fastest_count_measured():
     s8 = tiles.decode_spec(64, "bf16", 8, "sm_90a", SMEM_OPTIN[90])
     for B, Hkv, cap in ((128, 1, 1024), (64, 2, 1024), (128, 2, 2048), (16, 8, 1024)):
         assert tiles.decode_splits(s8, B, Hkv, 8, cap, 132, SMEM_OPTIN[90]) == 1, (B, Hkv, cap)
-    assert tiles.decode_splits(s8, 128, 1, 8, 4096, 132, SMEM_OPTIN[90]) > 1
+    assert tiles.decode_splits(s8, 128, 1, 8, 2049, 132, SMEM_OPTIN[90]) > 1  # (past 2k keys)
+    assert tiles.decode_splits(s8, 118, 1, 8, 1024, 132, SMEM_OPTIN[90]) > 1  # (under 0.9 x the SMs)
     assert tiles.decode_splits(s8, 64, 1, 8, 1024, 132, SMEM_OPTIN[90]) == 4
+    # ... only where measured: sm_90a at head_dim 64 (head_dim 32 on sm_90a, 64 on sm_80 keep the models' picks)
+    s32 = tiles.decode_spec(32, "bf16", 8, "sm_90a", SMEM_OPTIN[90])
+    assert tiles.decode_splits(s32, 128, 1, 8, 1024, 132, SMEM_OPTIN[90]) > 1
+    s80 = tiles.decode_spec(64, "bf16", 8, "sm_80", SMEM_OPTIN[80])
+    assert tiles.decode_splits(s80, 128, 1, 8, 1024, 108, SMEM_OPTIN[80]) > 1
 
 
 def test_combine_row_warps():
