@@ -486,6 +486,16 @@ def _planned(plan) -> list:
     return [spec for spec, *_ in plan.launches.launches]
 
 
+def test_long_query_tiling_reaches_the_forward_plan(monkeypatch):
+    """The forward's plan takes head_dim 64's 192-row tiles (tiles.long_rows) from 1536 query rows without a causal
+    mask and from 4096 with one: api passes the call's causality to long_rows."""
+    _plan_on(monkeypatch, "sm_90a")
+    for S, causal, rows in ((1535, False, 128), (1536, False, 192), (2048, True, 128), (4096, True, 192)):
+        q, k, v = arr((1, S, 8, 64)), arr((1, S, 8, 64)), arr((1, S, 8, 64))
+        (spec,) = _planned(api._forward_plan((q, k, v), causal, None, 0, {}))
+        assert (spec.family, spec.block_m) == ("fwd_sm90_ws", rows), (S, causal, spec.name)
+
+
 def test_padded_and_v_head_dims_reach_the_plans(monkeypatch):
     """The kernels a call plans for a padded head_dim (the wgmma instance above it, with the helpers of the backward at
     the main kernel's instance: the fp32 buffers' width) and for a v head_dim of its own (out, dv shaped by it; the
