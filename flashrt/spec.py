@@ -367,6 +367,13 @@ class KernelSpec:
         176), which goes back at the item's last S (FwdWsTraits::EARLY_Q)."""
         return 2 if self._ws_smem(2) <= SM90_SMEM_OPTIN else 1
 
+    @property
+    def decode_stages(self) -> int:
+        """decode's cp.async ring depth (FRT_DECODE_STAGES; decode.cu: DecodeTraits::STAGES): 3 up to head_dim 128,
+        2 above (shared memory). Deeper rings ran 0.86-1.02x (scripts/probes/decode_stages.py; docs/perf-notes.md,
+        Decode: the loader)."""
+        return 3 if self.head_dim <= 128 else 2
+
     @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
         bm, bn = self.block_m, self.block_n
@@ -392,7 +399,7 @@ class KernelSpec:
         if self.family == "decode":  # Q + stages of (K, V); Q in the last stage where it is read into registers and
             # fits there (decode.cu: DecodeTraits::STAGES, Q_IN_STAGE)
             q_in_stage = _round_up(self.head_dim, 16) <= 128 and bm <= 2 * bn
-            return (0 if q_in_stage else bm) * ld + (3 if self.head_dim <= 128 else 2) * 2 * bn * ld
+            return (0 if q_in_stage else bm) * ld + self.decode_stages * 2 * bn * ld
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)
@@ -423,6 +430,8 @@ class KernelSpec:
         }
         if self.family == "fwd_sm90_ws":
             defines["FRT_Q_SLOTS"] = self.q_slots
+        if self.family == "decode":
+            defines["FRT_DECODE_STAGES"] = self.decode_stages
         if self.head_dims:  # (kernels_cu/attention/params.cuh)
             defines["FRT_QK_DIM"], defines["FRT_V_DIM"] = self.head_dims
         if self.score_mod:

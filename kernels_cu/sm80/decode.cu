@@ -18,10 +18,6 @@
 #include "attention/score_mod.cuh"
 #include "attention/softmax.cuh"
 
-#ifndef FRT_DECODE_STAGES  // (> 0: an A/B of the ring's depth; the host's smem_bytes must agree)
-#define FRT_DECODE_STAGES 0
-#endif
-
 namespace frt {
 
 template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
@@ -33,7 +29,8 @@ struct DecodeTraits {
     static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
     static_assert(BM % 16 == 0 && NW % WM == 0 && BN % WN == 0 && KW % 16 == 0,
                   "warps must tile block_m by 16 rows and block_n by 16-key multiples");
-    static constexpr int STAGES = FRT_DECODE_STAGES > 0 ? FRT_DECODE_STAGES : D <= 128 ? 3 : 2;  // spec.KernelSpec.smem_bytes
+    static constexpr int STAGES = FRT_DECODE_STAGES;  // (spec.KernelSpec.decode_stages)
+    static_assert(STAGES >= 2, "decode: a ring of two stages or more");
     static constexpr bool Q_IN_REGS = DP <= 128;
     static constexpr int SMEM_STAGE = 2 * BN * LD;  // a stage: K, then V
     // Q read into registers at the first tile lands in the last stage, which the first tile's loads leave free (one

@@ -1,9 +1,9 @@
 """Decode's cp.async ring depth side by side (CUDA-graph replays, interleaved rounds):
-python scripts/probes/decode_stages.py [run,...] [H/Hkv/D,...] [B:S,...]. A run is a depth n (compiled with
--DFRT_DECODE_STAGES=n and the host's shared-memory size patched to match, so that tiles.decode_splits sees the blocks
-per SM it gives; 0: the library's own, 3 at head_dim <= 128), optionally with a split count: "6" (the count the split
-model picks for that depth), "6:=" (the library's count at 3 stages), "6:1" (one split). Checks each depth against
-float64 first; prints TB/s of K/V read per point and run."""
+python scripts/probes/decode_stages.py [run,...] [H/Hkv/D,...] [B:S,...]. A run is a depth n (spec.KernelSpec.
+decode_stages patched: the kernel's define and the host's shared-memory size follow it, so that tiles.decode_splits
+sees the blocks per SM it gives; 0: the library's own, 3 at head_dim <= 128), optionally with a split count: "6" (the
+count the split model picks for that depth), "6:=" (the library's count at 3 stages), "6:1" (one split). Checks each
+depth against float64 first; prints TB/s of K/V read per point and run."""
 import itertools
 import sys
 from pathlib import Path
@@ -23,21 +23,12 @@ HEADS = [tuple(map(int, h.split("/"))) for h in
          (sys.argv[2] if len(sys.argv) > 2 else "8/1/64,32/8/64,32/8/128").split(",")]
 POINTS = [tuple(map(int, p.split(":"))) for p in
           (sys.argv[3] if len(sys.argv) > 3 else "1:4096,16:1024,128:1024,16:8192,64:4096,1:32768").split(",")]
-BASE_OPTIONS = specmod.NVRTC_OPTIONS
-real_smem = specmod.KernelSpec.smem_bytes.func  # (a cached_property)
+real_stages = specmod.KernelSpec.decode_stages
 _kept = []
 
 
 def use(depth: int) -> None:
-    specmod.NVRTC_OPTIONS = BASE_OPTIONS + ((f"-DFRT_DECODE_STAGES={depth}",) if depth else ())
-
-    def smem(self):
-        if self.family != "decode" or not depth:
-            return real_smem(self)
-        base = 3 if self.head_dim <= 128 else 2
-        stage = 2 * self.block_n * specmod._pitch(-(-self.head_dim // 16) * 16)  # (K, V) rows at the padded pitch
-        return real_smem(self) + (depth - base) * stage
-    specmod.KernelSpec.smem_bytes = property(smem)
+    specmod.KernelSpec.decode_stages = property(lambda spec: depth) if depth else real_stages
     # (a captured graph still launches these kernels and uses these plans' buffers: they stay alive)
     _kept.extend(list(launch._functions.values()) + list(api._PLANS.values()))
     launch._functions.clear()
