@@ -173,7 +173,7 @@ def function(spec: KernelSpec, dev: Device):
                 raise LaunchError(f"{spec.name} needs {static + spec.smem_bytes} bytes of shared memory "
                                   f"({spec.smem_bytes} dynamic + {static} static) but {dev.name} allows "
                                   f"{dev.smem_optin}")
-            if spec.smem_bytes > _DEFAULT_SMEM:
+            if static + spec.smem_bytes > _DEFAULT_SMEM:  # (the default's 48 KB count static memory too)
                 driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         spec.smem_bytes)
             _functions[(spec.name, dev.index)] = fn

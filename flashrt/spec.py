@@ -324,9 +324,7 @@ class KernelSpec:
             ok = nw % wm == 0 and bn % (nw // wm) == 0 and bn // (nw // wm) % 16 == 0
             if not ok:
                 return "warps must tile block_m by 16 rows and block_n by multiples of 16 keys"
-            wn = nw // wm  # the epilogue's exchange in the stages: each warp column's row statistics and fp32 O rows
-            exchange = 2 * wn * bm * 4 + wn * bm * (_round_up(self.head_dim, 16) + 4) * 4
-            return None if exchange <= self.smem_bytes else "the epilogue's exchange must fit in the shared memory"
+            return None
         dp = _round_up(self.head_dim, 16)
         for what, m, n, wm in zip(("keys x queries", "keys x head_dim", "queries x head_dim"),
                                   (bn, bn, bm), (bm, dp, dp), self.gemm_warps):
@@ -374,6 +372,13 @@ class KernelSpec:
         Decode: the loader)."""
         return 3 if self.head_dim <= 128 else 2
 
+    @property
+    def decode_swizzled(self) -> bool:
+        """decode's Q / K / V tiles unpadded and swizzled (FRT_DECODE_SWIZZLE; common.cuh: chunk_at) where their rows
+        are a multiple of 128 bytes (head_dim 64, 128, 192, 256 and those padded to them), else padded: cp.async into
+        a padded pitch made L1 fetch 1.5x each tile's sectors from L2 (docs/perf-notes.md, Decode: the loader)."""
+        return _round_up(self.head_dim, 16) % 64 == 0
+
     @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
         bm, bn = self.block_m, self.block_n
@@ -397,9 +402,14 @@ class KernelSpec:
             return ((2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + 2 * bn * bm * 2
                     + bm * self.head_dim * 4 + 8 * (3 + 2 * stages) + 32 + 1024)
         if self.family == "decode":  # Q + stages of (K, V); Q in the last stage where it is read into registers and
-            # fits there (decode.cu: DecodeTraits::STAGES, Q_IN_STAGE)
-            q_in_stage = _round_up(self.head_dim, 16) <= 128 and bm <= 2 * bn
-            return (0 if q_in_stage else bm) * ld + self.decode_stages * 2 * bn * ld
+            # fits there; at least the epilogue's exchange: each warp column's row statistics and fp32 O rows
+            # (decode.cu: DecodeTraits::SMEM)
+            dp = _round_up(self.head_dim, 16)
+            q_in_stage = dp <= 128 and bm <= 2 * bn
+            ld = 2 * dp if self.decode_swizzled else ld
+            wn = max(1, self.warps // (bm // 16))
+            return max((0 if q_in_stage else bm) * ld + self.decode_stages * 2 * bn * ld,
+                       2 * wn * bm * 4 + wn * bm * (dp + 4) * 4)
         if self.family == "bwd_dq":  # Q, dO + 2 stages of (K, V)
             return 2 * bm * ld + 2 * 2 * bn * ld
         if self.family in KEY_PARALLEL:  # K, V + 2 stages of (Q, dO) + P^T, dS^T + 2 stages of (lse2, delta)
@@ -432,6 +442,7 @@ class KernelSpec:
             defines["FRT_Q_SLOTS"] = self.q_slots
         if self.family == "decode":
             defines["FRT_DECODE_STAGES"] = self.decode_stages
+            defines["FRT_DECODE_SWIZZLE"] = int(self.decode_swizzled)
         if self.head_dims:  # (kernels_cu/attention/params.cuh)
             defines["FRT_QK_DIM"], defines["FRT_V_DIM"] = self.head_dims
         if self.score_mod:

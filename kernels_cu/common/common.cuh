@@ -22,6 +22,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 // ---------------------------------------------------------------------------
 // Shared-memory tile geometry. Rows are padded by 16 bytes: with a payload that
@@ -35,6 +36,16 @@ struct Pitch {
     static constexpr int elems = COLS + 8;
     static constexpr int bytes = elems * 2;
 };
+
+// The byte offset of 16-byte chunk `chunk` of row `row` in a shared tile of `pitch`-byte rows: as is in a padded
+// tile (Pitch); with SWZ, an unpadded tile whose rows are a multiple of 128 bytes, at chunk ^ (row & 7), so that the
+// 8 rows of an ldmatrix phase still fall into 8 distinct bank groups. A padded pitch costs cp.async: L1 fetched 1.5x a
+// tile's sectors from L2, swizzled rows that start on 128-byte lines 1.0x (H200; docs/perf-notes.md, Decode: the
+// loader).
+template <bool SWZ>
+FRT_DEVICE u32 chunk_at(int row, int chunk, int pitch) {
+    return row * pitch + ((SWZ ? chunk ^ (row & 7) : chunk) << 4);
+}
 
 FRT_DEVICE u32 smem_u32(const void* p) {
     u32 r;
@@ -255,18 +266,19 @@ enum BLayout { B_NK = 0, B_KN = 1 };
 
 // Load the B fragments (b0, b1) of n-tiles nt and nt+1 (or only nt when PAIR is false)
 // for k-step kk. ldb is the shared pitch in bytes.
-template <int LAYOUT, bool PAIR>
+// SWZ: the tile is swizzled (chunk_at), its rows counted from a multiple of 8.
+template <int LAYOUT, bool PAIR, bool SWZ = false>
 FRT_DEVICE void load_b(u32 sB, int ldb, int kk, int nt, int lane, u32& b00, u32& b01, u32& b10, u32& b11) {
     if (LAYOUT == B_NK) {
         const int n = nt * 8 + ((lane >> 4) << 3) + (lane & 7);
         const int k = kk * 16 + (((lane >> 3) & 1) << 3);
-        const u32 addr = sB + n * ldb + k * 2;
+        const u32 addr = sB + chunk_at<SWZ>(n, k >> 3, ldb);
         if (PAIR) ldsm_x4(addr, b00, b01, b10, b11);
         else ldsm_x2(addr, b00, b01);
     } else {
         const int k = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
         const int n = nt * 8 + ((lane >> 4) << 3);
-        const u32 addr = sB + k * ldb + n * 2;
+        const u32 addr = sB + chunk_at<SWZ>(k, n >> 3, ldb);
         if (PAIR) ldsm_x4_t(addr, b00, b01, b10, b11);
         else ldsm_x2_t(addr, b00, b01);
     }
@@ -278,29 +290,29 @@ FRT_DEVICE void load_b(u32 sB, int ldb, int kk, int nt, int lane, u32& b00, u32&
 enum ALayout { A_MK = 0, A_KM = 1 };
 
 // A fragment for rows mt*16.., k-step kk. lda is the shared pitch in bytes.
-template <int LAYOUT = A_MK>
+template <int LAYOUT = A_MK, bool SWZ = false>
 FRT_DEVICE void load_a(u32 sA, int lda, int mt, int kk, int lane, u32 (&a)[4]) {
     if (LAYOUT == A_MK) {
         const int m = mt * 16 + (lane & 15);
         const int k = kk * 16 + ((lane >> 4) << 3);
-        ldsm_x4(sA + m * lda + k * 2, a[0], a[1], a[2], a[3]);
+        ldsm_x4(sA + chunk_at<SWZ>(m, k >> 3, lda), a[0], a[1], a[2], a[3]);
     } else {
         // Matrices 0..3 of the x4 are (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15);
         // lanes 8i..8i+7 address the 8 stored k-rows of matrix i.
         const int k = kk * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int m = mt * 16 + (((lane >> 3) & 1) << 3);
-        ldsm_x4_t(sA + k * lda + m * 2, a[0], a[1], a[2], a[3]);
+        ldsm_x4_t(sA + chunk_at<SWZ>(k, m >> 3, lda), a[0], a[1], a[2], a[3]);
     }
 }
 
 // acc += A * B for one k-step, A given as fragments in registers.
-template <bool BF16, int MT, int NT, int LAYOUT>
+template <bool BF16, int MT, int NT, int LAYOUT, bool SWZ = false>
 FRT_DEVICE void mma_kstep(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], u32 sB, int ldb, int kk, int lane) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
         u32 b00, b01, b10 = 0, b11 = 0;
-        if (nt + 1 < NT) load_b<LAYOUT, true>(sB, ldb, kk, nt, lane, b00, b01, b10, b11);
-        else load_b<LAYOUT, false>(sB, ldb, kk, nt, lane, b00, b01, b10, b11);
+        if (nt + 1 < NT) load_b<LAYOUT, true, SWZ>(sB, ldb, kk, nt, lane, b00, b01, b10, b11);
+        else load_b<LAYOUT, false, SWZ>(sB, ldb, kk, nt, lane, b00, b01, b10, b11);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             Elem<BF16>::mma(acc[mt][nt], a[mt], b00, b01);
@@ -310,7 +322,7 @@ FRT_DEVICE void mma_kstep(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], u32 sB
 }
 
 // acc += A * B over KSTEPS k-steps, A from shared memory (layout A_LAYOUT, pitch lda bytes).
-template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT, int A_LAYOUT = A_MK>
+template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT, int A_LAYOUT = A_MK, bool SWZ = false>
 FRT_DEVICE void gemm_ss(float (&acc)[MT][NT][4], u32 sA, int lda, u32 sB, int ldb, int lane) {
     // Unrolled by 2, not fully: with every k-step unrolled ptxas hoists all fragment loads
     // and spills at head_dim > 160 (seen with NVRTC 12.9).
@@ -318,16 +330,16 @@ FRT_DEVICE void gemm_ss(float (&acc)[MT][NT][4], u32 sA, int lda, u32 sB, int ld
     for (int kk = 0; kk < KSTEPS; ++kk) {
         u32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) load_a<A_LAYOUT>(sA, lda, mt, kk, lane, a[mt]);
-        mma_kstep<BF16, MT, NT, LAYOUT>(acc, a, sB, ldb, kk, lane);
+        for (int mt = 0; mt < MT; ++mt) load_a<A_LAYOUT, SWZ>(sA, lda, mt, kk, lane, a[mt]);
+        mma_kstep<BF16, MT, NT, LAYOUT, SWZ>(acc, a, sB, ldb, kk, lane);
     }
 }
 
 // acc += A * B over KSTEPS k-steps, A fragments already in registers.
-template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT>
+template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT, bool SWZ = false>
 FRT_DEVICE void gemm_rs(float (&acc)[MT][NT][4], const u32 (&a)[KSTEPS][MT][4], u32 sB, int ldb, int lane) {
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) mma_kstep<BF16, MT, NT, LAYOUT>(acc, a[kk], sB, ldb, kk, lane);
+    for (int kk = 0; kk < KSTEPS; ++kk) mma_kstep<BF16, MT, NT, LAYOUT, SWZ>(acc, a[kk], sB, ldb, kk, lane);
 }
 
 // Accumulator (MT x 2*KSTEPS n-tiles) -> A fragments for the next GEMM, whose k

@@ -24,7 +24,12 @@ template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
 struct DecodeTraits {
     static constexpr int D = D_, BM = BM_, BN = BN_, NW = NW_;
     static constexpr bool BF16 = BF16_;
-    static constexpr int DP = round_up(D, 16), LD = Pitch<DP>::bytes, NTHREADS = NW * 32;
+    static constexpr int DP = round_up(D, 16), NTHREADS = NW * 32;
+    // Tiles unpadded and swizzled (common.cuh: chunk_at) where rows are a multiple of 128 bytes, else padded
+    // (spec.KernelSpec.decode_swizzled).
+    static constexpr bool SWZ = FRT_DECODE_SWIZZLE;
+    static_assert(!SWZ || DP % 64 == 0, "swizzled rows are a multiple of 128 bytes");
+    static constexpr int LD = SWZ ? DP * 2 : Pitch<DP>::bytes;
     static constexpr int WM = BM / 16, WN = NW / WM, KW = BN / WN;
     static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
     static_assert(BM % 16 == 0 && NW % WM == 0 && BN % WN == 0 && KW % 16 == 0,
@@ -37,10 +42,9 @@ struct DecodeTraits {
     // block more per SM at head_dim 56 / 64; docs/perf-notes.md, Decode: the loader); else before the stages.
     static constexpr bool Q_IN_STAGE = Q_IN_REGS && BM <= 2 * BN;
     static constexpr int SMEM_Q = Q_IN_STAGE ? 0 : BM * LD;
-    static constexpr int SMEM = SMEM_Q + STAGES * SMEM_STAGE;
     // The epilogue reuses it: each warp column's row maxima and sums, then its O rows (fp32, pitch OP).
-    static constexpr int OP = DP + 4;
-    static_assert(2 * WN * BM * 4 + WN * BM * OP * 4 <= SMEM, "the epilogue's exchange must fit");
+    static constexpr int OP = DP + 4, EXCHANGE = 2 * WN * BM * 4 + WN * BM * OP * 4;
+    static constexpr int SMEM = cmax(SMEM_Q + STAGES * SMEM_STAGE, EXCHANGE);
 };
 
 FRT_DEVICE void report_bad(int* report, int code, int seq, int value, int limit) {
@@ -55,8 +59,9 @@ FRT_DEVICE void report_bad(int* report, int code, int seq, int value, int limit)
 template <class T>
 __device__ void decode(const DecodeParams& p) {
     constexpr int BM = T::BM, BN = T::BN, DP = T::DP, LD = T::LD, KW = T::KW, STAGES = T::STAGES;
+    constexpr bool SWZ = T::SWZ;
     constexpr int NT_S = KW / 8, NT_O = DP / 8, KS_D = DP / 16, KS_N = KW / 16, CPR = DP / 8;
-    extern __shared__ __align__(16) unsigned char smem[];
+    extern __shared__ __align__(128) unsigned char smem[];  // (128: swizzled rows start on 128-byte lines)
     __shared__ int bad_page, bad_page_id;  // a page id outside the pool was found (atomics: any thread may)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -124,7 +129,7 @@ __device__ void decode(const DecodeParams& p) {
         const int r = idx / CPR, c = idx % CPR, rg = row0 + r;
         const bool ok = r < rows && c * 8 < T::D;
         const u16* src = ok ? p.q + b * p.q_sb + (rg / group) * p.q_ss + (hk * group + rg % group) * p.q_sh + c * 8 : p.q;
-        cp_async16(sQ + r * LD + c * 16, src, ok);
+        cp_async16(sQ + chunk_at<SWZ>(r, c, LD), src, ok);
     }
     // Tile j's keys [lo, hi) into a stage (the rest zero: no NaN of an unwritten cache row reaches P V). k_cache and
     // v_cache share their strides (decoding.py), so one offset serves both; the offset is 32-bit arithmetic until its
@@ -159,8 +164,8 @@ __device__ void decode(const DecodeParams& p) {
 #pragma unroll
                 for (int u = 0; u < LOADS; ++u) {
                     const u16* at = ok ? ks + u * RS * p.kc_ss : p.q;
-                    cp_async16(sK + (r0 + u * RS) * LD + c0 * 16, at, ok);
-                    cp_async16(sV + (r0 + u * RS) * LD + c0 * 16, ok ? at + kv_gap : p.q, ok);
+                    cp_async16(sK + chunk_at<SWZ>(r0 + u * RS, c0, LD), at, ok);
+                    cp_async16(sV + chunk_at<SWZ>(r0 + u * RS, c0, LD), ok ? at + kv_gap : p.q, ok);
                 }
                 return;
             }
@@ -173,8 +178,8 @@ __device__ void decode(const DecodeParams& p) {
                 const bool ok = page_ok(pg[u]);
                 const u16* at = ok ? kbase + (pg[u] * p.kc_sb + (key - page_of(key) * p.page_size) * p.kc_ss) + c0 * 8
                                    : p.q;
-                cp_async16(sK + (r0 + u * RS) * LD + c0 * 16, at, ok);
-                cp_async16(sV + (r0 + u * RS) * LD + c0 * 16, ok ? at + kv_gap : p.q, ok);
+                cp_async16(sK + chunk_at<SWZ>(r0 + u * RS, c0, LD), at, ok);
+                cp_async16(sV + chunk_at<SWZ>(r0 + u * RS, c0, LD), ok ? at + kv_gap : p.q, ok);
             }
             return;
         }
@@ -193,8 +198,8 @@ __device__ void decode(const DecodeParams& p) {
                 ok = at >= 0;
                 if (ok) ks = p.k_cache + at + hk * p.kc_sh + c * 8, gap = kv_gap;
             }
-            cp_async16(sK + r * LD + c * 16, ks, ok);
-            cp_async16(sV + r * LD + c * 16, ks + gap, ok);
+            cp_async16(sK + chunk_at<SWZ>(r, c, LD), ks, ok);
+            cp_async16(sV + chunk_at<SWZ>(r, c, LD), ks + gap, ok);
         }
     };
 #pragma unroll 1
@@ -230,7 +235,7 @@ __device__ void decode(const DecodeParams& p) {
         if constexpr (T::Q_IN_REGS) {
             if (it == 0) {  // (Q came with tile 0's loads)
 #pragma unroll
-                for (int kk = 0; kk < KS_D; ++kk) load_a(sQw, LD, 0, kk, lane, qf[kk][0]);
+                for (int kk = 0; kk < KS_D; ++kk) load_a<A_MK, SWZ>(sQw, LD, 0, kk, lane, qf[kk][0]);
                 if constexpr (T::Q_IN_STAGE) __syncthreads();  // every warp holds Q before the next load overwrites it
             }
         }
@@ -241,9 +246,9 @@ __device__ void decode(const DecodeParams& p) {
         float s[1][NT_S][4];
         zero(s);
         if constexpr (T::Q_IN_REGS) {
-            gemm_rs<T::BF16, 1, NT_S, KS_D, B_NK>(s, qf, sK, LD, lane);
+            gemm_rs<T::BF16, 1, NT_S, KS_D, B_NK, SWZ>(s, qf, sK, LD, lane);
         } else {
-            gemm_ss<T::BF16, 1, NT_S, KS_D, B_NK>(s, sQw, LD, sK, LD, lane);
+            gemm_ss<T::BF16, 1, NT_S, KS_D, B_NK, A_MK, SWZ>(s, sQw, LD, sK, LD, lane);
         }
         if constexpr (FRT_SOFTCAP) {  // (before the mask: tanh(-inf) is no -inf)
 #pragma unroll
@@ -283,7 +288,7 @@ __device__ void decode(const DecodeParams& p) {
         }
         u32 pf[KS_N][1][4];
         acc_to_a<T::BF16, 1, KS_N>(s, pf);
-        gemm_rs<T::BF16, 1, NT_O, KS_N, B_KN>(o, pf, sV, LD, lane);
+        gemm_rs<T::BF16, 1, NT_O, KS_N, B_KN, SWZ>(o, pf, sV, LD, lane);
     }
     cp_async_wait<0>();
     __syncthreads();  // the stages are free: the warps' statistics and O meet there
