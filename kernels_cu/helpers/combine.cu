@@ -23,6 +23,10 @@ FRT_DEVICE void load8(const void* base, i64 at, float (&x)[8]) {
     }
 }
 
+#ifndef FRT_COMBINE_EARLY
+#define FRT_COMBINE_EARLY 1  // a warp's first parts load beside the lse values (0: after them; A/B timing)
+#endif
+
 // At most COMBINE_MAX_PARTS parts: lane l holds the lse of parts l, l + 32, ... (their loads in flight together).
 constexpr int PARTS_PER_LANE = 8;
 static_assert(32 * PARTS_PER_LANE == 256, "flashrt/decoding.py: COMBINE_MAX_PARTS");
@@ -46,6 +50,17 @@ __device__ void combine(const CombineParams& p) {
         // row = (b * Sq + i) * H + h, as in out; lse is (B, H, Sq)
         const int h = (int)(row % p.H), i = (int)(row / p.H % p.Sq), b = (int)(row / ((i64)p.H * p.Sq));
         const i64 st = ((i64)b * p.H + h) * p.Sq + i, st_rows = (i64)p.B * p.H * p.Sq;
+        // This warp's first BATCH parts load beside the lse values, not after them (one round trip less; a part of
+        // weight 0 is then read but not added).
+        constexpr int BATCH = 4;
+        constexpr bool EARLY = FRT_COMBINE_EARLY;
+        float first[BATCH][8];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const int s = wr + u * rw;
+            if (EARLY && live && s < 32 && s < p.n && c < p.D)
+                load8<PART_F32, T::BF16>(p.o_part, (s * rows + row) * p.D + c, first[u]);
+        }
         float w[PARTS_PER_LANE], m = -FRT_INF;
         bool nan = false;
 #pragma unroll
@@ -70,10 +85,9 @@ __device__ void combine(const CombineParams& p) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
         if (sink != -FRT_INF) sum += expf(sink - m);
-        // This warp's parts in index order; a part of weight 0 is not read. BATCH parts' loads are issued together,
-        // then added in order (loaded one at a time, 8 splits took 8.2 us, batched 6.8: H100 ncu; docs/perf-notes.md,
-        // Decode: splits and the combine).
-        constexpr int BATCH = 4;
+        // This warp's parts in index order; past the first batch a part of weight 0 is not read. BATCH parts' loads
+        // are issued together, then added in order (loaded one at a time, 8 splits took 8.2 us, batched 6.8: H100
+        // ncu; docs/perf-notes.md, Decode: splits and the combine).
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < PARTS_PER_LANE; ++k) {
@@ -86,8 +100,12 @@ __device__ void combine(const CombineParams& p) {
                     const int t = t0 + u * rw, s = 32 * k + t;
                     ws[u] = __shfl_sync(0xffffffffu, w[k], t & 31);  // (t is the warp's: every lane takes part)
                     if (t >= 32 || s >= p.n || c >= p.D) ws[u] = 0.f;
-                    if (ws[u] != 0.f)
+                    if (EARLY && k == 0 && t0 == wr) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) x[u][e] = first[u][e];
+                    } else if (ws[u] != 0.f) {
                         load8<PART_F32, T::BF16>(p.o_part, (s * rows + row) * p.D + c, x[u]);
+                    }
                 }
 #pragma unroll
                 for (int u = 0; u < BATCH; ++u)
