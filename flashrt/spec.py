@@ -144,6 +144,11 @@ def gemm_warps_m(nw: int, m: int, n: int, max_mt: int = 1 << 30) -> int:
     return best
 
 
+# The mma.sync forward's swizzled tiles (KernelSpec.swizzled), where they ran faster than padded ones (H100,
+# FLASHRT_NO_SM90=1, scripts/probes/fwd_swizzle.py): +0-4% at 64, +9-11% at 192, +8-9% at 256; 128 ran 0.98-1.01x.
+SWIZZLED_FWD_HEAD_DIMS = (64, 192, 256)
+
+
 def _pitch(cols: int) -> int:
     """Bytes per row of a padded shared tile of `cols` 16-bit elements (common.cuh: Pitch)."""
     return (cols + 8) * 2
@@ -373,17 +378,20 @@ class KernelSpec:
         return 3 if self.head_dim <= 128 else 2
 
     @property
-    def decode_swizzled(self) -> bool:
-        """decode's Q / K / V tiles unpadded and swizzled (FRT_DECODE_SWIZZLE; common.cuh: chunk_at) where their rows
-        are a multiple of 128 bytes (head_dim 64, 128, 192, 256 and those padded to them), else padded: cp.async into
-        a padded pitch made L1 fetch 1.5x each tile's sectors from L2 (docs/perf-notes.md, Decode: the loader)."""
-        return _round_up(self.head_dim, 16) % 64 == 0
+    def swizzled(self) -> bool:
+        """decode's and the mma.sync forward's Q / K / V tiles unpadded and swizzled (FRT_SWIZZLE; common.cuh:
+        chunk_at), else padded: cp.async into a padded pitch made L1 fetch 1.5x each tile's sectors from L2. decode
+        wherever rows are a multiple of 128 bytes (head_dim 64, 128, 192, 256 and those padded to them); the forward
+        at SWIZZLED_FWD_HEAD_DIMS (docs/perf-notes.md, Decode: the loader; Forward: mma.sync)."""
+        dp = _round_up(self.head_dim, 16)
+        return (self.family == "decode" and dp % 64 == 0) or (self.family == "fwd" and dp in SWIZZLED_FWD_HEAD_DIMS)
 
     @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
         bm, bn = self.block_m, self.block_n
         ld = _pitch(_round_up(self.head_dim, 16))
         if self.family == "fwd":  # Q + 2 stages of (K, V)
+            ld = 2 * _round_up(self.head_dim, 16) if self.swizzled else ld
             return bm * ld + 2 * 2 * bn * ld
         # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
         if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
@@ -406,7 +414,7 @@ class KernelSpec:
             # (decode.cu: DecodeTraits::SMEM)
             dp = _round_up(self.head_dim, 16)
             q_in_stage = dp <= 128 and bm <= 2 * bn
-            ld = 2 * dp if self.decode_swizzled else ld
+            ld = 2 * dp if self.swizzled else ld
             wn = max(1, self.warps // (bm // 16))
             return max((0 if q_in_stage else bm) * ld + self.decode_stages * 2 * bn * ld,
                        2 * wn * bm * 4 + wn * bm * (dp + 4) * 4)
@@ -442,7 +450,8 @@ class KernelSpec:
             defines["FRT_Q_SLOTS"] = self.q_slots
         if self.family == "decode":
             defines["FRT_DECODE_STAGES"] = self.decode_stages
-            defines["FRT_DECODE_SWIZZLE"] = int(self.decode_swizzled)
+        if self.family in ("decode", "fwd"):
+            defines["FRT_SWIZZLE"] = int(self.swizzled)
         if self.head_dims:  # (kernels_cu/attention/params.cuh)
             defines["FRT_QK_DIM"], defines["FRT_V_DIM"] = self.head_dims
         if self.score_mod:

@@ -511,13 +511,16 @@ struct QueryTile {
 };
 
 // Copy key tile j of K and V (KV head hk of batch b; the sequence's rows start at
-// k_row0, the first ek of them are read, the rest are zeros) into one pipeline stage: K at sK, V right after it.
-template <int BN, int D, int NTHREADS, class P>
+// k_row0, the first ek of them are read, the rest are zeros) into one pipeline stage: K at sK, V right after it
+// (SWZ: unpadded and swizzled, common.cuh: load_tile).
+template <int BN, int D, int NTHREADS, bool SWZ = false, class P>
 FRT_DEVICE void load_kv_tile(u32 sK, const P& p, int b, int hk, i64 k_row0, int ek, int j, int tid) {
+    constexpr int LD = SWZ ? round_up(D, 16) * 2 : Pitch<round_up(D, 16)>::bytes;
     const i64 n0 = k_row0 + j * BN;
-    load_tile<BN, D, NTHREADS, FRT_QK_DIM>(sK, p.k + b * p.k_sb + n0 * p.k_ss + hk * p.k_sh, p.k_ss, ek - j * BN, tid);
-    load_tile<BN, D, NTHREADS, FRT_V_DIM>(sK + BN * Pitch<round_up(D, 16)>::bytes,
-                                          p.v + b * p.v_sb + n0 * p.v_ss + hk * p.v_sh, p.v_ss, ek - j * BN, tid);
+    load_tile<BN, D, NTHREADS, FRT_QK_DIM, SWZ>(sK, p.k + b * p.k_sb + n0 * p.k_ss + hk * p.k_sh, p.k_ss, ek - j * BN,
+                                                tid);
+    load_tile<BN, D, NTHREADS, FRT_V_DIM, SWZ>(sK + BN * LD, p.v + b * p.v_sb + n0 * p.v_ss + hk * p.v_sh, p.v_ss,
+                                               ek - j * BN, tid);
 }
 
 // Whether a key-parallel kernel's key tiles of one row all see the same query tiles, so that KeyTile may rotate them

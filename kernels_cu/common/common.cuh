@@ -46,6 +46,13 @@ template <bool SWZ>
 FRT_DEVICE u32 chunk_at(int row, int chunk, int pitch) {
     return row * pitch + ((SWZ ? chunk ^ (row & 7) : chunk) << 4);
 }
+// The same for an ldmatrix lane's row, whose low 3 bits are the lane's (lane & 7) in every x4 / x2 phase below: the
+// XOR then takes a value the warp computes once, not one per fragment (chunk_at per fragment spilled 8-12 bytes in
+// the mma.sync forward at head_dim 128 / 256, NVRTC 12.9).
+template <bool SWZ>
+FRT_DEVICE u32 lane_chunk_at(int row, int chunk, int pitch, int lane) {
+    return row * pitch + ((SWZ ? chunk ^ (lane & 7) : chunk) << 4);
+}
 
 FRT_DEVICE u32 smem_u32(const void* p) {
     u32 r;
@@ -215,11 +222,12 @@ FRT_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n
 // padded shared tile of ROWS x DP. Rows >= rows_valid and columns >= COLS (<= D, a multiple of 8: the tensor's
 // head_dim, params.cuh: FRT_QK_DIM, FRT_V_DIM) are zero, not read. (COLS at compile time: a run-time bound spilled
 // 8-144 bytes in the mma.sync kernels at head_dim 216-256, NVRTC 13.0.)
-template <int ROWS, int D, int NTHREADS, int COLS = D>
+// SWZ: the tile unpadded and swizzled (chunk_at), rows of DP * 2 bytes.
+template <int ROWS, int D, int NTHREADS, int COLS = D, bool SWZ = false>
 FRT_DEVICE void load_tile(u32 s_tile, const u16* g, i64 g_stride, int rows_valid, int tid) {
     constexpr int DP = round_up(D, 16);
     constexpr int CPR = DP / 8;  // 16-byte chunks per row
-    constexpr int TOTAL = ROWS * CPR;
+    constexpr int TOTAL = ROWS * CPR, LD = SWZ ? DP * 2 : Pitch<DP>::bytes;
 #pragma unroll
     for (int i = 0; i < ceil_div(TOTAL, NTHREADS); ++i) {
         const int idx = tid + i * NTHREADS;
@@ -227,7 +235,7 @@ FRT_DEVICE void load_tile(u32 s_tile, const u16* g, i64 g_stride, int rows_valid
             const int r = idx / CPR, c = idx % CPR;
             const bool ok = r < rows_valid && c * 8 < COLS;
             const u16* src = ok ? g + (i64)r * g_stride + c * 8 : g;
-            cp_async16(s_tile + r * Pitch<DP>::bytes + c * 16, src, ok);
+            cp_async16(s_tile + chunk_at<SWZ>(r, c, LD), src, ok);
         }
     }
 }
@@ -272,13 +280,13 @@ FRT_DEVICE void load_b(u32 sB, int ldb, int kk, int nt, int lane, u32& b00, u32&
     if (LAYOUT == B_NK) {
         const int n = nt * 8 + ((lane >> 4) << 3) + (lane & 7);
         const int k = kk * 16 + (((lane >> 3) & 1) << 3);
-        const u32 addr = sB + chunk_at<SWZ>(n, k >> 3, ldb);
+        const u32 addr = sB + lane_chunk_at<SWZ>(n, k >> 3, ldb, lane);
         if (PAIR) ldsm_x4(addr, b00, b01, b10, b11);
         else ldsm_x2(addr, b00, b01);
     } else {
         const int k = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
         const int n = nt * 8 + ((lane >> 4) << 3);
-        const u32 addr = sB + chunk_at<SWZ>(k, n >> 3, ldb);
+        const u32 addr = sB + lane_chunk_at<SWZ>(k, n >> 3, ldb, lane);
         if (PAIR) ldsm_x4_t(addr, b00, b01, b10, b11);
         else ldsm_x2_t(addr, b00, b01);
     }
@@ -295,13 +303,13 @@ FRT_DEVICE void load_a(u32 sA, int lda, int mt, int kk, int lane, u32 (&a)[4]) {
     if (LAYOUT == A_MK) {
         const int m = mt * 16 + (lane & 15);
         const int k = kk * 16 + ((lane >> 4) << 3);
-        ldsm_x4(sA + chunk_at<SWZ>(m, k >> 3, lda), a[0], a[1], a[2], a[3]);
+        ldsm_x4(sA + lane_chunk_at<SWZ>(m, k >> 3, lda, lane), a[0], a[1], a[2], a[3]);
     } else {
         // Matrices 0..3 of the x4 are (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15);
         // lanes 8i..8i+7 address the 8 stored k-rows of matrix i.
         const int k = kk * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int m = mt * 16 + (((lane >> 3) & 1) << 3);
-        ldsm_x4_t(sA + chunk_at<SWZ>(k, m >> 3, lda), a[0], a[1], a[2], a[3]);
+        ldsm_x4_t(sA + lane_chunk_at<SWZ>(k, m >> 3, lda, lane), a[0], a[1], a[2], a[3]);
     }
 }
 

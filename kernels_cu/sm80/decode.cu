@@ -26,8 +26,8 @@ struct DecodeTraits {
     static constexpr bool BF16 = BF16_;
     static constexpr int DP = round_up(D, 16), NTHREADS = NW * 32;
     // Tiles unpadded and swizzled (common.cuh: chunk_at) where rows are a multiple of 128 bytes, else padded
-    // (spec.KernelSpec.decode_swizzled).
-    static constexpr bool SWZ = FRT_DECODE_SWIZZLE;
+    // (spec.KernelSpec.swizzled).
+    static constexpr bool SWZ = FRT_SWIZZLE;
     static_assert(!SWZ || DP % 64 == 0, "swizzled rows are a multiple of 128 bytes");
     static constexpr int LD = SWZ ? DP * 2 : Pitch<DP>::bytes;
     static constexpr int WM = BM / 16, WN = NW / WM, KW = BN / WN;

@@ -16,14 +16,21 @@ struct FwdTraits : RowTraits<D_, BM_, BN_, NW_, BF16_, CAUSAL_> {
     // Q fragments stay in registers when they are small enough not to crowd out
     // the O accumulator; otherwise they are re-read from shared memory.
     static constexpr bool Q_IN_REGS = Base::MT * Base::DP <= 128;
-    static constexpr int SMEM = Base::SMEM_Q + 2 * Base::SMEM_KV_STAGE;  // Q + 2 stages of (K, V)
+    // Q / K / V unpadded and swizzled where rows are a multiple of 128 bytes (spec.KernelSpec.swizzled; common.cuh:
+    // chunk_at), else padded.
+    static constexpr bool SWZ = FRT_SWIZZLE;
+    static_assert(!SWZ || Base::DP % 64 == 0, "swizzled rows are a multiple of 128 bytes");
+    static constexpr int LD = SWZ ? Base::DP * 2 : Base::LD;
+    static constexpr int SMEM_Q = Base::BM * LD, SMEM_KV_STAGE = 2 * Base::BN * LD;
+    static constexpr int SMEM = SMEM_Q + 2 * SMEM_KV_STAGE;  // Q + 2 stages of (K, V)
 };
 
 template <class T>
 __device__ void fwd(const FwdParams& p) {
     constexpr int BM = T::BM, BN = T::BN, DP = T::DP, MT = T::MT, LD = T::LD;
     constexpr int NT_S = BN / 8, NT_O = DP / 8, KS_D = DP / 16, KS_N = BN / 16;
-    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr bool SWZ = T::SWZ;
+    extern __shared__ __align__(128) unsigned char smem[];  // (128: swizzled rows start on 128-byte lines)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -35,10 +42,10 @@ __device__ void fwd(const FwdParams& p) {
     const u32 sKV = sQ + T::SMEM_Q;  // stage s: K at sKV + s*STAGE, V right after K
     const int wrow = warp * MT * 16;
 
-    load_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM>(sQ, p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh,
-                                                 p.q_ss, tile.rows, tid);
+    load_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM, SWZ>(sQ, p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh,
+                                                      p.q_ss, tile.rows, tid);
     auto load_kv = [&](u32 stage, int j) {
-        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, tile.b, tile.hk, tile.vis.k_row0, tile.vis.Lk, j, tid);
+        load_kv_tile<BN, T::D, T::NTHREADS, SWZ>(stage, p, tile.b, tile.hk, tile.vis.k_row0, tile.vis.Lk, j, tid);
     };
     if (n_blocks > 0) load_kv(sKV, tile.key_tile(0));
     cp_async_commit();
@@ -75,11 +82,11 @@ __device__ void fwd(const FwdParams& p) {
 #pragma unroll
                 for (int kk = 0; kk < KS_D; ++kk)
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) load_a(sQ + wrow * LD, LD, mt, kk, lane, qf[kk][mt]);
+                    for (int mt = 0; mt < MT; ++mt) load_a<A_MK, SWZ>(sQ + wrow * LD, LD, mt, kk, lane, qf[kk][mt]);
             }
-            gemm_rs<T::BF16, MT, NT_S, KS_D, B_NK>(s, qf, sK, LD, lane);
+            gemm_rs<T::BF16, MT, NT_S, KS_D, B_NK, SWZ>(s, qf, sK, LD, lane);
         } else {
-            gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(s, sQ + wrow * LD, LD, sK, LD, lane);
+            gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK, A_MK, SWZ>(s, sQ + wrow * LD, LD, sK, LD, lane);
         }
 
         if constexpr (FRT_SOFTCAP) {  // (before the mask: score_mod.cuh, Softcap::scale_of)
@@ -122,7 +129,7 @@ __device__ void fwd(const FwdParams& p) {
 
         u32 pf[KS_N][MT][4];
         acc_to_a<T::BF16, MT, KS_N>(s, pf);
-        gemm_rs<T::BF16, MT, NT_O, KS_N, B_KN>(o, pf, sV, LD, lane);
+        gemm_rs<T::BF16, MT, NT_O, KS_N, B_KN, SWZ>(o, pf, sV, LD, lane);
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with sQ; it now stages the output

@@ -1,4 +1,4 @@
-"""Decode's tiles unpadded and swizzled (spec.KernelSpec.decode_swizzled, the library's) against padded rows, beside
+"""Decode's tiles unpadded and swizzled (spec.KernelSpec.swizzled, the library's) against padded rows, beside
 SDPA cuDNN; CUDA-graph replays, interleaved rounds: python scripts/probes/decode_swizzle.py [H/Hkv/D,...] [B:S,...].
 Both forms are checked against float64 first (ragged lengths, 3 splits); prints TB/s of K/V read per point
 (docs/perf-notes.md, Decode: the loader)."""
@@ -18,12 +18,12 @@ HEADS = [tuple(map(int, h.split("/"))) for h in
          (sys.argv[1] if len(sys.argv) > 1 else "32/8/64,8/1/128,32/8/128,8/1/256").split(",")]
 POINTS = [tuple(map(int, p.split(":"))) for p in (sys.argv[2] if len(sys.argv) > 2 else
           "1:4096,16:1024,4:8192,1:32768,16:8192,64:4096,128:1024").split(",")]
-real = specmod.KernelSpec.decode_swizzled
+real = specmod.KernelSpec.swizzled
 _kept = []
 
 
 def use(swizzled: bool) -> None:
-    specmod.KernelSpec.decode_swizzled = real if swizzled else property(lambda spec: False)
+    specmod.KernelSpec.swizzled = real if swizzled else property(lambda spec: False)
     # (a captured graph still launches these kernels and uses these plans' buffers: they stay alive)
     _kept.extend(list(launch._functions.values()) + list(api._PLANS.values()))
     launch._functions.clear()
