@@ -29,6 +29,8 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // is a multiple of 32 bytes, the row pitch is an odd multiple of 16 bytes, so
 // the 8 row addresses of every ldmatrix phase and every 16-byte cp.async phase
 // fall into 8 distinct 16-byte bank groups (no bank conflicts, for any head_dim).
+// Where rows are a multiple of 128 bytes a kernel may take them unpadded and
+// swizzled instead (chunk_at below; decode.cu, fwd.cu: spec.KernelSpec.swizzled).
 // ---------------------------------------------------------------------------
 template <int COLS>
 struct Pitch {
