@@ -383,7 +383,7 @@ class KernelSpec:
         chunk_at), else padded: cp.async into a padded pitch made L1 fetch 1.5x each tile's sectors from L2. decode
         wherever rows are a multiple of 128 bytes (head_dim 64, 128, 192, 256 and those padded to them); the forward
         at exactly SWIZZLED_FWD_HEAD_DIMS (docs/perf-notes.md, Decode: the loader; Forward: mma.sync)."""
-        if self.family == "fwd":  # (the head_dims measured: 56, run at 64, spilled 8 bytes with NVRTC 13.0)
+        if self.family == "fwd":  # (exactly those: 56, run at 64, spilled 8 bytes with NVRTC 13.0)
             return self.head_dim in SWIZZLED_FWD_HEAD_DIMS
         return self.family == "decode" and _round_up(self.head_dim, 16) % 64 == 0
 
