@@ -89,6 +89,26 @@ def rel_err(out, q, k, v) -> float:
     return ((o - ref).norm() / ref.norm()).item()
 
 
+def decode_error(H, Hkv, D, splits=(3,)) -> float:
+    """flashrt.decode's largest relative error against float64 over ragged lengths (700, 0 and 333 of 700 keys), one
+    new token, at each forced split count: a probe's check of a kernel variant before it times it."""
+    torch.manual_seed(1)
+    B, S = 3, 700
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([700, 0, 333], dtype=torch.int32, device="cuda")
+    err = 0.0
+    for n_splits in splits:
+        out = flashrt.decode(q, k, v, cache_seqlens=lens, num_splits=n_splits)
+        for b in (0, 2):
+            n = int(lens[b])
+            qq = q[b, 0].double().view(Hkv, H // Hkv, D)
+            kk, vv = k[b, :n].double().permute(1, 0, 2), v[b, :n].double().permute(1, 0, 2)
+            ref = (torch.softmax(qq @ kk.transpose(1, 2) / D ** 0.5, -1) @ vv).reshape(H, D)
+            err = max(err, ((out[b, 0].double() - ref).abs().max() / ref.abs().max()).item())
+    return err
+
+
 def copies_for(nbytes: int, l2_bytes: int) -> int:
     """Input sets a timed run rotates through: enough to exceed 3x L2 (else the caches are read from L2), at most 8."""
     return max(1, min(8, math.ceil(3 * l2_bytes / nbytes)))

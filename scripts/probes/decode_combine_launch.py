@@ -10,24 +10,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-from flashrt import api, launch, spec as specmod, tiles  # noqa: E402
+from flashrt import spec as specmod, tiles  # noqa: E402
 from bench_decode import call_of, capture, copies_for, decode_calls, kv_bytes, make_set, replay_ms  # noqa: E402
+from variants import fresh  # noqa: E402
 
 SHAPES = [tuple(map(int, s.replace("/", ":").split(":"))) for s in (sys.argv[1] if len(sys.argv) > 1 else
           "32/8/128:1:1024,32/8/64:1:1024,8/1/128:1:4096,8/1/64:16:1024,32/8/128:1:4096,8/1/128:1:32768").split(",")]
 real_programmatic, real_rw = specmod.KernelSpec.programmatic, tiles.combine_row_warps
 BASE_OPTIONS = list(specmod.NVRTC_OPTIONS)
-_kept = []
 
 
 def use(pdl: bool, rw1: bool, early: bool) -> None:
     specmod.KernelSpec.programmatic = real_programmatic if pdl else property(lambda spec: False)
     tiles.combine_row_warps = (lambda *a: 1) if rw1 else real_rw
     specmod.NVRTC_OPTIONS = BASE_OPTIONS + ([] if early else ["-DFRT_COMBINE_EARLY=0"])
-    # (captured graphs use these plans' buffers and these kernels: they stay alive)
-    _kept.extend(list(api._PLANS.values()) + list(launch._functions.values()))
-    api._PLANS.clear()
-    launch._functions.clear()
+    fresh()
 
 
 RUNS = {"pdl": (True, False, True), "late": (True, False, False), "plain": (False, False, True),

@@ -12,9 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-import flashrt  # noqa: E402
-from flashrt import api, launch, spec as specmod, tiles  # noqa: E402
-from bench_decode import capture, copies_for, decode_calls, kv_bytes, make_set, replay_ms  # noqa: E402
+from flashrt import launch, spec as specmod, tiles  # noqa: E402
+from bench_decode import capture, copies_for, decode_calls, decode_error, kv_bytes, make_set, replay_ms  # noqa: E402
+from variants import fresh  # noqa: E402
 
 RUN_ARGS = (sys.argv[1] if len(sys.argv) > 1 else "0,4,4:=,6,6:=").split(",")
 RUNS = [(int(r.split(":")[0]), r.split(":")[1] if ":" in r else "") for r in RUN_ARGS]
@@ -24,41 +24,17 @@ HEADS = [tuple(map(int, h.split("/"))) for h in
 POINTS = [tuple(map(int, p.split(":"))) for p in
           (sys.argv[3] if len(sys.argv) > 3 else "1:4096,16:1024,128:1024,16:8192,64:4096,1:32768").split(",")]
 real_stages = specmod.KernelSpec.decode_stages
-_kept = []
 
 
 def use(depth: int) -> None:
     specmod.KernelSpec.decode_stages = property(lambda spec: depth) if depth else real_stages
-    # (a captured graph still launches these kernels and uses these plans' buffers: they stay alive)
-    _kept.extend(list(launch._functions.values()) + list(api._PLANS.values()))
-    launch._functions.clear()
-    api._PLANS.clear()
-
-
-def check(H, Hkv, D) -> float:
-    torch.manual_seed(1)
-    B, S = 3, 700
-    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    lens = torch.tensor([700, 0, 333], dtype=torch.int32, device="cuda")
-    out = flashrt.decode(q, k, v, cache_seqlens=lens, num_splits=3)
-    err = 0.0
-    for b in range(B):
-        n = int(lens[b])
-        if n == 0:
-            continue
-        qq = q[b, 0].double().view(Hkv, H // Hkv, D)
-        kk, vv = k[b, :n].double().permute(1, 0, 2), v[b, :n].double().permute(1, 0, 2)
-        p = torch.softmax(qq @ kk.transpose(1, 2) / D ** 0.5, -1)
-        ref = (p @ vv).reshape(H, D)
-        err = max(err, ((out[b, 0].double() - ref).abs().max() / ref.abs().max()).item())
-    return err
+    fresh()
 
 
 print(torch.cuda.get_device_name())
 for depth, (H, Hkv, D) in itertools.product(DEPTHS, HEADS):
     use(depth)
-    print(f"check depth {depth} {H}/{Hkv} D{D}: rel err {check(H, Hkv, D):.1e}", flush=True)
+    print(f"check depth {depth} {H}/{Hkv} D{D}: rel err {decode_error(H, Hkv, D):.1e}", flush=True)
 table = ["| H/Hkv D | B x S | splits | " + " | ".join(RUN_ARGS) + " |", "|---|---|---|" + "---|" * len(RUNS)]
 for (H, Hkv, D), (B, S) in itertools.product(HEADS, POINTS):
     sets = [make_set(B, S, H, Hkv, D, c) for c in range(copies_for(kv_bytes(B, S, Hkv, D), 60 * 2**20))]

@@ -10,49 +10,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-import flashrt  # noqa: E402
-from flashrt import api, launch, spec as specmod, tiles  # noqa: E402
-from bench_decode import call_of, capture, copies_for, decode_calls, kv_bytes, make_set, replay_ms  # noqa: E402
+from flashrt import launch, spec as specmod, tiles  # noqa: E402
+from bench_decode import (call_of, capture, copies_for, decode_calls, decode_error, kv_bytes, make_set,  # noqa: E402
+                          replay_ms)
+from variants import fresh  # noqa: E402
 
 HEADS = [tuple(map(int, h.split("/"))) for h in
          (sys.argv[1] if len(sys.argv) > 1 else "32/8/64,8/1/128,32/8/128,8/1/256").split(",")]
 POINTS = [tuple(map(int, p.split(":"))) for p in (sys.argv[2] if len(sys.argv) > 2 else
           "1:4096,16:1024,4:8192,1:32768,16:8192,64:4096,128:1024").split(",")]
 real = specmod.KernelSpec.swizzled
-_kept = []
 
 
 def use(swizzled: bool) -> None:
     specmod.KernelSpec.swizzled = real if swizzled else property(lambda spec: False)
-    # (a captured graph still launches these kernels and uses these plans' buffers: they stay alive)
-    _kept.extend(list(launch._functions.values()) + list(api._PLANS.values()))
-    launch._functions.clear()
-    api._PLANS.clear()
-
-
-def check(H, Hkv, D) -> float:
-    torch.manual_seed(1)
-    B, S = 3, 700
-    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    lens = torch.tensor([700, 0, 333], dtype=torch.int32, device="cuda")
-    err = 0.0
-    for splits in (1, 3):
-        out = flashrt.decode(q, k, v, cache_seqlens=lens, num_splits=splits)
-        for b in (0, 2):
-            n = int(lens[b])
-            qq = q[b, 0].double().view(Hkv, H // Hkv, D)
-            kk, vv = k[b, :n].double().permute(1, 0, 2), v[b, :n].double().permute(1, 0, 2)
-            p = torch.softmax(qq @ kk.transpose(1, 2) / D ** 0.5, -1)
-            ref = (p @ vv).reshape(H, D)
-            err = max(err, ((out[b, 0].double() - ref).abs().max() / ref.abs().max()).item())
-    return err
+    fresh()
 
 
 print(torch.cuda.get_device_name())
 for swz, (H, Hkv, D) in itertools.product((True, False), HEADS):
     use(swz)
-    print(f"check {'swizzled' if swz else 'padded'} {H}/{Hkv} D{D}: rel err {check(H, Hkv, D):.1e}", flush=True)
+    err = decode_error(H, Hkv, D, (1, 3))
+    print(f"check {'swizzled' if swz else 'padded'} {H}/{Hkv} D{D}: rel err {err:.1e}", flush=True)
 RUNS = ("swizzled", "padded", "cudnn")
 table = ["| H/Hkv D | B x S | splits | " + " | ".join(RUNS) + " | swizzled / padded |", "|---|---|---|---|---|---|---|"]
 for (H, Hkv, D), (B, S) in itertools.product(HEADS, POINTS):

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import flashrt  # noqa: E402
-from flashrt import api, launch, spec as specmod, tiles  # noqa: E402
+from flashrt import api, spec as specmod  # noqa: E402
+from variants import fresh  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--heads", default="64,128")
@@ -22,17 +23,11 @@ ap.add_argument("--seqlens", default="1024,4096,16384")
 ap.add_argument("--rounds", type=int, default=7)
 args = ap.parse_args()
 real = specmod.KernelSpec.swizzled
-_kept = []
 
 
 def use(swizzled: bool) -> None:
     specmod.KernelSpec.swizzled = real if swizzled else property(lambda spec: False)
-    _kept.extend(list(launch._functions.values()) + list(api._PLANS.values()))
-    launch._functions.clear()
-    api._PLANS.clear()
-    for f in vars(tiles).values():  # (cached specs hold their shared-memory size)
-        if hasattr(f, "cache_clear"):
-            f.cache_clear()
+    fresh()
 
 
 def check(D: int) -> float:
