@@ -390,9 +390,9 @@ class KernelSpec:
     @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
         bm, bn = self.block_m, self.block_n
-        ld = _pitch(_round_up(self.head_dim, 16))
+        dp = _round_up(self.head_dim, 16)
+        ld = 2 * dp if self.swizzled else _pitch(dp)  # the mma.sync families' row pitch
         if self.family == "fwd":  # Q + 2 stages of (K, V)
-            ld = 2 * _round_up(self.head_dim, 16) if self.swizzled else ld
             return bm * ld + 2 * 2 * bn * ld
         # wgmma families: unpadded swizzled tiles + 1024-byte alignment slack
         if self.family == "fwd_sm90":  # Q + 2 stages of (K, V)
@@ -413,9 +413,7 @@ class KernelSpec:
         if self.family == "decode":  # Q + stages of (K, V); Q in the last stage where it is read into registers and
             # fits there; at least the epilogue's exchange: each warp column's row statistics and fp32 O rows
             # (decode.cu: DecodeTraits::SMEM)
-            dp = _round_up(self.head_dim, 16)
             q_in_stage = dp <= 128 and bm <= 2 * bn
-            ld = 2 * dp if self.swizzled else ld
             wn = max(1, self.warps // (bm // 16))
             return max((0 if q_in_stage else bm) * ld + self.decode_stages * 2 * bn * ld,
                        2 * wn * bm * 4 + wn * bm * (dp + 4) * 4)
