@@ -147,6 +147,15 @@ def gemm_warps_m(nw: int, m: int, n: int, max_mt: int = 1 << 30) -> int:
 # The mma.sync forward's swizzled tiles (KernelSpec.swizzled), where they ran faster than padded ones (H100,
 # FLASHRT_NO_SM90=1, scripts/probes/fwd_swizzle.py): +0-4% at 64, +9-11% at 192, +8-9% at 256; 128 ran 0.98-1.01x.
 SWIZZLED_FWD_HEAD_DIMS = (64, 192, 256)
+# The mma.sync backward's (bwd_dq, bwd_dkdv, bwd_fused): none until measured (scripts/probes/bwd_swizzle.py, which
+# sets it; docs/perf-notes.md, Backward: split pair).
+SWIZZLED_BWD_HEAD_DIMS: tuple = ()
+SWIZZLED_FAMILIES = ("decode", "fwd", "bwd_dq", "bwd_dkdv", "bwd_fused")  # (the kernels' FRT_SWIZZLE)
+
+
+def _swz_disjoint(n: int) -> bool:
+    """common.cuh: swz_disjoint (an operand of n chunks per warp, read from a warp's column on)."""
+    return n in (1, 2, 4) or n % 8 == 0
 
 
 def _pitch(cols: int) -> int:
@@ -335,6 +344,8 @@ class KernelSpec:
                                   (bn, bn, bm), (bm, dp, dp), self.gemm_warps):
             if not wm:
                 return f"{nw} warps do not tile the {m} x {n} ({what}) GEMM in 16 x 8 fragments"
+        if self.dropout and (bm // (8 * (nw // self.gemm_warps[0]))) % 2:  # (dropout.cuh: Dropout::bits)
+            return "with dropout a warp's share of S^T must span 16-query multiples (draws cover 16 columns)"
         return None
 
     @property
@@ -379,13 +390,37 @@ class KernelSpec:
 
     @property
     def swizzled(self) -> bool:
-        """decode's and the mma.sync forward's Q / K / V tiles unpadded and swizzled (FRT_SWIZZLE; common.cuh:
-        chunk_at), else padded: cp.async into a padded pitch made L1 fetch 1.5x each tile's sectors from L2. decode
-        wherever rows are a multiple of 128 bytes (head_dim 64, 128, 192, 256 and those padded to them); the forward
-        at exactly SWIZZLED_FWD_HEAD_DIMS (docs/perf-notes.md, Decode: the loader; Forward: mma.sync)."""
+        """The mma.sync kernels' Q / K / V (/ dO) tiles unpadded and swizzled (FRT_SWIZZLE; common.cuh: chunk_at),
+        else padded: cp.async into a padded pitch made L1 fetch 1.5x each tile's sectors from L2. decode wherever rows
+        are a multiple of 128 bytes (head_dim 64, 128, 192, 256 and those padded to them); the forward at exactly
+        SWIZZLED_FWD_HEAD_DIMS, the backward at SWIZZLED_BWD_HEAD_DIMS where swizzle_fits (docs/perf-notes.md, Decode:
+        the loader; Forward: mma.sync)."""
         if self.family == "fwd":  # (exactly those: 56, run at 64, spilled 8 bytes with NVRTC 13.0)
             return self.head_dim in SWIZZLED_FWD_HEAD_DIMS
+        if self.family in ("bwd_dq", "bwd_dkdv", "bwd_fused"):
+            return self.head_dim in SWIZZLED_BWD_HEAD_DIMS and self.swizzle_fits
         return self.family == "decode" and _round_up(self.head_dim, 16) % 64 == 0
+
+    @property
+    def swizzle_fits(self) -> bool:
+        """Whether the mma.sync kernel can take swizzled tiles: rows a multiple of 128 bytes; bwd_dkdv / bwd_fused
+        read dO, Q (dK, dV) and K (the fused dQ) from a warp's column on, in chunk groups that lane_chunk_at's sw
+        rule allows (common.cuh: swz_disjoint; bwd_dkdv.cu: DkdvTraits)."""
+        dp = _round_up(self.head_dim, 16)
+        if dp % 64:
+            return False
+        if self.family not in ("bwd_dkdv", "bwd_fused"):
+            return True
+        if 0 in self.gemm_warps:  # (not a layout: layout_problem)
+            return False
+        wn1, wn2, wm3 = self.gemm_warps
+        nt2 = dp // (8 * (self.warps // wn2))
+        if self.family == "bwd_dkdv":
+            return _swz_disjoint(nt2)
+        mt3, nt3 = self.block_m // (16 * wm3), dp // (8 * (self.warps // wm3))
+        cap = max(8 // mt3, 1)
+        nq = max(c for c in range(1, min(nt3, cap) + 1) if nt3 % c == 0)  # (bwd_dkdv.cu: chunk_of)
+        return _swz_disjoint(nt2) and _swz_disjoint(nq)
 
     @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
@@ -449,7 +484,7 @@ class KernelSpec:
             defines["FRT_Q_SLOTS"] = self.q_slots
         if self.family == "decode":
             defines["FRT_DECODE_STAGES"] = self.decode_stages
-        if self.family in ("decode", "fwd"):
+        if self.family in SWIZZLED_FAMILIES:
             defines["FRT_SWIZZLE"] = int(self.swizzled)
         if self.head_dims:  # (kernels_cu/attention/params.cuh)
             defines["FRT_QK_DIM"], defines["FRT_V_DIM"] = self.head_dims

@@ -281,7 +281,8 @@ _PREFERENCES = {
         (128, [(64, 64, 4)]),
         (224, [(128, 32, 8), (64, 32, 4)]),
         (248, [(128, 32, 8), (64, 16, 4)]),  # 64x32 spills at head_dim 232 (NVRTC 12.9)
-        (256, [(128, 32, 8), (64, 32, 4)]),
+        # (64x16 where 64x32 does not fit: the fallback 32x32 w2 spilled 16-36 bytes with 99 KB, sm_86 / sm_89)
+        (256, [(128, 32, 8), (64, 32, 4), (64, 16, 4)]),
     ],
     "bwd_dkdv": [
         (64, [(64, 64, 4), (64, 64, 8)]),
@@ -416,11 +417,13 @@ _FALLBACKS = {
     "bwd_dkdv_sm90": [],
     "bwd_fused_sm90": [],
     "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
-    "bwd_dkdv": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
+    # (16 x 32 with 4 warps before 2: at head_dim 248-256 with 99 KB, sm_86 / sm_89, 2 warps spilled 452-540 bytes
+    # beside the dK / dV accumulators, 4 none)
+    "bwd_dkdv": [(32, 32, 4), (16, 32, 4), (16, 32, 2), (16, 16, 1)],
     "decode_combine": [],
     "combine": [],
     "combine_f32": [],
-    "bwd_fused": [(32, 32, 4), (16, 32, 2), (16, 16, 1)],
+    "bwd_fused": [(32, 32, 4), (16, 32, 4), (16, 32, 2), (16, 16, 1)],
     "bwd_preprocess": [],
     "bwd_dkdv_reduce": [],
     "bwd_dq_convert": [],

@@ -17,6 +17,10 @@
 #ifndef FRT_V_DIM
 #define FRT_V_DIM FRT_HEAD_DIM
 #endif
+// The mma.sync kernels' tiles swizzled (RowTraits; spec.KernelSpec.swizzled sets it for spec.SWIZZLED_FAMILIES).
+#ifndef FRT_SWIZZLE
+#define FRT_SWIZZLE 0
+#endif
 
 namespace frt {
 
@@ -269,7 +273,10 @@ struct RowTraits {
     static_assert(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
     static_assert(BM % (16 * NW) == 0, "block_m must be a multiple of 16 * warps");
     static_assert(BN % 16 == 0, "block_n must be a multiple of 16");
-    static constexpr int LD = Pitch<DP>::bytes;          // shared pitch of Q/K/V/dO tiles
+    // Q / K / V / dO unpadded and swizzled (common.cuh: chunk_at) where spec.KernelSpec.swizzled says, else padded.
+    static constexpr bool SWZ = FRT_SWIZZLE;
+    static_assert(!SWZ || DP % 64 == 0, "swizzled rows are a multiple of 128 bytes");
+    static constexpr int LD = SWZ ? DP * 2 : Pitch<DP>::bytes;  // shared pitch of Q/K/V/dO tiles
     static constexpr int SMEM_Q = BM * LD;
     static constexpr int SMEM_KV_STAGE = 2 * BN * LD;    // K, then V
 };

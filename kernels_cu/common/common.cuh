@@ -50,11 +50,21 @@ FRT_DEVICE u32 chunk_at(int row, int chunk, int pitch) {
 }
 // The same for an ldmatrix lane's row, whose low 3 bits are the lane's (lane & 7) in every x4 / x2 phase below: the
 // XOR then takes a value the warp computes once, not one per fragment (chunk_at per fragment spilled 8-12 bytes in
-// the mma.sync forward at head_dim 128 / 256, NVRTC 12.9).
+// the mma.sync forward at head_dim 128 / 256, NVRTC 12.9). sw: an operand that starts sw chunks into the rows' 128-byte
+// line (its base at the line, swz_col), where sw's bits and those of every chunk read are disjoint: (sw + c) ^ x is
+// then c ^ (x ^ sw).
 template <bool SWZ>
-FRT_DEVICE u32 lane_chunk_at(int row, int chunk, int pitch, int lane) {
-    return row * pitch + ((SWZ ? chunk ^ (lane & 7) : chunk) << 4);
+FRT_DEVICE u32 lane_chunk_at(int row, int chunk, int pitch, int lane, int sw = 0) {
+    return row * pitch + ((SWZ ? chunk ^ ((lane & 7) ^ sw) : chunk) << 4);
 }
+// An operand that starts `col` columns into a tile's rows: its base's byte offset and lane_chunk_at's sw. Padded, the
+// column itself; swizzled, the column's 64-column line, and its chunk within the line as sw.
+template <bool SWZ>
+FRT_DEVICE u32 swz_col(int col) { return SWZ ? (col & ~63) * 2 : col * 2; }
+template <bool SWZ>
+FRT_DEVICE int swz_sw(int col) { return SWZ ? (col >> 3) & 7 : 0; }
+// Whether an operand of n chunks per warp, at a multiple of n chunks into the row, meets lane_chunk_at's sw rule.
+__host__ __device__ constexpr bool swz_disjoint(int n) { return n == 1 || n == 2 || n == 4 || n % 8 == 0; }
 
 FRT_DEVICE u32 smem_u32(const void* p) {
     u32 r;
@@ -278,17 +288,17 @@ enum BLayout { B_NK = 0, B_KN = 1 };
 // for k-step kk. ldb is the shared pitch in bytes.
 // SWZ: the tile is swizzled (chunk_at), its rows counted from a multiple of 8.
 template <int LAYOUT, bool PAIR, bool SWZ = false>
-FRT_DEVICE void load_b(u32 sB, int ldb, int kk, int nt, int lane, u32& b00, u32& b01, u32& b10, u32& b11) {
+FRT_DEVICE void load_b(u32 sB, int ldb, int kk, int nt, int lane, u32& b00, u32& b01, u32& b10, u32& b11, int sw = 0) {
     if (LAYOUT == B_NK) {
         const int n = nt * 8 + ((lane >> 4) << 3) + (lane & 7);
         const int k = kk * 16 + (((lane >> 3) & 1) << 3);
-        const u32 addr = sB + lane_chunk_at<SWZ>(n, k >> 3, ldb, lane);
+        const u32 addr = sB + lane_chunk_at<SWZ>(n, k >> 3, ldb, lane, sw);
         if (PAIR) ldsm_x4(addr, b00, b01, b10, b11);
         else ldsm_x2(addr, b00, b01);
     } else {
         const int k = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
         const int n = nt * 8 + ((lane >> 4) << 3);
-        const u32 addr = sB + lane_chunk_at<SWZ>(k, n >> 3, ldb, lane);
+        const u32 addr = sB + lane_chunk_at<SWZ>(k, n >> 3, ldb, lane, sw);
         if (PAIR) ldsm_x4_t(addr, b00, b01, b10, b11);
         else ldsm_x2_t(addr, b00, b01);
     }
@@ -317,12 +327,13 @@ FRT_DEVICE void load_a(u32 sA, int lda, int mt, int kk, int lane, u32 (&a)[4]) {
 
 // acc += A * B for one k-step, A given as fragments in registers.
 template <bool BF16, int MT, int NT, int LAYOUT, bool SWZ = false>
-FRT_DEVICE void mma_kstep(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], u32 sB, int ldb, int kk, int lane) {
+FRT_DEVICE void mma_kstep(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], u32 sB, int ldb, int kk, int lane,
+                          int sw = 0) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
         u32 b00, b01, b10 = 0, b11 = 0;
-        if (nt + 1 < NT) load_b<LAYOUT, true, SWZ>(sB, ldb, kk, nt, lane, b00, b01, b10, b11);
-        else load_b<LAYOUT, false, SWZ>(sB, ldb, kk, nt, lane, b00, b01, b10, b11);
+        if (nt + 1 < NT) load_b<LAYOUT, true, SWZ>(sB, ldb, kk, nt, lane, b00, b01, b10, b11, sw);
+        else load_b<LAYOUT, false, SWZ>(sB, ldb, kk, nt, lane, b00, b01, b10, b11, sw);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             Elem<BF16>::mma(acc[mt][nt], a[mt], b00, b01);
@@ -331,25 +342,27 @@ FRT_DEVICE void mma_kstep(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], u32 sB
     }
 }
 
-// acc += A * B over KSTEPS k-steps, A from shared memory (layout A_LAYOUT, pitch lda bytes).
-template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT, int A_LAYOUT = A_MK, bool SWZ = false>
-FRT_DEVICE void gemm_ss(float (&acc)[MT][NT][4], u32 sA, int lda, u32 sB, int ldb, int lane) {
+// acc += A * B over KSTEPS k-steps, A from shared memory (layout A_LAYOUT, pitch lda bytes). SWZ: B swizzled (and A
+// unless SWZ_A says otherwise); sw: B's (lane_chunk_at).
+template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT, int A_LAYOUT = A_MK, bool SWZ = false, bool SWZ_A = SWZ>
+FRT_DEVICE void gemm_ss(float (&acc)[MT][NT][4], u32 sA, int lda, u32 sB, int ldb, int lane, int sw = 0) {
     // Unrolled by 2, not fully: with every k-step unrolled ptxas hoists all fragment loads
     // and spills at head_dim > 160 (seen with NVRTC 12.9).
 #pragma unroll 2
     for (int kk = 0; kk < KSTEPS; ++kk) {
         u32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) load_a<A_LAYOUT, SWZ>(sA, lda, mt, kk, lane, a[mt]);
-        mma_kstep<BF16, MT, NT, LAYOUT, SWZ>(acc, a, sB, ldb, kk, lane);
+        for (int mt = 0; mt < MT; ++mt) load_a<A_LAYOUT, SWZ_A>(sA, lda, mt, kk, lane, a[mt]);
+        mma_kstep<BF16, MT, NT, LAYOUT, SWZ>(acc, a, sB, ldb, kk, lane, sw);
     }
 }
 
 // acc += A * B over KSTEPS k-steps, A fragments already in registers.
 template <bool BF16, int MT, int NT, int KSTEPS, int LAYOUT, bool SWZ = false>
-FRT_DEVICE void gemm_rs(float (&acc)[MT][NT][4], const u32 (&a)[KSTEPS][MT][4], u32 sB, int ldb, int lane) {
+FRT_DEVICE void gemm_rs(float (&acc)[MT][NT][4], const u32 (&a)[KSTEPS][MT][4], u32 sB, int ldb, int lane,
+                        int sw = 0) {
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) mma_kstep<BF16, MT, NT, LAYOUT, SWZ>(acc, a[kk], sB, ldb, kk, lane);
+    for (int kk = 0; kk < KSTEPS; ++kk) mma_kstep<BF16, MT, NT, LAYOUT, SWZ>(acc, a[kk], sB, ldb, kk, lane, sw);
 }
 
 // Accumulator (MT x 2*KSTEPS n-tiles) -> A fragments for the next GEMM, whose k

@@ -71,7 +71,13 @@ struct DkdvTraits {
     // dQ is not carried across pairs: a warp computes its columns in passes of NQ n-tiles
     // (at most 32 accumulator floats per thread) and adds each pass to global memory.
     static constexpr int NQ = chunk_of(NT3, 8 / MT3 > 0 ? 8 / MT3 : 1);
-    static constexpr int LD = Pitch<DP>::bytes;
+    // K / V / Q / dO unpadded and swizzled (common.cuh: chunk_at) where spec.KernelSpec.swizzled says, else padded;
+    // P^T and dS^T, written from registers, stay padded. Phase 2 reads dO and Q, phase 3 K, from a warp's column on
+    // (lane_chunk_at's sw rule: swz_disjoint).
+    static constexpr bool SWZ = FRT_SWIZZLE;
+    static_assert(!SWZ || (DP % 64 == 0 && swz_disjoint(NT2) && (!FUSED || swz_disjoint(NQ))),
+                  "swizzled rows are a multiple of 128 bytes, read from whole chunk groups");
+    static constexpr int LD = SWZ ? DP * 2 : Pitch<DP>::bytes;
     static constexpr int LDP = Pitch<BM>::bytes;
     static constexpr int SMEM_KV = 2 * BN * LD;     // K, V
     static constexpr int SMEM_QDO_STAGE = 2 * BM * LD;  // Q, dO
@@ -85,7 +91,8 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     constexpr int BM = T::BM, BN = T::BN, DP = T::DP;
     constexpr int MT1 = T::MT1, NT1 = T::NT1, MT2 = T::MT2, NT2 = T::NT2;
     constexpr int LD = T::LD, LDP = T::LDP;
-    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr bool SWZ = T::SWZ;
+    extern __shared__ __align__(FRT_SWIZZLE ? 128 : 16) unsigned char smem[];  // (swizzled: rows on 128-byte lines)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -112,10 +119,11 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         const int rows = min(BM, vis.Lq - m0);  // rows past the sequence's length: zeros
         const i64 row0 = vis.q_row0 + m0;
         const u32 sQ = sQdO + stage * T::SMEM_QDO_STAGE;
-        load_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM>(sQ, p.q + b * p.q_sb + row0 * p.q_ss + h * p.q_sh, p.q_ss, rows,
-                                                     tid);
-        load_tile<BM, T::D, T::NTHREADS, FRT_V_DIM>(sQ + BM * LD, p.dout + b * p.do_sb + row0 * p.do_ss + h * p.do_sh,
-                                                    p.do_ss, rows, tid);
+        load_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM, SWZ>(sQ, p.q + b * p.q_sb + row0 * p.q_ss + h * p.q_sh, p.q_ss,
+                                                          rows, tid);
+        load_tile<BM, T::D, T::NTHREADS, FRT_V_DIM, SWZ>(sQ + BM * LD,
+                                                         p.dout + b * p.do_sb + row0 * p.do_ss + h * p.do_sh, p.do_ss,
+                                                         rows, tid);
         const i64 stat0 = (i64)b * p.st_sb + (i64)h * p.st_sh + row0;
         const u32 st = smem_u32(s_stat + stage * 2 * BM);
         for (int r = tid; r < BM; r += T::NTHREADS) {
@@ -125,10 +133,10 @@ __device__ void bwd_dkdv(const BwdParams& p) {
     };
 
     const i64 krow0 = vis.k_row0 + n0;
-    load_tile<BN, T::D, T::NTHREADS, FRT_QK_DIM>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss,
-                                                 tile.live, tid);
-    load_tile<BN, T::D, T::NTHREADS, FRT_V_DIM>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss,
-                                                tile.live, tid);
+    load_tile<BN, T::D, T::NTHREADS, FRT_QK_DIM, SWZ>(sK, p.k + b * p.k_sb + krow0 * p.k_ss + hk * p.k_sh, p.k_ss,
+                                                      tile.live, tid);
+    load_tile<BN, T::D, T::NTHREADS, FRT_V_DIM, SWZ>(sV, p.v + b * p.v_sb + krow0 * p.v_ss + hk * p.v_sh, p.v_ss,
+                                                     tile.live, tid);
     if (it_begin < it_end) load_q(it_begin, 0);
     cp_async_commit();
 
@@ -155,8 +163,8 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         float s[MT1][NT1][4], dp[MT1][NT1][4];
         zero(s);
         zero(dp);
-        gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK>(s, sK + krow1 * LD, LD, sQ + qcol1 * LD, LD, lane);
-        gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK>(dp, sV + krow1 * LD, LD, sdO + qcol1 * LD, LD, lane);
+        gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK, A_MK, SWZ>(s, sK + krow1 * LD, LD, sQ + qcol1 * LD, LD, lane);
+        gemm_ss<T::BF16, MT1, NT1, DP / 16, B_NK, A_MK, SWZ>(dp, sV + krow1 * LD, LD, sdO + qcol1 * LD, LD, lane);
 
         const bool need_mask = pa.partial;
         u16* p_tile = reinterpret_cast<u16*>(smem + (sP - sK));
@@ -208,8 +216,11 @@ __device__ void bwd_dkdv(const BwdParams& p) {
         acc_to_smem<T::BF16, MT1, NT1>(ds_tile + krow1 * (LDP / 2) + qcol1, LDP / 2, dp, 1.f, lane);
         __syncthreads();
 
-        gemm_ss<T::BF16, MT2, NT2, BM / 16, B_KN>(dv, sP + krow2 * LDP, LDP, sdO + dcol2 * 2, LD, lane);
-        gemm_ss<T::BF16, MT2, NT2, BM / 16, B_KN>(dk, sdS + krow2 * LDP, LDP, sQ + dcol2 * 2, LD, lane);
+        const u32 col2 = swz_col<SWZ>(dcol2);  // (P^T and dS^T padded: SWZ_A false)
+        gemm_ss<T::BF16, MT2, NT2, BM / 16, B_KN, A_MK, SWZ, false>(dv, sP + krow2 * LDP, LDP, sdO + col2, LD, lane,
+                                                                  swz_sw<SWZ>(dcol2));
+        gemm_ss<T::BF16, MT2, NT2, BM / 16, B_KN, A_MK, SWZ, false>(dk, sdS + krow2 * LDP, LDP, sQ + col2, LD, lane,
+                                                                  swz_sw<SWZ>(dcol2));
         if constexpr (T::FUSED) {
             // dQ_pair = dS K: A = dS^T read transposed from shared memory, B = K.
             const int h = pa.h;
@@ -224,8 +235,8 @@ __device__ void bwd_dkdv(const BwdParams& p) {
                 const int col0 = dcol3 + pass * T::NQ * 8;
                 float dq[T::MT3][T::NQ][4];
                 zero(dq);
-                gemm_ss<T::BF16, T::MT3, T::NQ, BN / 16, B_KN, A_KM>(dq, sdS + qrow3 * 2, LDP, sK + col0 * 2, LD,
-                                                                    lane);
+                gemm_ss<T::BF16, T::MT3, T::NQ, BN / 16, B_KN, A_KM, SWZ, false>(
+                    dq, sdS + qrow3 * 2, LDP, sK + swz_col<SWZ>(col0), LD, lane, swz_sw<SWZ>(col0));
                 if (sem && pass == 0) {  // wait for the key tiles before this one (after the first GEMM)
                     if (tid == 0)
                         while (ld_acquire(sem) != turn) {

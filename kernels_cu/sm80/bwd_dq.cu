@@ -25,7 +25,8 @@ template <class T>
 __device__ void bwd_dq(const BwdParams& p) {
     constexpr int BM = T::BM, BN = T::BN, DP = T::DP, MT = T::MT, LD = T::LD;
     constexpr int NT_S = BN / 8, NT_D = DP / 8, KS_D = DP / 16, KS_N = BN / 16;
-    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr bool SWZ = T::SWZ;
+    extern __shared__ __align__(FRT_SWIZZLE ? 128 : 16) unsigned char smem[];  // (swizzled: rows on 128-byte lines)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -37,12 +38,12 @@ __device__ void bwd_dq(const BwdParams& p) {
     const u32 sKV = sdO + T::SMEM_Q;
     const int wrow = warp * MT * 16;
 
-    load_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss,
-                                                 tile.live, tid);
-    load_tile<BM, T::D, T::NTHREADS, FRT_V_DIM>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh,
-                                                p.do_ss, tile.live, tid);
+    load_tile<BM, T::D, T::NTHREADS, FRT_QK_DIM, SWZ>(sQ, p.q + b * p.q_sb + tile.row0 * p.q_ss + h * p.q_sh, p.q_ss,
+                                                      tile.live, tid);
+    load_tile<BM, T::D, T::NTHREADS, FRT_V_DIM, SWZ>(sdO, p.dout + b * p.do_sb + tile.row0 * p.do_ss + h * p.do_sh,
+                                                     p.do_ss, tile.live, tid);
     auto load_kv = [&](u32 stage, int j) {
-        load_kv_tile<BN, T::D, T::NTHREADS>(stage, p, b, tile.hk, tile.vis.k_row0, tile.vis.Lk, j, tid);
+        load_kv_tile<BN, T::D, T::NTHREADS, SWZ>(stage, p, b, tile.hk, tile.vis.k_row0, tile.vis.Lk, j, tid);
     };
     // Key tiles first to last: visit number it is tile.key_tile(n_blocks - 1 - it).
     const int n_blocks = tile.n_blocks;
@@ -78,7 +79,7 @@ __device__ void bwd_dq(const BwdParams& p) {
 
         float s[MT][NT_S][4];
         zero(s);
-        gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(s, sQ + wrow * LD, LD, sK, LD, lane);
+        gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK, A_MK, SWZ>(s, sQ + wrow * LD, LD, sK, LD, lane);
         float raw[FRT_SCORE_TGRAD ? MT : 1][NT_S][4];  // (the expression's input, for the tensor gradients)
         if constexpr (FRT_SCORE_TGRAD) {
 #pragma unroll
@@ -90,7 +91,7 @@ __device__ void bwd_dq(const BwdParams& p) {
         }
         float dp[MT][NT_S][4];
         zero(dp);
-        gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK>(dp, sdO + wrow * LD, LD, sV, LD, lane);
+        gemm_ss<T::BF16, MT, NT_S, KS_D, B_NK, A_MK, SWZ>(dp, sdO + wrow * LD, LD, sV, LD, lane);
         if constexpr (FRT_DROPOUT) {  // dP of the probabilities before dropout: dO V^T where kept, times the scale
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
@@ -161,7 +162,7 @@ __device__ void bwd_dq(const BwdParams& p) {
         }
         u32 dsf[KS_N][MT][4];
         acc_to_a<T::BF16, MT, KS_N>(s, dsf);
-        gemm_rs<T::BF16, MT, NT_D, KS_N, B_KN>(dq, dsf, sK, LD, lane);
+        gemm_rs<T::BF16, MT, NT_D, KS_N, B_KN, SWZ>(dq, dsf, sK, LD, lane);
     }
     cp_async_wait<0>();
     if constexpr (FRT_SCORE_TGRAD) return;

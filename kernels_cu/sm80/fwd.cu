@@ -16,13 +16,7 @@ struct FwdTraits : RowTraits<D_, BM_, BN_, NW_, BF16_, CAUSAL_> {
     // Q fragments stay in registers when they are small enough not to crowd out
     // the O accumulator; otherwise they are re-read from shared memory.
     static constexpr bool Q_IN_REGS = Base::MT * Base::DP <= 128;
-    // Q / K / V unpadded and swizzled (common.cuh: chunk_at) at the head_dims where that ran faster
-    // (spec.SWIZZLED_FWD_HEAD_DIMS, KernelSpec.swizzled), else padded.
-    static constexpr bool SWZ = FRT_SWIZZLE;
-    static_assert(!SWZ || Base::DP % 64 == 0, "swizzled rows are a multiple of 128 bytes");
-    static constexpr int LD = SWZ ? Base::DP * 2 : Base::LD;
-    static constexpr int SMEM_Q = Base::BM * LD, SMEM_KV_STAGE = 2 * Base::BN * LD;
-    static constexpr int SMEM = SMEM_Q + 2 * SMEM_KV_STAGE;  // Q + 2 stages of (K, V)
+    static constexpr int SMEM = Base::SMEM_Q + 2 * Base::SMEM_KV_STAGE;  // Q + 2 stages of (K, V)
 };
 
 template <class T>
