@@ -422,6 +422,21 @@ class KernelSpec:
         nq = max(c for c in range(1, min(nt3, cap) + 1) if nt3 % c == 0)  # (bwd_dkdv.cu: chunk_of)
         return _swz_disjoint(nt2) and _swz_disjoint(nq)
 
+    @property
+    def static_smem_bound(self) -> int:
+        """Bytes of static shared memory the kernel may declare beside its dynamic block (smem_bytes), an upper bound: a
+        masked kernel's block Visibility and a mask_mod's state (mask.cuh; 32-240 bytes, NVRTC 12.9), with block or
+        segment ids its tile's TileIntervals too (8 bytes a query row of a query-parallel kernel's tile, a key row of
+        a key-parallel one's, + 16); decode's page flags (128). tests/test_compile.py checks it against ptxas for every
+        variant; the tiling keeps the two within the device's limit (tiles._first_fit: with ids, head_dim 200-208's
+        128-row dQ tiles filled sm_80's and did not launch)."""
+        if self.family == "decode":
+            return 256
+        if not self.mask or self.family in ELEMENTWISE or self.family == "fwd_sm90_ws":  # (its intervals: dynamic)
+            return 0
+        rows = self.block_m if self.family in QUERY_PARALLEL else self.block_n
+        return 384 + (8 * rows + 16 if self.mask & (MASK_BITS["block_ids"] | MASK_BITS["segments"]) else 0)
+
     @functools.cached_property  # read at every launch
     def smem_bytes(self) -> int:
         bm, bn = self.block_m, self.block_n

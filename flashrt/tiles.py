@@ -404,26 +404,34 @@ def long_rows(family: str, head_dim: int, seqlen_q: int, causal: bool = True) ->
 # keeps 24 registers so that the consumers have the 240 they need (bwd_fused_sm90_ws.cu: FusedWsTraits).
 # The mma.sync forward at head_dim 256 with swizzled tiles spills 8 bytes in its 128 x 64 tiles (sm_90a, not
 # causal) and runs 8-9% faster than with padded ones (H100, docs/perf-notes.md: Forward: mma.sync).
-SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 64, ("fwd", 256, 1): 8}
+# Not measured (no such GPU here): with 99 KB (sm_86, sm_89) the dK / dV kernels' 32 x 16 w2 tiles spill 8-104 bytes
+# (NVRTC 12.9) with dropout at head_dim 232-256 and with block / segment ids at 232-240, where the 16 x 32 w2 ones they
+# replace spilled 452-544 (dropout) or, with ids, did not launch (their static shared memory: _first_fit).
+SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 64, ("fwd", 256, 1): 8,
+                   **{(f, d, 1, arch): 112 for f in ("bwd_dkdv", "bwd_fused") for d in (232, 240, 248, 256)
+                      for arch in ("sm_86", "sm_89")}}
 
 
 # Smaller tilings of each family, tried in order after its preferred ones (candidates) when none of those fits the
 # device's shared memory; not timed, only valid layouts (spec.KernelSpec.layout_problem) of decreasing size.
 _FALLBACKS = {
-    "fwd": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
+    # (64 x 16 w4 and 32 x 16 w2 where masks' static shared memory leaves no room for 64 x 32 / 32 x 32 with 99 KB at
+    # head_dim 241-256: 32 x 32 w2 spilled 24 bytes there, 16 x 16 w1 36, sm_86)
+    "fwd": [(64, 32, 4), (64, 16, 4), (32, 32, 2), (16, 16, 1)],
     "fwd_sm90": [],
     "fwd_sm90_ws": [],
     "bwd_dq_sm90": [],
     "bwd_dkdv_sm90": [],
     "bwd_fused_sm90": [],
-    "bwd_dq": [(64, 32, 4), (32, 32, 2), (16, 16, 1)],
+    "bwd_dq": [(64, 32, 4), (32, 32, 2), (32, 16, 2), (16, 16, 1)],
     # (16 x 32 with 4 warps before 2: at head_dim 248-256 with 99 KB, sm_86 / sm_89, 2 warps spilled 452-540 bytes
-    # beside the dK / dV accumulators, 4 none)
-    "bwd_dkdv": [(32, 32, 4), (16, 32, 4), (16, 32, 2), (16, 16, 1)],
+    # beside the dK / dV accumulators, 4 none; with dropout, whose draws need 16 query columns a warp, and with ids at
+    # 232-240, 32 x 16 w2: SPILL_ALLOWANCE)
+    "bwd_dkdv": [(32, 32, 4), (16, 32, 4), (32, 16, 2), (16, 32, 2), (16, 16, 1)],
     "decode_combine": [],
     "combine": [],
     "combine_f32": [],
-    "bwd_fused": [(32, 32, 4), (16, 32, 4), (16, 32, 2), (16, 16, 1)],
+    "bwd_fused": [(32, 32, 4), (16, 32, 4), (32, 16, 2), (16, 32, 2), (16, 16, 1)],
     "bwd_preprocess": [],
     "bwd_dkdv_reduce": [],
     "bwd_dq_convert": [],
@@ -431,8 +439,10 @@ _FALLBACKS = {
 
 
 def spill_allowance(spec: KernelSpec) -> int:
-    """Bytes of local memory (register spills) `spec` may use: 0 unless SPILL_ALLOWANCE says otherwise."""
-    return SPILL_ALLOWANCE.get((spec.family, spec.head_dim, spec.min_blocks), 0)
+    """Bytes of local memory (register spills) `spec` may use: 0 unless SPILL_ALLOWANCE says otherwise (for its arch,
+    or for every arch)."""
+    key = (spec.family, spec.head_dim, spec.min_blocks)
+    return SPILL_ALLOWANCE.get((*key, spec.arch), SPILL_ALLOWANCE.get(key, 0))
 
 
 class TilingError(RuntimeError):
@@ -497,7 +507,8 @@ def tiling(family: str, head_dim: int, dtype: str, causal: bool, arch: str, smem
 
 def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> KernelSpec:
     """The first of `shapes` whose spec (make(*shape)) is a valid layout at this head_dim and fits `smem_limit`
-    bytes of shared memory; TilingError naming each one tried otherwise."""
+    bytes of shared memory, its static shared memory included (spec.KernelSpec.static_smem_bound); TilingError naming
+    each one tried otherwise."""
     tried = []
     for shape in shapes:
         try:
@@ -505,9 +516,9 @@ def _first_fit(family: str, head_dim: int, smem_limit: int, shapes, make) -> Ker
         except ValueError as exc:  # this tiling does not divide this head_dim; try the next
             tried.append(str(exc))
             continue
-        if spec.smem_bytes <= smem_limit:
+        if spec.smem_bytes + spec.static_smem_bound <= smem_limit:
             return spec
-        tried.append(f"{spec.name}: {spec.smem_bytes} B")
+        tried.append(f"{spec.name}: {spec.smem_bytes} B" + (f" + {spec.static_smem_bound} static" * bool(spec.mask)))
     raise TilingError(f"no tiling of {family} for head_dim={head_dim} fits the device's shared memory limit of "
                       f"{smem_limit} bytes per block; required: " + ", ".join(tried))
 
