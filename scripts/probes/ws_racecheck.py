@@ -1,13 +1,18 @@
 """Run the warp-specialised fused backward at small shapes, kernels compiled with -lineinfo, for
 compute-sanitizer racecheck to name source lines:
 
-    compute-sanitizer --tool racecheck python3 scripts/probes/ws_racecheck.py
+    compute-sanitizer --tool racecheck python3 scripts/probes/ws_racecheck.py [-DFRT_X=1 ...]
+
+Arguments are NVRTC defines added to every kernel (the A/B switches of bwd_sm90.cuh, say).
 """
+import sys
+
 import torch
 
 import flashrt
 from flashrt import spec
 
+spec.NVRTC_OPTIONS = spec.NVRTC_OPTIONS + tuple(sys.argv[1:])
 _options = spec.KernelSpec.options
 spec.KernelSpec.options = lambda self: _options(self) + ["-lineinfo"]
 for D in (64, 128):
