@@ -415,8 +415,9 @@ SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 64, (
 # Smaller tilings of each family, tried in order after its preferred ones (candidates) when none of those fits the
 # device's shared memory; not timed, only valid layouts (spec.KernelSpec.layout_problem) of decreasing size.
 _FALLBACKS = {
-    # (64 x 16 w4 and 32 x 16 w2 where masks' static shared memory leaves no room for 64 x 32 / 32 x 32 with 99 KB at
-    # head_dim 241-256: 32 x 32 w2 spilled 24 bytes there, 16 x 16 w1 36, sm_86)
+    # (64 x 16 w4 where masks' static shared memory leaves no room for 64 x 32 with 99 KB at head_dim 241-248: the
+    # 32 x 32 w2 after it spilled 24 bytes there, sm_86; bwd_dq's 32 x 16 w2 likewise at 241-256, where 16 x 16 w1
+    # spilled 36)
     "fwd": [(64, 32, 4), (64, 16, 4), (32, 32, 2), (16, 16, 1)],
     "fwd_sm90": [],
     "fwd_sm90_ws": [],
