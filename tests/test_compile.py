@@ -149,12 +149,13 @@ def _variants():
 
 @dataclasses.dataclass(frozen=True)
 class _Swizzled(KernelSpec):
-    """A mma.sync backward variant with swizzled tiles, which spec.SWIZZLED_BWD_HEAD_DIMS turns on only once measured
-    (scripts/probes/bwd_swizzle.py): compiled here so that what the probe measures is proven first."""
+    """A mma.sync variant with swizzled tiles whether or not its layout fits (the kernel's static_assert decides): the
+    backward's, which spec.SWIZZLED_BWD_HEAD_DIMS turns on only once measured (scripts/probes/bwd_swizzle.py), are
+    compiled here (where they fit) so that what the probe measures is proven first."""
 
     @property
     def swizzled(self) -> bool:
-        return self.swizzle_fits
+        return True
 
 
 # Spills of _Swizzled variants, which run nowhere yet (NVRTC 12.9): before SWIZZLED_BWD_HEAD_DIMS takes a head_dim,
@@ -365,15 +366,6 @@ def test_host_layout_rules_are_the_kernels_static_asserts():
     assert 50 < accepted < len(results) - 100, "the grid must hold both kinds"
 
 
-@dataclasses.dataclass(frozen=True)
-class _ForcedSwizzle(KernelSpec):
-    """Swizzled tiles asked for whether or not the layout fits (the kernel's static_assert decides)."""
-
-    @property
-    def swizzled(self) -> bool:
-        return True
-
-
 def test_swizzle_rule_is_the_kernels_static_assert():
     """KernelSpec.swizzle_fits and the mma.sync kernels' static_asserts on swizzled tiles agree over the valid
     tilings of a grid around the shipped ones (bwd_dkdv / bwd_fused: the column groups of their dK/dV and dQ GEMMs)."""
@@ -383,7 +375,7 @@ def test_swizzle_rule_is_the_kernels_static_assert():
             spec = _unchecked(family=family, head_dim=D, dtype="bf16", block_m=bm, block_n=bn, warps=nw, causal=True,
                               arch="sm_80")
             if _host_refusal(spec) is None:
-                cases.append(_ForcedSwizzle(**_fields(spec)))
+                cases.append(_Swizzled(**_fields(spec)))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda spec: (spec, _kernel_refusal(spec)), cases))
     differ = [f"{s.name} {s.block_m}x{s.block_n}w{s.warps}: host {'fits' if s.swizzle_fits else 'refuses'}; "

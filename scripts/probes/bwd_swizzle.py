@@ -6,7 +6,6 @@ then prints backward TFLOP/s (2.5 x 4 B H S^2 D, halved causal) per shape and im
 (docs/perf-notes.md, Backward: split pair)."""
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -15,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import flashrt  # noqa: E402
-from flashrt import api, launch, spec as specmod, tiles  # noqa: E402
-from variants import fresh  # noqa: E402
+from flashrt import launch, spec as specmod, tiles  # noqa: E402
+from variants import fresh, interleaved_ms  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--heads", default="64,128,256")
@@ -81,25 +80,8 @@ for D in HEADS:
             flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
             for impl in args.impls.split(","):
                 kw = dict(causal=causal, impl=impl, deterministic=impl == "split")
-                times = {r: [] for r in RUNS}
-                plans = {}
-                for run in RUNS:  # (each form's plan made once: a plan holds its kernels)
-                    use(run)
-                    flashrt.backward(do, q, k, v, out, lse, **kw)
-                    plans[run] = dict(api._PLANS)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                for _ in range(args.rounds):
-                    for run in RUNS:
-                        api._PLANS.clear()
-                        api._PLANS.update(plans[run])
-                        flashrt.backward(do, q, k, v, out, lse, **kw)
-                        start.record()
-                        for _ in range(3):
-                            flashrt.backward(do, q, k, v, out, lse, **kw)
-                        end.record()
-                        end.synchronize()
-                        times[run].append(start.elapsed_time(end) / 3)
-                tf = {r: flops / statistics.median(times[r]) / 1e9 for r in RUNS}
+                ms = interleaved_ms(RUNS, use, lambda: flashrt.backward(do, q, k, v, out, lse, **kw), args.rounds, 3)
+                tf = {r: flops / ms[r] / 1e9 for r in RUNS}
                 table.append(f"| {D} | {S} | {'causal' if causal else 'full'} | {impl} | "
                              + " | ".join(f"{tf[r]:.0f}" for r in RUNS) + f" | {tf['swizzled'] / tf['padded']:.3f} |")
                 print(table[-1], flush=True)

@@ -5,7 +5,6 @@ checked against float64 first; prints TFLOP/s (4 B H S^2 D, halved causal) per s
 (docs/perf-notes.md, Forward: mma.sync)."""
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -14,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import flashrt  # noqa: E402
-from flashrt import api, spec as specmod  # noqa: E402
-from variants import fresh  # noqa: E402
+from flashrt import spec as specmod  # noqa: E402
+from variants import fresh, interleaved_ms  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--heads", default="64,128")
@@ -58,25 +57,9 @@ for D in map(int, args.heads.split(",")):
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for causal in (False, True):
             flops = 4 * B * H * S * S * D / (2 if causal else 1)
-            times = {r: [] for r in RUNS}
-            plans = {}
-            for run in RUNS:  # (each form's plan made once: a plan holds its kernel)
-                use(run == "swizzled")
-                flashrt.forward(q, k, v, causal=causal)
-                plans[run] = dict(api._PLANS)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(args.rounds):
-                for run in RUNS:
-                    api._PLANS.clear()
-                    api._PLANS.update(plans[run])
-                    flashrt.forward(q, k, v, causal=causal)
-                    start.record()
-                    for _ in range(5):
-                        flashrt.forward(q, k, v, causal=causal)
-                    end.record()
-                    end.synchronize()
-                    times[run].append(start.elapsed_time(end) / 5)
-            tf = {r: flops / statistics.median(times[r]) / 1e9 for r in RUNS}
+            ms = interleaved_ms(RUNS, lambda run: use(run == "swizzled"),
+                                lambda: flashrt.forward(q, k, v, causal=causal), args.rounds, 5)
+            tf = {r: flops / ms[r] / 1e9 for r in RUNS}
             table.append(f"| {D} | {S} | {'causal' if causal else 'full'} | " + " | ".join(f"{tf[r]:.0f}" for r in RUNS)
                          + f" | {tf['swizzled'] / tf['padded']:.3f} |")
             print(table[-1], flush=True)
