@@ -1,6 +1,8 @@
 """The mma.sync backward (bwd_dq, bwd_dkdv, bwd_fused; FLASHRT_NO_SM90=1 on Hopper) with unpadded, swizzled Q / K / V /
 dO tiles (spec.SWIZZLED_BWD_HEAD_DIMS, KernelSpec.swizzled, where swizzle_fits) against padded ones, interleaved rounds
-in one process: python scripts/probes/bwd_swizzle.py [--heads 64,128,256] [--seqlens 1024,4096] [--rounds 5].
+in one process:
+    python scripts/probes/bwd_swizzle.py [--heads 64,128,256] [--seqlens 1024,4096] [--rounds 5] [--check-only]
+
 Both forms' gradients are checked against float64 first (split and fused, ordered and not, GQA, causal and not);
 then prints backward TFLOP/s (2.5 x 4 B H S^2 D, halved causal) per shape and impl, 16k tokens, H x D = 2048
 (docs/perf-notes.md, Backward: split pair)."""
@@ -22,6 +24,7 @@ ap.add_argument("--heads", default="64,128,256")
 ap.add_argument("--seqlens", default="1024,4096")
 ap.add_argument("--impls", default="split,fused")
 ap.add_argument("--rounds", type=int, default=5)
+ap.add_argument("--check-only", action="store_true", help="compile and check, no timing")
 args = ap.parse_args()
 HEADS = tuple(map(int, args.heads.split(",")))
 RUNS = ("swizzled", "padded")
@@ -70,6 +73,8 @@ for run in RUNS:
     use(run)
     for D in HEADS:
         print(f"check {run} D{D}: rel err {check(D):.1e}; {which(D, True)}", flush=True)
+if args.check_only:
+    sys.exit(0)
 table = ["| head_dim | S | mask | impl | " + " | ".join(RUNS) + " | swizzled / padded |", "|---" * 7 + "|"]
 for D in HEADS:
     for S in map(int, args.seqlens.split(",")):
