@@ -150,16 +150,16 @@ def _variants():
 @dataclasses.dataclass(frozen=True)
 class _Swizzled(KernelSpec):
     """A mma.sync variant with swizzled tiles whether or not its layout fits (the kernel's static_assert decides): the
-    backward's, which spec.SWIZZLED_BWD_HEAD_DIMS turns on only once measured (scripts/probes/bwd_swizzle.py), are
-    compiled here (where they fit) so that what the probe measures is proven first."""
+    backward's, which spec.SWIZZLED_BWD_HEAD_DIMS turns on only where measured faster (scripts/probes/bwd_swizzle.py),
+    are compiled here (where they fit) so that what the probe measures is proven first."""
 
     @property
     def swizzled(self) -> bool:
         return True
 
 
-# Spills of _Swizzled variants, which run nowhere yet (NVRTC 12.9): before SWIZZLED_BWD_HEAD_DIMS takes a head_dim,
-# its spills need a measured exception in tiles.SPILL_ALLOWANCE or other tiles.
+# Spills of _Swizzled variants that SWIZZLED_BWD_HEAD_DIMS does not ship (NVRTC 12.9): before it takes one, its spills
+# need a measured exception in tiles.SPILL_ALLOWANCE or other tiles.
 UNSHIPPED_SPILLS = {("bwd_fused", 128, "sm_90a"): 8}  # (4 bytes of spill stores, an 8-byte stack)
 
 

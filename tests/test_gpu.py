@@ -322,10 +322,11 @@ def test_long_query_tiling_matches_float64(torch, poison, causal, case):
     assert float(cupy.abs(cupy.where(seen, f64(lse) - rlse, 0)).max()) < 1e-3
 
 
-def test_work_item_counter_is_ready_for_every_launch(torch, poison):
+def test_work_item_counter_is_ready_for_every_launch(torch, poison, monkeypatch):
     """fwd_sm90_ws claims work items from one counter per stream, which each launch's last claim sets back
     to zero (launch.sched_counter): launches back to back on one stream, with different item counts, and on
     two streams at once must each do every item once (the poisoned outputs show an item left out)."""
+    monkeypatch.setenv("FLASHRT_NO_SM90", "0")  # (the Hopper kernels, whatever the suite runs under)
     import ctypes
     import cupy
     cases = [(4, 1000, 8, 2, 128, True), (1, 200, 4, 4, 64, False), (3, 700, 16, 4, 64, True),
@@ -532,6 +533,7 @@ def test_ordered_causal_fused_backward_in_chunks_of_pairs(torch, poison, monkeyp
     dev = launch.device(torch.cuda.current_device())
     if dev.arch != "sm_90a":
         pytest.skip(f"the wgmma fused backward is for sm_90a; this GPU is {dev.arch}")
+    monkeypatch.setenv("FLASHRT_NO_SM90", "0")  # (the Hopper kernel, whatever the suite runs under)
     B, Sq, Sk, H, Hkv = 3, 2000, 2048, 4, 2  # 6 pairs; enough key tiles for one split (no dK/dV partials)
     spec = tiles.kernel_for("bwd_fused_sm90", D, "bf16", True, dev, 0)
     assert tiles.dkdv_splits(spec, B, H, Hkv, Sq, Sk, dev.sm_count) == 1  # (the case this test is for)
@@ -562,6 +564,7 @@ def test_ordered_fused_backward_rotated(torch, poison, monkeypatch, D, B, Sq, Sk
     dev = launch.device(torch.cuda.current_device())
     if dev.arch != "sm_90a":
         pytest.skip(f"the wgmma fused backward is for sm_90a; this GPU is {dev.arch}")
+    monkeypatch.setenv("FLASHRT_NO_SM90", "0")  # (the Hopper kernel, whatever the suite runs under)
     family = "bwd_fused_sm90"
     spec = tiles.kernel_for(family, D, "bf16", False, dev, MASK_BITS["lengths"] if lengths else 0)
     key_tiles = -(-Sk // spec.block_n)

@@ -65,7 +65,6 @@ struct FusedWsTraits {
     static constexpr int KV_BYTES = BN * D * 2, QT_BYTES = BM * D * 2, STAGE_BYTES = 2 * QT_BYTES;
     static constexpr int STAT_STAGE_BYTES = 2 * BM * 4, DS_BYTES = BN * BM * 2, DQ_BYTES = BM * D * 4;
     enum : int { KV_FULL = 0, DQ_FULL = 1, DQ_EMPTY = 2, FULL = 3, EMPTY = 3 + STAGES, N_BARS = 3 + 2 * STAGES };
-    static constexpr int ARRIVALS = FRT_WARP_ARRIVALS ? CONSUMERS / 32 : CONSUMERS;  // (EMPTY, DQ_FULL)
     static constexpr int JOB_BYTES = 32;  // the writer's job: dq_accum offset (i64), bytes, counter, turn
     static constexpr int SMEM = 2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + 2 * DS_BYTES + DQ_BYTES +
                                 8 * N_BARS + JOB_BYTES + sm90::kAtomBytes;
@@ -90,9 +89,9 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     const bool ordered = T::ORDERED && p.dq_sem;
     if (tid == 0) {
         mbar_init(bar(T::KV_FULL, 0), 32);
-        mbar_init(bar(T::DQ_FULL, 0), T::ARRIVALS);
+        mbar_init(bar(T::DQ_FULL, 0), T::CONSUMERS);
         mbar_init(bar(T::DQ_EMPTY, 0), 1);
-        for (int s = 0; s < S; ++s) mbar_init(bar(T::FULL, s), 33), mbar_init(bar(T::EMPTY, s), T::ARRIVALS);
+        for (int s = 0; s < S; ++s) mbar_init(bar(T::FULL, s), 33), mbar_init(bar(T::EMPTY, s), T::CONSUMERS);
     }
     __syncthreads();
     KeyTile<BM, BN, T::CAUSAL, T::MASK, rotatable(T::CAUSAL, T::MASK)> tile(
@@ -182,16 +181,6 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         for (int i = 0; i < D / 2; ++i) acc[a][i] = 0.f;
     u32 pa[BM / 16][4], dsa[BM / 16][4];
     u32 ka[T::KV_REGS ? D / 16 : 1][4], va[T::KV_REGS ? D / 16 : 1][4];
-    // A consumer's arrival on EMPTY or DQ_FULL: each thread's, or (FRT_WARP_ARRIVALS) its warp's once every lane is
-    // here (bar.warp.sync orders the lanes' earlier accesses, their proxy fences included, before lane 0's arrival).
-    auto arrive = [&](u32 at) {
-        if constexpr (FRT_WARP_ARRIVALS) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(at);
-        } else {
-            mbar_arrive(at);
-        }
-    };
     mbar_wait(bar(T::KV_FULL, 0), 0);
     fence_proxy_async();  // the loader's cp.async writes -> visible to wgmma (async proxy)
     if constexpr (T::KV_REGS) {
@@ -207,7 +196,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         const auto pr = tile.pair(p, it);
         const HiddenWord<BM> hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0;
         mbar_wait(bar(T::FULL, s_), r.parity());
-        if constexpr (!FRT_LOADER_FENCE) fence_proxy_async();  // (else the loader fenced its stores)
+        fence_proxy_async();
         float sc[BM / 2], dp[BM / 2];
         wgmma_fence();  // orders the dK / dV accumulator and fragment writes before the wgmmas
         if constexpr (T::KV_REGS) {
@@ -285,7 +274,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         if (dk_first) {
             wgmma_wait<0>();  // dK is complete: the stage goes back
             fence_acc_and_frags(acc, pa, dsa);
-            arrive(bar(T::EMPTY, s_));
+            mbar_arrive(bar(T::EMPTY, s_));
         }
         // the writer has read the stage's last fill (this loop's fills so far, one slot)
         if (it > it_begin) mbar_wait(bar(T::DQ_EMPTY, 0), Ring<1>{(u32)(it - it_begin)}.prev().parity());
@@ -298,11 +287,11 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             job[3] = ordered ? (int)(dq_counter<BM>(p, tile, pr.h, pr.m) - p.dq_sem) : -1;
             job[4] = ordered ? dq_turn<BM, BN>(tile, pr.m, it) : 0;
         }
-        arrive(bar(T::DQ_FULL, 0));
+        mbar_arrive(bar(T::DQ_FULL, 0));
         if (!dk_first) {
             wgmma_wait<0>();  // dK is complete: the stage goes back
             fence_acc_and_frags(acc, pa, dsa);
-            arrive(bar(T::EMPTY, s_));
+            mbar_arrive(bar(T::EMPTY, s_));
         }
     }
     const int rows_wg = tile.rows - 64 * wg;

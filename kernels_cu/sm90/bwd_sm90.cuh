@@ -7,21 +7,6 @@
 #include "attention/score_mod.cuh"
 #include "common/wgmma.cuh"
 
-// Switches of the fused backward's per-pair fixed cost, off until measured (scripts/probes/bwd_fused_ws.py --defines;
-// docs/perf-notes.md, Per-pair fixed cost): FRT_HIDDEN_SKIP, probabilities' per-element mask select (the dK/dV kernel's
-// too) only in warps whose elements hide some; FRT_WARP_ARRIVALS, bwd_fused_sm90_ws.cu's EMPTY and DQ_FULL completed by one arrival a
-// warp, not one a thread; FRT_LOADER_FENCE, the loader warp's proxy fence after stores it made into a stage (the
-// consumers' after each FULL wait goes).
-#ifndef FRT_HIDDEN_SKIP
-#define FRT_HIDDEN_SKIP 0
-#endif
-#ifndef FRT_WARP_ARRIVALS
-#define FRT_WARP_ARRIVALS 0
-#endif
-#ifndef FRT_LOADER_FENCE
-#define FRT_LOADER_FENCE 0
-#endif
-
 namespace frt {
 
 // Pair `it`'s query tile (Q, dO) and its lse2 / delta into one pipeline stage: the tiles at sQ (dO
@@ -56,7 +41,6 @@ FRT_DEVICE void load_query_stage(const BwdParams& p, const Tile& tile, int it, u
         } else {
             copy_tile_sw128_warp<BM, D>(sQ, q, p.q_ss, rows, p.head_dim, tid);
             copy_tile_sw128_warp<BM, D>(sQ + T::QT_BYTES, dout, p.do_ss, rows, p.head_dim_v, tid);
-            if constexpr (FRT_LOADER_FENCE) fence_proxy_async();  // this lane's stores -> the consumers' wgmmas
         }
         float* stat = reinterpret_cast<float*>(__cvta_shared_to_generic(sStat));
 #pragma unroll
@@ -145,7 +129,6 @@ FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float sca
             s[4 * j + 2 * hh + 1] = fast_exp2(fmaf(s[4 * j + 2 * hh + 1], scale_log2, -l.y));
         }
     }
-    if (FRT_HIDDEN_SKIP && !__any_sync(~0u, hidden != 0)) return;  // (whole tiles: none hidden; warp-uniform)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i)
         if (hidden >> i & 1) s[i] = 0.f;

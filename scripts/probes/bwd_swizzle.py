@@ -31,7 +31,7 @@ RUNS = ("swizzled", "padded")
 
 
 def use(run: str) -> None:
-    specmod.SWIZZLED_BWD_HEAD_DIMS = HEADS if run == "swizzled" else ()
+    specmod.SWIZZLED_BWD_HEAD_DIMS = {f: HEADS if run == "swizzled" else () for f in specmod.SWIZZLED_BWD_HEAD_DIMS}
     fresh()
 
 
