@@ -149,7 +149,7 @@ def gemm_warps_m(nw: int, m: int, n: int, max_mt: int = 1 << 30) -> int:
 SWIZZLED_FWD_HEAD_DIMS = (64, 192, 256)
 # The mma.sync backward's, by family, where they ran faster (H200, FLASHRT_NO_SM90=1, scripts/probes/bwd_swizzle.py;
 # docs/perf-notes.md, Backward: split pair): the split pair +5-7% at 128 and 256, the fused kernel +3-4% at 256; at 64
-# both and the fused kernel at 128 ran 0.99-1.02x. Not with softcap, ALiBi, score_mod or mask_mod (KernelSpec.swizzled).
+# both and the fused kernel at 128 ran 0.99-1.02x. Not with dropout, softcap, ALiBi, score_mod or mask_mod (swizzled).
 SWIZZLED_BWD_HEAD_DIMS = {"bwd_dq": (128, 256), "bwd_dkdv": (128, 256), "bwd_fused": (256,)}
 SWIZZLED_FAMILIES = ("decode", "fwd", "bwd_dq", "bwd_dkdv", "bwd_fused")  # (the kernels' FRT_SWIZZLE)
 
@@ -394,12 +394,12 @@ class KernelSpec:
         """The mma.sync kernels' Q / K / V (/ dO) tiles unpadded and swizzled (FRT_SWIZZLE; common.cuh: chunk_at),
         else padded: cp.async into a padded pitch made L1 fetch 1.5x each tile's sectors from L2. decode wherever rows
         are a multiple of 128 bytes (head_dim 64, 128, 192, 256 and those padded to them); the forward at exactly
-        SWIZZLED_FWD_HEAD_DIMS, the backward at SWIZZLED_BWD_HEAD_DIMS where swizzle_fits and scores are not modified
-        (docs/perf-notes.md, Decode: the loader; Forward: mma.sync; Backward: split pair)."""
+        SWIZZLED_FWD_HEAD_DIMS, the backward at SWIZZLED_BWD_HEAD_DIMS where swizzle_fits, without dropout or modified
+        scores (docs/perf-notes.md, Decode: the loader; Forward: mma.sync; Backward: split pair)."""
         if self.family == "fwd":  # (exactly those: 56, run at 64, spilled 8 bytes with NVRTC 13.0)
             return self.head_dim in SWIZZLED_FWD_HEAD_DIMS
-        if self.family in ("bwd_dq", "bwd_dkdv", "bwd_fused"):  # (modified scores: not measured, 256 spilled 4-8 bytes)
-            modified = self.softcap or self.alibi or self.score_mod or self.mask & MASK_BITS["mod"]
+        if self.family in ("bwd_dq", "bwd_dkdv", "bwd_fused"):  # (not measured with these; 256 spilled 4-8 bytes)
+            modified = self.softcap or self.alibi or self.score_mod or self.dropout or self.mask & MASK_BITS["mod"]
             return not modified and self.head_dim in SWIZZLED_BWD_HEAD_DIMS[self.family] and self.swizzle_fits
         return self.family == "decode" and _round_up(self.head_dim, 16) % 64 == 0
 

@@ -28,13 +28,14 @@ def torch():
 
 @pytest.fixture
 def poison():
-    """CuPy allocations are filled with 0xFF bytes (NaN in bf16/fp16/fp32), so an unwritten output shows."""
+    """CuPy allocations are filled with 0xFF bytes (NaN in bf16/fp16/fp32), so an unwritten output shows. The fill is
+    ordered on the current stream: on the legacy stream it could land after a kernel on a non-blocking stream wrote."""
     import cupy
     pool = cupy.cuda.MemoryPool()
 
     def malloc(size):
         mem = pool.malloc(size)
-        cupy.cuda.runtime.memset(mem.ptr, 0xFF, size)
+        cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
         return mem
 
     cupy.cuda.set_allocator(malloc)
