@@ -677,6 +677,12 @@ template <int BM, class Tile>
 FRT_DEVICE int* dq_counter(const BwdParams& p, const Tile& tile, int h, int m) {
     return p.dq_sem + ((i64)tile.b * p.H + h) * ceil_div(p.Sq, BM) + m;
 }
+// bwd_fused_sm90's dq_accum rows (BwdParams::dq_swizzle): the 16-byte chunk c of row R is stored at dq_slot(c, R) =
+// c ^ 2 (R % 8), which bwd_sm90.cuh's stage_dq writes and bwd_dq_convert.cu reads (rows of 16 or more chunks). A
+// warp's float2 stores of the accumulator go out in half-warp phases of four consecutive rows x two adjacent chunks:
+// this puts each phase's eight chunks in eight different bank groups (docs/perf-notes.md, Per-pair fixed cost).
+FRT_DEVICE int dq_slot(int chunk, i64 row) { return chunk ^ (int)((row & 7) << 1); }
+
 template <int BM, int BN, class Tile>
 FRT_DEVICE int dq_turn(const Tile& tile, int m, int it) {
     if (!(Tile::CAN_ROTATE && tile.rotated)) return tile.n_block - tile.vis.first_key_tile_of(m, BM, BN);

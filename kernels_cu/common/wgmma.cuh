@@ -179,13 +179,20 @@ FRT_DEVICE void load_tile_tma(u32 s_tile, const void* map, u32 bar, int h, int r
 //       rows, 8 rows per atom, the next 8 K-rows are SBO = 1024 bytes further. A k-step of
 //       16 is 16 whole rows: step kk starts 16*128*kk bytes into every column block.
 // ---------------------------------------------------------------------------------------
-FRT_DEVICE u64 desc_field(u32 bytes) { return (u64)((bytes & 0x3FFFFu) >> 4); }
-
-FRT_DEVICE u64 make_desc_sw128(u32 start, u32 lbo_bytes, u32 sbo_bytes) {
-    return desc_field(start)                // bits 0-13
-           | (desc_field(lbo_bytes) << 16)  // bits 16-29
-           | (desc_field(sbo_bytes) << 32)  // bits 32-45
-           | ((u64)1 << 62);                // bits 62-63 = 1: 128-byte swizzle; base offset 0
+// A descriptor as two words. The low word holds the start address (bits 0-13) and LBO (bits 16-29), the high word SBO
+// (kAtomBytes) and the 128-byte swizzle mode; base offset 0. The k-steps of one tile differ only in their start:
+// desc_lo builds the low word of the tile's first step once, desc_at adds a step's byte offset >> 4 to it, one add a
+// step where rebuilding every field from the step's address took five uniform instructions (docs/perf-notes.md,
+// Per-pair fixed cost; a 64-bit base descriptor cost registers: a masked wgmma forward spilled). The add stays inside
+// the 14-bit start field: the offset is a multiple of 16 bytes and start + offset a shared address below 2^18, so the
+// sum is ((start + offset) & 0x3FFFF) >> 4, the field itself.
+template <u32 LBO_BYTES>
+FRT_DEVICE u32 desc_lo(u32 start) {
+    return ((start & 0x3FFFFu) >> 4) | (((LBO_BYTES & 0x3FFFFu) >> 4) << 16);
+}
+FRT_DEVICE u64 desc_at(u32 lo, u32 offset_bytes) {
+    constexpr u32 kHi = (kAtomBytes >> 4) | (1u << 30);  // bits 32-45: SBO; bits 62-63 = 1: 128-byte swizzle
+    return ((u64)kHi << 32) | (u64)(lo + (offset_bytes >> 4));
 }
 
 // K-major operand (rows = M or N, columns = K) for k-step kk (16 columns) of a sw128 tile
@@ -193,16 +200,15 @@ FRT_DEVICE u64 make_desc_sw128(u32 start, u32 lbo_bytes, u32 sbo_bytes) {
 // inside column block 0 (e.g. s_tile + 64*128*warpgroup for a warpgroup's 64-row slice).
 template <int ROWS>
 FRT_DEVICE u64 desc_k_major(u32 s_rows, int kk) {
-    const u32 start = s_rows + (u32)((kk >> 2) * (ROWS * kSwizzleBytes) + (kk & 3) * 32);
-    return make_desc_sw128(start, 16 /* unused: encodes 1 */, kAtomBytes);
+    const u32 lo = desc_lo<16 /* unused: encodes 1 */>(s_rows);
+    return desc_at(lo, (u32)((kk >> 2) * (ROWS * kSwizzleBytes) + (kk & 3) * 32));
 }
 
 // MN-major B operand (rows = K, columns = N, N contiguous) for k-step kk (16 rows) of a sw128
 // tile of K_ROWS rows: column block stride K_ROWS*128 = LBO, 8-row stride 1024 = SBO.
 template <int K_ROWS>
 FRT_DEVICE u64 desc_mn_major(u32 s_tile, int kk) {
-    const u32 start = s_tile + (u32)(kk * 16 * kSwizzleBytes);
-    return make_desc_sw128(start, K_ROWS * kSwizzleBytes, kAtomBytes);
+    return desc_at(desc_lo<K_ROWS * kSwizzleBytes>(s_tile), (u32)(kk * 16 * kSwizzleBytes));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -18,10 +18,11 @@ __device__ void bwd_dq_convert(const BwdParams& p) {
         const i64 bh = row / p.Sq;
         const int h = (int)(bh % p.H), b = (int)(bh / p.H);
         if (col >= p.head_dim) continue;
-        // bwd_fused_sm90: the row's 16-byte chunks are permuted, chunk c at c ^ (row % 8) (sm90/bwd_sm90.cuh: stage_dq)
-        const int sw = p.dq_swizzle ? (int)(row & 7) : 0, chunk = col >> 2;
+        // bwd_fused_sm90: the row's 16-byte chunks are permuted (params.cuh: dq_slot)
+        const int chunk = col >> 2;
         const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * T::D);
-        const float4 lo = src[chunk ^ sw], hi = src[(chunk + 1) ^ sw];
+        const float4 lo = src[p.dq_swizzle ? dq_slot(chunk, row) : chunk];
+        const float4 hi = src[p.dq_swizzle ? dq_slot(chunk + 1, row) : chunk + 1];
         uint4 out;
         out.x = Elem<T::BF16>::pack(lo.x * p.scale, lo.y * p.scale);
         out.y = Elem<T::BF16>::pack(lo.z * p.scale, lo.w * p.scale);

@@ -108,7 +108,11 @@ __device__ void bwd_dq(const BwdParams& p) {
         // each form spills 4 bytes in the other's variants, NVRTC 12.9).
         constexpr bool MOD_PASS = T::MASK & MASK_MOD;
         const Fragments at{m0 + wrow + g, n0 + 2 * t};
-        auto test = [&](int q, int k) { return tile.visible(q, k, h); };
+        auto test = [&](int q, int k) {  // (no mask: a row past the sequence has lse2 = +inf, its P is 0 already;
+            // testing rows too cost 4 registers and a block an SM at head_dim 64: docs/perf-notes.md, Open gaps, 7)
+            if constexpr (T::MASK == 0 && !T::CAUSAL && !FRT_SCORE_MOD) return k < tile.vis.Lk;
+            else return tile.visible(q, k, h);
+        };
         if constexpr (FRT_ALIBI) alibi.add<MT, NT_S>(at, [&](int mt, int nt, int c) -> float& { return s[mt][nt][c]; });
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)

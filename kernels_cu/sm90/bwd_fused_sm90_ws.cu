@@ -209,6 +209,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
         }
         wgmma_commit();
+        // lse2 read under the wgmmas (load_row_stats); with dropout's draws beside it 32 bytes spilled, so after
+        constexpr bool EARLY_LSE = !FRT_SCORE_MOD && !FRT_DROPOUT;
+        float2 lse[BM / 8];
+        if constexpr (EARLY_LSE) load_row_stats<BM>(lse, s_lse2, t);
         HiddenWord<BM> dropped = 0;  // (FRT_DROPOUT, under the wgmmas)
         if constexpr (FRT_DROPOUT) dropped = dropped_bits<BM>(drop.head(b, pr.h, p.H), key_base, pr.m * BM, t);
         wgmma_wait<1>();  // S^T is complete
@@ -220,7 +224,8 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                                                   pr.m * BM, t);
         } else {
             add_alibi<BM>(sc, p, tile, pr.h, pr.m, key_base, t);
-            probabilities<BM>(sc, s_lse2, p.scale_log2, hidden, t, cap);
+            if constexpr (!EARLY_LSE) load_row_stats<BM>(lse, s_lse2, t);
+            probabilities<BM>(sc, lse, p.scale_log2, hidden, cap);
         }
         auto pack_p = [&] {
             if constexpr (FRT_DROPOUT) {

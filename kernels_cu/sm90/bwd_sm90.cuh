@@ -111,14 +111,23 @@ FRT_DEVICE void add_alibi(float (&s)[BM / 2], const BwdParams& p, const Tile& ti
                                                                  [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
 }
 
-// P^T = exp2(S^T * scale_log2 - lse2[query]) on the accumulator fragment (accumulator column =
-// query), 0 where `hidden` says so; with FRT_SOFTCAP, S^T capped first.
+// The thread's values of a stage's per-query lse2 (s: BM floats): those of accumulator columns 8j + 2t and 8j + 2t +
+// 1. The fused kernel reads them before it waits for S^T, so that their shared-memory latency does not follow the wait
+// (docs/perf-notes.md, Per-pair fixed cost; delta too spilled 8-32 bytes in masked, dropout and softcap variants).
 template <int BM>
-FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float scale_log2, HiddenWord<BM> hidden, int t,
-                              const Softcap& cap) {
+FRT_DEVICE void load_row_stats(float2 (&v)[BM / 8], const float* s, int t) {
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) v[j] = *reinterpret_cast<const float2*>(s + 8 * j + 2 * t);
+}
+
+// P^T = exp2(S^T * scale_log2 - lse2[query]) on the accumulator fragment (accumulator column =
+// query; lse: load_row_stats), 0 where `hidden` says so; with FRT_SOFTCAP, S^T capped first.
+template <int BM>
+FRT_DEVICE void probabilities(float (&s)[BM / 2], const float2 (&lse)[BM / 8], float scale_log2,
+                              HiddenWord<BM> hidden, const Softcap& cap) {
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
-        const float2 l = *reinterpret_cast<const float2*>(s_lse2 + 8 * j + 2 * t);
+        const float2 l = lse[j];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             if constexpr (FRT_SOFTCAP) {
@@ -132,6 +141,13 @@ FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float sca
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i)
         if (hidden >> i & 1) s[i] = 0.f;
+}
+template <int BM>
+FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float scale_log2, HiddenWord<BM> hidden, int t,
+                              const Softcap& cap) {
+    float2 lse[BM / 8];
+    load_row_stats<BM>(lse, s_lse2, t);
+    probabilities<BM>(s, lse, scale_log2, hidden, cap);
 }
 
 // FRT_SCORE_MOD: P^T = exp2(f(S^T) log2 e - lse2[query]) on the accumulator fragment (f: the user's score_mod,
@@ -260,19 +276,19 @@ FRT_DEVICE void fence_acc_and_frags(float (&acc)[2][R], u32 (&pa)[F][4], u32 (&d
 
 // Fused: a warpgroup's 64 x DQ_N block of a pair's dQ (fp32, in the accumulator dq; its first row r0 and column c0 in
 // the tile) into the staging tile at s_tile, laid out as its rows are in dq_accum (row-major, D floats a row; the
-// tile's row 0 is dq_accum row row0) but with each row's 16-byte chunks permuted: chunk c of buffer row R at c ^ (R % 8)
-// (BwdParams::dq_swizzle; bwd_dq_convert.cu reads them back so), which spreads a warp's float2 stores (eight rows,
-// four threads each) over all banks. Fenced for the bulk copy that reads it (async proxy).
+// tile's row 0 is dq_accum row row0) but with each row's 16-byte chunks permuted as dq_slot says (params.cuh), so that
+// the float2 stores meet no bank conflict. Fenced for the bulk copy that reads it (async proxy).
 template <int D, int DQ_N>
 FRT_DEVICE void stage_dq(u32 s_tile, const float (&dq)[DQ_N / 2], i64 row0, int r0, int c0, int w, int g, int t) {
+    static_assert(D >= 64, "stage_dq: dq_slot permutes 16 chunks of a row");
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        const int r = r0 + 16 * w + g + 8 * hh, sw = (int)((row0 + r) & 7);
+        const int r = r0 + 16 * w + g + 8 * hh;
 #pragma unroll
         for (int j = 0; j < DQ_N / 8; ++j) {
-            const int chunk = (c0 + 8 * j + 2 * t) >> 2;
+            const int slot = dq_slot((c0 + 8 * j + 2 * t) >> 2, row0 + r);
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                         :: "r"(s_tile + r * D * 4 + ((chunk ^ sw) << 4) + (t & 1) * 8), "f"(dq[4 * j + 2 * hh]),
+                         :: "r"(s_tile + r * D * 4 + (slot << 4) + (t & 1) * 8), "f"(dq[4 * j + 2 * hh]),
                          "f"(dq[4 * j + 2 * hh + 1]) : "memory");
         }
     }

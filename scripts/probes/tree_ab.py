@@ -1,6 +1,6 @@
 """Dense forward / backward time of two flashrt trees, in one process: an A/B of a change meant to leave speed alone.
 
-    python scripts/probes/tree_ab.py --tree before=/tmp/a --tree after=/tmp/b [--rounds 5]
+    python scripts/probes/tree_ab.py --tree before=/tmp/a --tree after=/tmp/b [--rounds 5] [--unordered]
 
 Each tree is a directory holding flashrt/ and kernels_cu/ (for example `git archive REV flashrt kernels_cu`). Each is
 copied to a package of its own name (flashrt_<label>, with its kernels_cu/ inside: flashrt imports itself relatively),
@@ -34,8 +34,9 @@ def shapes(head_dims):
                 yield TOKENS // S, S, WIDTH // D, D, causal
 
 
-def points(packages, head_dims, rounds, reps):
-    """{label: [{point: ms} per round]} for the packages {label: module}, alternating within every round."""
+def points(packages, head_dims, rounds, reps, unordered=False):
+    """{label: [{point: ms} per round]} for the packages {label: module}, alternating within every round; with
+    `unordered`, the backward with deterministic=False too ("bwd-nd")."""
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from mask_times import time_ms  # (scripts/: CUDA events after 3 warm-up calls, the median of reps)
@@ -52,6 +53,9 @@ def points(packages, head_dims, rounds, reps):
                 times[label][r][f"fwd {tag}"] = time_ms(lambda: fr.forward(q, k, v, causal=causal), reps)
                 times[label][r][f"bwd {tag}"] = time_ms(
                     lambda: fr.backward(do, q, k, v, out, lse, causal=causal), reps)
+                if unordered:
+                    times[label][r][f"bwd-nd {tag}"] = time_ms(
+                        lambda: fr.backward(do, q, k, v, out, lse, causal=causal, deterministic=False), reps)
     return times
 
 
@@ -73,11 +77,12 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--unordered", action="store_true", help="also time the backward with deterministic=False")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # (a compile process: this package only)
     a = ap.parse_args()
     head_dims = [int(d) for d in a.head_dims.split(",")]
     if a.warm:
-        points({a.warm: importlib.import_module(a.warm)}, head_dims, 1, 1)
+        points({a.warm: importlib.import_module(a.warm)}, head_dims, 1, 1, a.unordered)
         return
     trees = [t.split("=", 1) for t in a.tree]
     assert len(trees) == 2 and trees[0][0] != trees[1][0], "two --tree LABEL=DIR with different labels"
@@ -86,12 +91,13 @@ def main():
     sys.path.insert(0, root)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     t0 = time.time()
-    warm = [subprocess.Popen([sys.executable, __file__, "--warm", name, "--head-dims", str(D)], env=env)
+    warm = [subprocess.Popen([sys.executable, __file__, "--warm", name, "--head-dims", str(D)]
+                             + (["--unordered"] if a.unordered else []), env=env)
             for name in names.values() for D in head_dims]
     assert all(p.wait() == 0 for p in warm), "a tree failed its first run"
     print(f"compiled and warmed in {time.time() - t0:.0f} s", file=sys.stderr)
     rounds = points({label: importlib.import_module(name) for label, name in names.items()}, head_dims, a.rounds,
-                    a.reps)
+                    a.reps, a.unordered)
     print(f"timed in {time.time() - t0:.0f} s", file=sys.stderr)
     if a.out:
         Path(a.out).write_text(json.dumps(rounds, indent=1))
