@@ -95,9 +95,13 @@ def test_smem_formula():
     assert spec().smem_bytes == (128 + 4 * 64) * (128 + 8) * 2
     # head_dim 72 pads to 80 columns
     assert spec(head_dim=72).smem_bytes == (128 + 4 * 64) * (80 + 8) * 2
-    dkdv = spec(family="bwd_dkdv", block_m=64, block_n=64)
-    assert dkdv.smem_bytes == (2 * 64 + 4 * 64) * 272 + 2 * 64 * (64 + 8) * 2 + 16 * 64
-    assert spec(family="bwd_dq", block_m=64, block_n=64, warps=4).smem_bytes == (2 * 64 + 4 * 64) * 272
+    # the backward: Q, dO (64 rows each) + 2 stages x (K, V); dK/dV's P^T, dS^T tiles (always padded) and its stats.
+    # head_dim 64 rows are padded (64 + 8 elements); 128 ones swizzled (spec.SWIZZLED_BWD_HEAD_DIMS): 256 bytes
+    for d, row in ((64, (64 + 8) * 2), (128, 128 * 2)):
+        dkdv = spec(family="bwd_dkdv", head_dim=d, block_m=64, block_n=64)
+        assert dkdv.swizzled == (d == 128)
+        assert dkdv.smem_bytes == (2 * 64 + 4 * 64) * row + 2 * 64 * (64 + 8) * 2 + 16 * 64
+        assert spec(family="bwd_dq", head_dim=d, block_m=64, block_n=64, warps=4).smem_bytes == (2 * 64 + 4 * 64) * row
 
 
 @pytest.mark.parametrize("arch,limit", [("sm_80", SMEM_OPTIN[80]), ("sm_86", SMEM_OPTIN[86]),
