@@ -209,7 +209,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             wgmma_abt<BM, BN, D / 16, T::BF16>(dp, sVw, sdO);
         }
         wgmma_commit();
-        // lse2 read under the wgmmas (load_row_stats); with dropout's draws beside it 32 bytes spilled, so after
+        // lse2 read under the wgmmas (load_row_stats); with dropout, after them (beside its draws 32 bytes spilled)
         constexpr bool EARLY_LSE = !FRT_SCORE_MOD && !FRT_DROPOUT;
         float2 lse[BM / 8];
         if constexpr (EARLY_LSE) load_row_stats<BM>(lse, s_lse2, t);

@@ -3,15 +3,20 @@ window, for ncu side by side (docs/perf-notes.md: Per-pair fixed cost):
 
     ncu --profile-from-start off --set full -o $OUT/pair python3 scripts/probes/ncu_fa4_pair.py [--D 128] [--full]
 
-B x S = 16k, H x D = 2048, S 4k, causal unless --full. Both run twice before the window (FA4 compiles, flashrt loads);
+B x S = 16k, H x D = 2048, S 4k, causal unless --full. Both are timed first (FA4 compiles, flashrt loads);
 FA4 by torch.autograd.grad of its output, as its users call it; flashrt.backward on one forward's out and lse.
 Needs flash_attn.cute on the path (../shared/baselines/README.md)."""
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 import flashrt
 from flash_attn.cute import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mask_times import time_ms  # noqa: E402  (scripts/: CUDA events after 3 warm-up calls, the median of reps)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--D", type=int, default=128)
@@ -35,20 +40,10 @@ def ours():
     return flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=False)
 
 
-ref = fa4()
-for _ in range(2):
-    got = ours()
-    fa4()
+ref, got = fa4(), ours()
 err = max(float((g.float() - r.float()).norm() / r.float().norm()) for g, r in zip(got, ref))
-torch.cuda.synchronize()
-for name, f in (("fa4", fa4), ("flashrt", ours)):
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(5):
-        f()
-    e1.record()
-    torch.cuda.synchronize()
-    print(f"{name}: {e0.elapsed_time(e1) / 5:.3f} ms a backward (outside ncu, 5 calls)")
+for name, f in (("fa4", fa4), ("flashrt", ours)):  # (also the warm-up before the window)
+    print(f"{name}: {time_ms(f, 5):.3f} ms a backward (outside ncu, the median of 5 calls)")
 print(f"flashrt against FA4's gradients: largest relative norm difference {err:.1e}")
 torch.cuda.profiler.start()
 fa4()
