@@ -37,6 +37,10 @@
 //     consumers never wait for a turn.
 #include "sm90/bwd_sm90.cuh"
 
+#ifndef FRT_EARLY_PAIR  // (0: an A/B of the early pair)
+#define FRT_EARLY_PAIR 1
+#endif
+
 namespace frt {
 
 template <int D_, int BM_, int BN_, int NW_, bool BF16_, bool CAUSAL_>
@@ -187,14 +191,28 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         sw128_to_a_frags<BN, D>(sKw, ka, w, g, t);
         sw128_to_a_frags<BN, D>(sVw, va, w, g, t);
     }
+    // Pair it + 1 and its hidden bits are found under pair it's dQ and dK wgmmas: at the loop's head they held both
+    // warpgroups, with the tensor pipe idle (docs/perf-notes.md: Per-pair fixed cost, Early pair). Not with 128-query
+    // tiles, id arrays or mask_mod: beside their fragments or lists it spilled (6-68 bytes).
+    using Tile = decltype(tile);
+    constexpr bool EARLY_PAIR = FRT_EARLY_PAIR && !T::WIDE && !Tile::MOD && !Tile::IDS, EARLY_HIDDEN = EARLY_PAIR;
+    auto hidden_of = [&](const typename Tile::Pair& q) -> HiddenWord<BM> {
+        return q.partial ? hidden_bits<BM, T::INTERVALS>(tile, q.h, q.m, key_base, t) : 0;
+    };
+    typename Tile::Pair pr_next{};
+    HiddenWord<BM> hidden_next = 0;
+    if (EARLY_PAIR && it_begin < it_end) {
+        pr_next = tile.pair(p, it_begin);
+        if (EARLY_HIDDEN) hidden_next = hidden_of(pr_next);
+    }
     Ring<S> r;
     for (int it = it_begin; it < it_end; ++it, ++r) {
         const int s_ = (int)r.slot();
         const u32 sQ = sQdO + s_ * T::STAGE_BYTES, sdO = sQ + T::QT_BYTES;
         const float* s_lse2 = stat_base + s_ * (T::STAT_STAGE_BYTES / 4);
         const float* s_delta = s_lse2 + BM;
-        const auto pr = tile.pair(p, it);
-        const HiddenWord<BM> hidden = pr.partial ? hidden_bits<BM, T::INTERVALS>(tile, pr.h, pr.m, key_base, t) : 0;
+        const auto pr = EARLY_PAIR ? pr_next : tile.pair(p, it);
+        const HiddenWord<BM> hidden = EARLY_HIDDEN ? hidden_next : hidden_of(pr);
         mbar_wait(bar(T::FULL, s_), r.parity());
         fence_proxy_async();
         float sc[BM / 2], dp[BM / 2];
@@ -270,6 +288,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         wgmma_commit();
         wgmma_rs_mn<D, BM, T::BF16>(acc[0], dsa, sQ);  // dK += dS^T Q
         wgmma_commit();
+        if (EARLY_PAIR && it + 1 < it_end) {
+            pr_next = tile.pair(p, it + 1);
+            if (EARLY_HIDDEN) hidden_next = hidden_of(pr_next);
+        }
         wgmma_wait<1>();  // dV and dQ are complete
         fence_operand(dq);
         // dQ is staged while dK runs, once the writer has read the last tile. Ordered causal (the writer may wait for
