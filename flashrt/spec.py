@@ -457,10 +457,10 @@ class KernelSpec:
             stages = 3 if self.head_dim == 64 else 2  # head_dim 64: pipelined (bwd_dkdv_sm90.cu)
             xch = 128 * (bm // 2) * 4 if self.head_dim > 128 else 0  # fp32 P^T between the warpgroups
             return (2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + xch + 1024
-        if self.family == "bwd_fused_sm90":  # K, V + stages of (Q, dO, lse2, delta) + two dS^T tiles + the fp32 dQ
+        if self.family == "bwd_fused_sm90":  # K, V + stages of (Q, dO, lse2, delta, pair) + two dS^T tiles + fp32 dQ
             # tile + mbarriers + the writer's job (bwd_fused_sm90_ws.cu: FusedWsTraits)
             stages = 4 if self.head_dim == 64 and bm == 64 else 2
-            return ((2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * 2 * bm * 4 + 2 * bn * bm * 2
+            return ((2 * bn + 2 * stages * bm) * self.head_dim * 2 + stages * (2 * bm * 4 + 16) + 2 * bn * bm * 2
                     + bm * self.head_dim * 4 + 8 * (3 + 2 * stages) + 32 + 1024)
         if self.family == "decode":  # Q + stages of (K, V); Q in the last stage where it is read into registers and
             # fits there; at least the epilogue's exchange: each warp column's row statistics and fp32 O rows

@@ -40,6 +40,9 @@
 #ifndef FRT_EARLY_PAIR  // (0: an A/B of the early pair)
 #define FRT_EARLY_PAIR 1
 #endif
+#ifndef FRT_PAIR_RECORD  // (0: an A/B of the pair record)
+#define FRT_PAIR_RECORD 1
+#endif
 
 namespace frt {
 
@@ -67,7 +70,14 @@ struct FusedWsTraits {
     // dQ per consumer warpgroup: half its columns (64-query tiles) or its 64 rows (128-query tiles)
     static constexpr int DQ_N = WIDE ? D : D / 2;
     static constexpr int KV_BYTES = BN * D * 2, QT_BYTES = BM * D * 2, STAGE_BYTES = 2 * QT_BYTES;
-    static constexpr int STAT_STAGE_BYTES = 2 * BM * 4, DS_BYTES = BN * BM * 2, DQ_BYTES = BM * D * 4;
+    // Each pair's (query head, query tile, partial) reaches the consumers under the wgmmas of the pair before it
+    // (docs/perf-notes.md: Per-pair fixed cost, Early pair): found by them there (EARLY_PAIR), or else by the loader,
+    // which leaves it beside the stage's statistics (RECORD). Early, not with 128-query tiles, id arrays or mask_mod:
+    // beside their fragments or lists it spilled (6-68 bytes).
+    static constexpr bool EARLY_PAIR = FRT_EARLY_PAIR && !WIDE && !(MASK & (MASK_MOD | MASK_BLOCK_IDS | MASK_SEGMENTS));
+    static constexpr bool RECORD = FRT_PAIR_RECORD && !EARLY_PAIR;
+    // a stage's lse2[BM], delta[BM], then the pair record (int4: h, m, partial; spec.py's smem formula: the same)
+    static constexpr int STAT_STAGE_BYTES = 2 * BM * 4 + 16, DS_BYTES = BN * BM * 2, DQ_BYTES = BM * D * 4;
     enum : int { KV_FULL = 0, DQ_FULL = 1, DQ_EMPTY = 2, FULL = 3, EMPTY = 3 + STAGES, N_BARS = 3 + 2 * STAGES };
     static constexpr int JOB_BYTES = 32;  // the writer's job: dq_accum offset (i64), bytes, counter, turn
     static constexpr int SMEM = 2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + 2 * DS_BYTES + DQ_BYTES +
@@ -84,7 +94,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     const u32 sQdO = sV + T::KV_BYTES;             // stage s: Q at sQdO + s * STAGE_BYTES, dO QT_BYTES after
     const u32 sdS = sQdO + S * T::STAGE_BYTES;      // two dS^T tiles [key][query]
     const u32 sDQ = sdS + 2 * T::DS_BYTES;          // the dQ staging tile
-    const u32 sStat = sDQ + T::DQ_BYTES;            // stage s: lse2[BM], delta[BM] at sStat + s * STAT_STAGE_BYTES
+    const u32 sStat = sDQ + T::DQ_BYTES;  // stage s: lse2[BM], delta[BM], the pair record (STAT_STAGE_BYTES)
     const u32 bars = sStat + S * T::STAT_STAGE_BYTES;
     const u32 sJob = bars + 8 * T::N_BARS;  // the staged dQ tile's add (the consumers' thread 0 writes it)
     auto bar = [&](int which, int s) { return bars + 8 * (which + s); };
@@ -135,6 +145,12 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                 const int s = (int)r.slot();
                 const u32 full = bar(T::FULL, s);
                 mbar_wait(bar(T::EMPTY, s), r.free_parity());
+                if (T::RECORD && lane == 0) {  // (before load_query_stage's arrival)
+                    const auto pr = tile.pair(p, it);
+                    const u32 at = sStat + s * T::STAT_STAGE_BYTES + 2 * BM * 4;
+                    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n"
+                                 :: "r"(at), "r"(pr.h), "r"(pr.m), "r"((int)pr.partial), "r"(0) : "memory");
+                }
                 load_query_stage<T, 32>(p, tile, it, sQdO + s * T::STAGE_BYTES, sStat + s * T::STAT_STAGE_BYTES,
                                         lane, full);  // (its 33 arrivals)
             }
@@ -191,11 +207,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         sw128_to_a_frags<BN, D>(sKw, ka, w, g, t);
         sw128_to_a_frags<BN, D>(sVw, va, w, g, t);
     }
-    // Pair it + 1 and its hidden bits are found under pair it's dQ and dK wgmmas: at the loop's head they held both
-    // warpgroups, with the tensor pipe idle (docs/perf-notes.md: Per-pair fixed cost, Early pair). Not with 128-query
-    // tiles, id arrays or mask_mod: beside their fragments or lists it spilled (6-68 bytes).
+    // EARLY_PAIR: pair it + 1 and its hidden bits are found under pair it's dQ and dK wgmmas (at the loop's head
+    // they held both warpgroups, with the tensor pipe idle); RECORD: the pair is read from its stage.
     using Tile = decltype(tile);
-    constexpr bool EARLY_PAIR = FRT_EARLY_PAIR && !T::WIDE && !Tile::MOD && !Tile::IDS, EARLY_HIDDEN = EARLY_PAIR;
+    constexpr bool EARLY_PAIR = T::EARLY_PAIR, EARLY_HIDDEN = EARLY_PAIR;
     auto hidden_of = [&](const typename Tile::Pair& q) -> HiddenWord<BM> {
         return q.partial ? hidden_bits<BM, T::INTERVALS>(tile, q.h, q.m, key_base, t) : 0;
     };
@@ -211,9 +226,13 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         const u32 sQ = sQdO + s_ * T::STAGE_BYTES, sdO = sQ + T::QT_BYTES;
         const float* s_lse2 = stat_base + s_ * (T::STAT_STAGE_BYTES / 4);
         const float* s_delta = s_lse2 + BM;
-        const auto pr = EARLY_PAIR ? pr_next : tile.pair(p, it);
-        const HiddenWord<BM> hidden = EARLY_HIDDEN ? hidden_next : hidden_of(pr);
         mbar_wait(bar(T::FULL, s_), r.parity());
+        auto stage_pair = [&] {
+            const int4 rec = *reinterpret_cast<const int4*>(s_delta + BM);
+            return typename Tile::Pair{rec.x, rec.y, rec.z != 0};
+        };
+        const auto pr = EARLY_PAIR ? pr_next : T::RECORD ? stage_pair() : tile.pair(p, it);
+        const HiddenWord<BM> hidden = EARLY_HIDDEN ? hidden_next : hidden_of(pr);
         fence_proxy_async();
         float sc[BM / 2], dp[BM / 2];
         wgmma_fence();  // orders the dK / dV accumulator and fragment writes before the wgmmas
