@@ -210,7 +210,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     // EARLY_PAIR: pair it + 1 and its hidden bits are found under pair it's dQ and dK wgmmas (at the loop's head
     // they held both warpgroups, with the tensor pipe idle); RECORD: the pair is read from its stage.
     using Tile = decltype(tile);
-    constexpr bool EARLY_PAIR = T::EARLY_PAIR, EARLY_HIDDEN = EARLY_PAIR;
+    constexpr bool EARLY_PAIR = T::EARLY_PAIR;
     auto hidden_of = [&](const typename Tile::Pair& q) -> HiddenWord<BM> {
         return q.partial ? hidden_bits<BM, T::INTERVALS>(tile, q.h, q.m, key_base, t) : 0;
     };
@@ -218,7 +218,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
     HiddenWord<BM> hidden_next = 0;
     if (EARLY_PAIR && it_begin < it_end) {
         pr_next = tile.pair(p, it_begin);
-        if (EARLY_HIDDEN) hidden_next = hidden_of(pr_next);
+        hidden_next = hidden_of(pr_next);
     }
     Ring<S> r;
     for (int it = it_begin; it < it_end; ++it, ++r) {
@@ -232,7 +232,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             return typename Tile::Pair{rec.x, rec.y, rec.z != 0};
         };
         const auto pr = EARLY_PAIR ? pr_next : T::RECORD ? stage_pair() : tile.pair(p, it);
-        const HiddenWord<BM> hidden = EARLY_HIDDEN ? hidden_next : hidden_of(pr);
+        const HiddenWord<BM> hidden = EARLY_PAIR ? hidden_next : hidden_of(pr);
         fence_proxy_async();
         float sc[BM / 2], dp[BM / 2];
         wgmma_fence();  // orders the dK / dV accumulator and fragment writes before the wgmmas
@@ -309,7 +309,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         wgmma_commit();
         if (EARLY_PAIR && it + 1 < it_end) {
             pr_next = tile.pair(p, it + 1);
-            if (EARLY_HIDDEN) hidden_next = hidden_of(pr_next);
+            hidden_next = hidden_of(pr_next);
         }
         wgmma_wait<1>();  // dV and dQ are complete
         fence_operand(dq);
