@@ -2,7 +2,8 @@
 
 decode runs kernels_cu/sm80/decode.cu: the query heads that share a KV head are packed into one tile (each K/V byte
 is read once), each sequence's keys are split over several blocks when the batch alone would leave SMs idle, and
-kernels_cu/helpers/combine.cu merges the splits in a fixed order (bitwise reproducible). Nothing is copied to the
+kernels_cu/helpers/combine.cu merges the splits in a fixed order (bitwise reproducible), or on Hopper, for few short
+splits, their thread block cluster does (tiles.decode_cluster). Nothing is copied to the
 host and nothing is allocated outside the caller's library: a decode step can be captured into a CUDA graph and
 replayed with new cache_seqlens.
 """
@@ -219,8 +220,11 @@ def _plan(A: dict, names: list, capacity: int, page_size: int, num_pages: int, c
     if alibi:
         links["alibi"] = "alibi_slopes"
     structs = [(params.DECODE, p, links)]
-    launches = [(spec, launch.grid(spec, B, H, Hkv, Sq, 0, dev.sm_count, splits), 0)]
-    if splits > 1:
+    # (the splits merge in their cluster: no parts, no combine)
+    cluster = tiles.decode_cluster(spec, B, Hkv, rows, capacity, splits, dev.sm_count, dev.smem_optin)
+    p["cluster"] = int(cluster)
+    launches = [(spec, launch.grid(spec, B, H, Hkv, Sq, 0, dev.sm_count, splits), 0, splits if cluster else 1)]
+    if splits > 1 and not cluster:
         allocs.append(_Alloc.parts([("o_part", splits * B * Sq * H * D), ("lse_part", splits * B * H * Sq)], "f32"))
         combiner = tiles.kernel_for("decode_combine", D, Q.dtype, False, dev)
         rw = tiles.combine_row_warps(splits, B * Sq * H, dev.sm_count, combiner.warps)

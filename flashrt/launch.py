@@ -202,7 +202,8 @@ def _cuda():
 class Sequence:
     """Kernel launches that run in order, again and again, with their params structs rewritten in place.
 
-    launches: (spec, grid, struct index) each; templates: the packed params structs (params.pack), one
+    launches: (spec, grid, struct index[, cluster]) each (cluster: blocks along x in a thread block cluster, sm_90;
+    the grid's x a multiple of it); templates: the packed params structs (params.pack), one
     kernel argument each. Each thread gets its own writable ctypes copies of the structs (buffers());
     the caller writes its pointers into them and calls launch(stream). cuLaunchKernel through CuPy's
     driver binding copies the struct at each call, so a later run may overwrite it at once (a CuPy
@@ -219,7 +220,7 @@ class Sequence:
         if mine is None:
             # (the kernels not loaded yet compiled or read at once: cache.prefetch; under capture function() says why
             # none may be, first)
-            pending = [spec for spec, _, _ in self.launches if (spec.name, self.dev.index) not in _functions]
+            pending = [spec for spec, *_ in self.launches if (spec.name, self.dev.index) not in _functions]
             if pending and not _capturing(self.dev):
                 for spec in pending:
                     check_fits(spec, self.dev)
@@ -227,8 +228,8 @@ class Sequence:
             structs = [(ctypes.c_char * len(t)).from_buffer_copy(t) for t in self.templates]
             pointers = [_ONE_POINTER(ctypes.addressof(s)) for s in structs]  # kernelParams: one pointer each
             calls = [(function(spec, self.dev).ptr, grid_dims, spec, ctypes.addressof(pointers[i]),
-                      _dependent_config(spec, grid_dims) if spec.programmatic else None)
-                     for spec, grid_dims, i in self.launches]
+                      _launch_config(spec, grid_dims, spec.programmatic, cluster[0] if cluster else 1))
+                     for spec, grid_dims, i, *cluster in self.launches]
             mine = self._local.mine = (structs, pointers, calls)
         return mine[0]
 
@@ -291,17 +292,29 @@ class _LaunchConfig(ctypes.Structure):  # cuda.h: CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("n_attrs", ctypes.c_uint32)]
 
 
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h: CUlaunchAttributeID
+_CLUSTER_DIMENSION, _PROGRAMMATIC_STREAM_SERIALIZATION = 4, 6  # cuda.h: CUlaunchAttributeID
 
 
-def _dependent_config(spec: KernelSpec, grid_dims: tuple) -> _LaunchConfig:
-    """A launch config (this thread's: _enqueue writes the stream into it) that lets `spec` start before the
-    kernel ahead of it in the stream ends (spec.KernelSpec.programmatic)."""
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+def _launch_config(spec: KernelSpec, grid_dims: tuple, programmatic: bool, cluster: int) -> _LaunchConfig | None:
+    """A launch config (this thread's: _enqueue writes the stream into it), or None for a plain launch: with
+    `programmatic`, `spec` may start before the kernel ahead of it in the stream ends (spec.KernelSpec.programmatic);
+    with cluster > 1, each `cluster` blocks along x are one thread block cluster (at most 8, the portable size)."""
+    attrs = []
+    if programmatic:
+        attrs.append(_LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION))
+        attrs[-1].value[0] = 1  # programmaticStreamSerializationAllowed
+    if cluster > 1:
+        if not (cluster <= 8 and grid_dims[0] % cluster == 0):
+            raise LaunchError(f"{spec.name}: a cluster of {cluster} blocks along x needs at most 8 and a grid x "
+                              f"({grid_dims[0]}) that it divides")
+        attrs.append(_LaunchAttribute(id=_CLUSTER_DIMENSION))
+        attrs[-1].value[0:3] = [cluster, 1, 1]  # clusterDim x, y, z
+    if not attrs:
+        return None
+    array = (_LaunchAttribute * len(attrs))(*attrs)
     config = _LaunchConfig(grid=(ctypes.c_uint32 * 3)(*grid_dims), block=(ctypes.c_uint32 * 3)(spec.threads, 1, 1),
-                           smem=spec.smem_bytes, attrs=ctypes.pointer(attr), n_attrs=1)
-    config._attr = attr  # (kept alive with the config)
+                           smem=spec.smem_bytes, attrs=array, n_attrs=len(attrs))
+    config._attrs = array  # (kept alive with the config)
     return config
 
 

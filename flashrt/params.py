@@ -129,7 +129,8 @@ DECODE = np.dtype(
     + [("pt_sb", _I64)]
     + [(n, _I32) for n in ("B", "H", "Hkv", "Sq", "capacity", "seqlen", "page_size", "page_shift", "num_pages",
                            "splits", "causal", "win_left", "win_right")]
-    + [("scale_log2", _F32), ("softcap", _F32), ("sinks", _PTR), ("alibi", _PTR), ("alibi_bstride", _I32)],
+    + [("scale_log2", _F32), ("softcap", _F32), ("sinks", _PTR), ("alibi", _PTR), ("alibi_bstride", _I32),
+       ("cluster", _I32)],
     align=True,
 )
 COMBINE = np.dtype([(n, _PTR) for n in ("o_part", "lse_part", "o", "lse")]

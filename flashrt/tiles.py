@@ -675,6 +675,32 @@ DECODE_MAX_SPLITS = 128
 # time model's / last-wave rule's two 1.09-1.20x as fast at 128-256 blocks of 1k keys, 0.99-1.11x at 2k). Only where
 # measured: sm_90a at head_dim 64 (DECODE_ONE_SPLIT_HEAD_DIMS); elsewhere the models' picks stand.
 DECODE_ONE_SPLIT_FILL, DECODE_ONE_SPLIT_KEYS, DECODE_ONE_SPLIT_HEAD_DIMS = 0.9, 2048, (64,)
+# sm_90a: a sequence's splits, at most DECODE_CLUSTER_SPLITS (8, the portable cluster size: launch.py; 0: never) of at
+# most DECODE_CLUSTER_TILES key tiles each, run as one thread block cluster that merges their parts itself
+# (decode.cu: cluster_combine), not through combine.cu's launch: short splits, where that launch is much of a call.
+# Longer ones ran at 0.96-0.99x (H200; on the H100, unconditional: -5 to -11% at 4 x 8k and 8/1 16 x 8k). Where an SM
+# holds one block (head_dim 256), clusters of 3-8 over more than half the SMs' worth of blocks ran at 0.66-0.76x (a
+# cluster's blocks wait for SMs of one GPC): there only 2 splits or small grids. Where the time model picks 9-16 splits
+# over at most DECODE_CLUSTER_FEW_TILES key tiles, 8 in a cluster: 0.94-1.13x (H200, scripts/probes/decode_cluster.py;
+# docs/perf-notes.md, Decode: splits and the combine).
+DECODE_CLUSTER_SPLITS, DECODE_CLUSTER_TILES, DECODE_CLUSTER_FEW_TILES = 8, 8, 32
+
+
+def _decode_blocks(spec: KernelSpec, B: int, Hkv: int, rows: int, smem_per_sm: int) -> tuple[int, int]:
+    """A decode launch's blocks per split, and the blocks an SM holds at once."""
+    blocks = max(1, B * Hkv * _cdiv(rows, spec.block_m))
+    return blocks, max(1, min(16, (smem_per_sm + 1024) // (spec.smem_bytes + 1024)))
+
+
+def decode_cluster(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, splits: int, sm_count: int,
+                   smem_per_sm: int) -> bool:
+    """Whether decode's `splits` blocks of a sequence merge in a thread block cluster (sm_90a) or by combine.cu."""
+    if not (spec.arch == "sm_90a" and 1 < splits <= min(DECODE_CLUSTER_SPLITS, 8)):
+        return False
+    if _cdiv(_cdiv(max(capacity, 1), spec.block_n), splits) > DECODE_CLUSTER_TILES:
+        return False
+    blocks, resident = _decode_blocks(spec, B, Hkv, rows, smem_per_sm)
+    return resident >= 2 or splits == 2 or 2 * blocks * splits <= sm_count
 
 
 def decode_block_m(rows: int) -> int:
@@ -712,15 +738,15 @@ def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, 
     of equal work, as many running at once as the shared memory allows) and of each split's fixed cost
     (DECODE_SPLIT_OVERHEAD_TILES); under that, the count of least modelled time: an SM's blocks add up, each split's
     tiles rounded up plus its fixed cost, at the bandwidth share its resident blocks keep in flight
-    (DECODE_SM_BYTES_IN_FLIGHT), plus the combine's DECODE_COMBINE_TILES per split; one split for short sequences where
-    one already gives nearly every SM a block in one wave (DECODE_ONE_SPLIT_*: sm_90a, head_dim 64). The lengths are
+    (DECODE_SM_BYTES_IN_FLIGHT), plus the combine's DECODE_COMBINE_TILES per split, and 8 in place of its 9-16 over few
+    keys where they merge in a cluster (DECODE_CLUSTER_*); one split for short sequences where one already gives nearly
+    every SM a block in one wave (DECODE_ONE_SPLIT_*: sm_90a, head_dim 64). The lengths are
     on the device: the cache's capacity stands for them (docs/perf-notes.md, Decode: splits and the combine)."""
     tiles_max = _cdiv(max(capacity, 1), spec.block_n)
     most = max(1, min(DECODE_MAX_SPLITS, tiles_max))
     if requested > 0:
         return min(requested, most)
-    blocks = max(1, B * Hkv * _cdiv(rows, spec.block_m))
-    resident = max(1, min(16, (smem_per_sm + 1024) // (spec.smem_bytes + 1024)))  # blocks an SM holds at once
+    blocks, resident = _decode_blocks(spec, B, Hkv, rows, smem_per_sm)
     if (spec.arch == "sm_90a" and spec.head_dim in DECODE_ONE_SPLIT_HEAD_DIMS and capacity <= DECODE_ONE_SPLIT_KEYS
             and DECODE_ONE_SPLIT_FILL * sm_count <= blocks <= resident * sm_count):
         return 1
@@ -737,7 +763,9 @@ def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, 
         tiles = _cdiv(tiles_max, s) + DECODE_SPLIT_OVERHEAD_TILES
         streaming = per_sm * tiles / min(1.0, min(per_sm, resident) * share)
         return streaming + (DECODE_COMBINE_TILES * s if s > 1 else 0.0)
-    return min(range(1, most + 1), key=lambda s: (round(time(s), 6), s))
+    best = min(range(1, most + 1), key=lambda s: (round(time(s), 6), s))
+    few = 8 < best <= 16 and tiles_max <= DECODE_CLUSTER_FEW_TILES
+    return 8 if few and decode_cluster(spec, B, Hkv, rows, capacity, 8, sm_count, smem_per_sm) else best
 
 
 def combine_row_warps(parts: int, rows: int, sm_count: int, warps: int) -> int:

@@ -109,6 +109,15 @@ def decode_error(H, Hkv, D, splits=(3,)) -> float:
     return err
 
 
+def library_splits(B, S, H, Hkv, D) -> int:
+    """The split count flashrt.decode picks for one new token at this point on the current device (tiles.decode_splits:
+    the probes' reference column)."""
+    from flashrt import launch, tiles
+    dev = launch.device(torch.cuda.current_device())
+    return tiles.decode_splits(tiles.decode_spec(D, "bf16", H // Hkv, dev.arch, dev.smem_optin), B, Hkv, H // Hkv, S,
+                               dev.sm_count, dev.smem_optin)
+
+
 def copies_for(nbytes: int, l2_bytes: int) -> int:
     """Input sets a timed run rotates through: enough to exceed 3x L2 (else the caches are read from L2), at most 8."""
     return max(1, min(8, math.ceil(3 * l2_bytes / nbytes)))

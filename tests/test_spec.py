@@ -549,6 +549,43 @@ def test_decode_tiles_follow_the_packed_rows():
         KernelSpec("decode", 128, "bf16", 16, 32, 4, False, "sm_90a")  # 8 keys per warp
 
 
+def test_decode_splits_merge_in_a_cluster_where_measured_faster():
+    """sm_90a: 2-8 splits merge in a thread block cluster (decode.cu: cluster_combine), except where an SM holds one
+    block and the grid is large (head_dim 256: 0.66-0.76x); the model's 9-16 splits over few keys become 8."""
+    s = tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90])
+    def cluster(spec, B, Hkv, rows, splits, capacity=1024):
+        return tiles.decode_cluster(spec, B, Hkv, rows, capacity, splits, 132, SMEM_OPTIN[90])
+    assert cluster(s, 16, 1, 8, 8) and cluster(s, 1, 8, 4, 2) and not cluster(s, 1, 8, 4, 1)
+    assert not cluster(s, 1, 8, 4, 9)  # (the portable cluster size: 8)
+    assert cluster(s, 4, 8, 4, 4, 2048) and not cluster(s, 4, 8, 4, 4, 2049)  # splits of at most 8 key tiles
+    s80 = tiles.decode_spec(128, "bf16", 4, "sm_80", SMEM_OPTIN[80])
+    assert not cluster(s80, 16, 1, 8, 8)
+    s256 = tiles.decode_spec(256, "bf16", 8, "sm_90a", SMEM_OPTIN[90])  # one block an SM
+    assert not cluster(s256, 16, 1, 8, 8) and not cluster(s256, 32, 1, 8, 4)  # 128 blocks of one SM each
+    assert cluster(s256, 64, 1, 8, 2) and cluster(s256, 1, 8, 4, 8)  # two splits; 64 blocks
+    assert tiles.decode_splits(s, 1, 8, 4, 2048, 132, SMEM_OPTIN[90]) == 8  # the model's 16 over 32 key tiles
+    assert tiles.decode_splits(s, 1, 8, 4, 4096, 132, SMEM_OPTIN[90]) == 16  # ... not over 64
+    assert tiles.decode_splits(s80, 1, 8, 4, 2048, 108, SMEM_OPTIN[80]) > 8  # no cluster before sm_90
+    try:
+        tiles.DECODE_CLUSTER_SPLITS = 0
+        assert not cluster(s, 16, 1, 8, 8) and tiles.decode_splits(s, 1, 8, 4, 2048, 132, SMEM_OPTIN[90]) == 16
+    finally:
+        tiles.DECODE_CLUSTER_SPLITS = 8
+
+
+def test_cluster_launches_carry_their_attribute():
+    """launch._launch_config: the cluster dimension (and the programmatic attribute) as cuLaunchKernelEx reads them;
+    a cluster over 8 or not dividing the grid's x is refused."""
+    s = tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90])
+    assert launch._launch_config(s, (8, 2, 3), False, 1) is None
+    c = launch._launch_config(s, (8, 2, 3), True, 4)
+    assert c.n_attrs == 2 and [c.attrs[i].id for i in range(2)] == [6, 4] and list(c.attrs[1].value[:3]) == [4, 1, 1]
+    assert list(c.grid) == [8, 2, 3] and c.smem == s.smem_bytes and list(c.block) == [s.threads, 1, 1]
+    for bad in ((6, 4), (16, 16)):
+        with pytest.raises(launch.LaunchError, match="cluster"):
+            launch._launch_config(s, (bad[0], 1, 1), False, bad[1])
+
+
 def test_decode_splits_take_the_fastest_count_measured():
     s = tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90])
     assert tiles.decode_splits(s, 16, 8, 4, 8192, 132, SMEM_OPTIN[90], requested=7) == 7
@@ -558,14 +595,14 @@ def test_decode_splits_take_the_fastest_count_measured():
         assert 1 <= n <= min(tiles.DECODE_MAX_SPLITS, -(-cap // s.block_n))
     # the fastest power of two of scripts/probes/decode_splits_sweep.py (H200; 32 / 8 query / KV heads, Sq = 1):
     # (B, Hkv, capacity) -> splits (one 16-row tile of query heads per KV head: 32 / 8 and 8 / 1), head_dim 128 ...
-    for (B, Hkv, cap), want in {(1, 8, 1024): 16, (1, 8, 4096): 16, (1, 8, 32768): 16, (4, 8, 1024): 4,
+    for (B, Hkv, cap), want in {(1, 8, 1024): 8, (1, 8, 4096): 16, (1, 8, 32768): 16, (4, 8, 1024): 4,
                                 (16, 8, 1024): 1, (16, 8, 8192): 1, (2, 8, 16384): 8, (8, 8, 4096): 2,
                                 (64, 8, 4096): 1, (1, 1, 4096): 32, (1, 1, 131072): 128}.items():
         assert tiles.decode_splits(s, B, Hkv, 4, cap, 132, SMEM_OPTIN[90]) == want, (B, Hkv, cap)
     # ... and 64, whose smaller blocks stream less at once: two per SM at 16 x 8k
     s64 = tiles.decode_spec(64, "bf16", 4, "sm_90a", SMEM_OPTIN[90])
     assert tiles.decode_splits(s64, 16, 8, 4, 8192, 132, SMEM_OPTIN[90]) == 2
-    assert tiles.decode_splits(s64, 1, 8, 4, 1024, 132, SMEM_OPTIN[90]) == 16
+    assert tiles.decode_splits(s64, 1, 8, 4, 1024, 132, SMEM_OPTIN[90]) == 8  # (16 by the model: 8 in a cluster)
     assert tiles.decode_splits(s, 256, 8, 4, 4096, 132, SMEM_OPTIN[90]) == 1  # many blocks already
     # every SM busy at one split: the last wave's fill (24 x 8k: 4 splits 202.9 us, 2 225.4; 48 x 4k: 2 201.0, 1 220.9)
     assert tiles.decode_splits(s, 24, 8, 4, 8192, 132, SMEM_OPTIN[90]) == 4

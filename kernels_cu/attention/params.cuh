@@ -208,7 +208,7 @@ struct DecodeParams {
     const u16* v_new;
     u16* o;            // splits == 1: (B, Sq, H, D)
     float* lse;        // splits == 1: (B, H, Sq)
-    float* o_part;     // splits > 1: fp32 (splits, B, Sq, H, D), combined by combine.cu
+    float* o_part;     // splits > 1 but no cluster: fp32 (splits, B, Sq, H, D), combined by combine.cu
     float* lse_part;   // splits > 1: (splits, B, H, Sq)
     const int* cache_seqlens;  // (B,): tokens in the cache before this call (null: seqlen)
     const int* page_table;     // (B, max_pages) page ids; null: contiguous
@@ -230,6 +230,7 @@ struct DecodeParams {
                          // by the combine
     const float* alibi;  // FRT_ALIBI: (H,) or (B, H) fp32 slopes, as FwdParams'
     int alibi_bstride;   // 0 for (H,), H for (B, H)
+    int cluster;         // 1: the splits are one thread block cluster and merge there (decode.cu: cluster_combine)
 };
 
 // combine.cu: partial results of n key ranges, (n, B, Sq, H, D) outputs and (n, B, H, Sq) natural-log lse, all

@@ -423,6 +423,37 @@ FRT_DEVICE void wait_previous_grid() {
 #endif
 }
 
+// Thread block clusters (sm_90+; launch.py: a launch's cluster size): every thread of every block of the cluster
+// meets here, the shared-memory writes of each before the barrier visible to all after it (release / acquire).
+FRT_DEVICE void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The address of this block's shared-memory word `at` in the cluster's block `rank` (distributed shared memory).
+FRT_DEVICE u32 cluster_map(u32 at, int rank) {
+    u32 r = at;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(at), "r"(rank));
+#endif
+    return r;
+}
+FRT_DEVICE float cluster_ld(u32 at) {
+    float x = 0.f;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(at) : "memory");
+#endif
+    return x;
+}
+FRT_DEVICE float4 cluster_ld4(u32 at) {
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                 : "r"(at) : "memory");
+#endif
+    return x;
+}
+
 // Fire-and-forget fp32 atomic add of four adjacent floats (16-byte aligned address).
 FRT_DEVICE void red_add4(float* at, float x, float y, float z, float w) {
 #if __CUDA_ARCH__ >= 900

@@ -5,7 +5,8 @@
 // once for the whole group. Its key range is a `splits`-th of the sequence's (in BN-key tiles), streamed
 // through a STAGES-deep cp.async ring. The NW warps tile the BM rows by 16 (WM warps) and each tile's keys by
 // KW (WN warps); each warp keeps its own softmax statistics and O, merged through shared memory at the end in
-// a fixed order. One split writes out and lse; several write fp32 partials that combine.cu merges.
+// a fixed order. One split writes out and lse; several write fp32 partials that combine.cu merges, or (p.cluster)
+// merge them in their thread block cluster (cluster_combine).
 //
 // Keys at or past cache_seqlens[b] are this call's k_new / v_new rows, read from there; the block of split 0
 // and row tile 0 also writes them into the cache (no block reads those cache rows in this launch). A bad value
@@ -54,6 +55,50 @@ FRT_DEVICE void report_bad(int* report, int code, int seq, int value, int limit)
     r[REPORT_VALUE] = value, r[REPORT_LIMIT] = limit, r[REPORT_CALL] = 4;
     __threadfence_system();  // the fields before the code that announces them
     r[REPORT_CODE] = code;
+}
+
+// sm_90, p.cluster (flashrt/decoding.py): the key range's `splits` blocks are one thread block cluster (block = split =
+// cluster rank) and merge their parts there, as combine.cu would (out = sum_s w_s out_s, w_s = exp(lse_s - lse), in
+// split order: deterministic; a NaN lse makes the row NaN; the head's sink one more part), without its launch and
+// global round trip (docs/perf-notes.md, Decode: splits and the combine). The cluster's blocks share the rows' items,
+// each reading every split's part through distributed shared memory.
+// s_part: a split's part, row r's out at s_part + r * OP, its lse at column DP.
+template <class T>
+FRT_DEVICE void cluster_combine(const DecodeParams& p, const float* s_part, int rank, int b, int hk, int row0, int rows,
+                                int group) {
+    constexpr int C4 = T::D / 4, OP = T::OP;
+    cluster_sync();  // every split's part is in its block's shared memory
+    const u32 parts = smem_u32(s_part), lses = parts + T::DP * 4;
+    const int n = p.splits;
+    for (int idx = rank * T::NTHREADS + (int)threadIdx.x; idx < rows * C4; idx += n * T::NTHREADS) {
+        const int r = idx / C4, c = (idx % C4) * 4;
+        const int rg = row0 + r, i = rg / group, h = hk * group + rg % group;
+        float m = p.sinks ? p.sinks[h] : -FRT_INF;
+        bool nan = false;
+        for (int sp = 0; sp < n; ++sp) {
+            const float l = cluster_ld(cluster_map(lses + r * OP * 4, sp));
+            nan |= l != l;
+            m = fmaxf(m, l);
+        }
+        float sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int sp = 0; sp < n; ++sp) {
+            const float l = cluster_ld(cluster_map(lses + r * OP * 4, sp));
+            if (l == -FRT_INF || nan) continue;
+            const float w = expf(l - m);
+            const float4 x = cluster_ld4(cluster_map(parts + (r * OP + c) * 4, sp));
+            sum += w;
+            acc[0] = fmaf(w, x.x, acc[0]), acc[1] = fmaf(w, x.y, acc[1]);
+            acc[2] = fmaf(w, x.z, acc[2]), acc[3] = fmaf(w, x.w, acc[3]);
+        }
+        if (p.sinks && p.sinks[h] != -FRT_INF) sum += expf(p.sinks[h] - m);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f, qnan = __int_as_float(0x7fffffff);
+        uint2 packed;
+        packed.x = Elem<T::BF16>::pack(nan ? qnan : acc[0] * inv, nan ? qnan : acc[1] * inv);
+        packed.y = Elem<T::BF16>::pack(nan ? qnan : acc[2] * inv, nan ? qnan : acc[3] * inv);
+        *reinterpret_cast<uint2*>(p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh + c) = packed;
+        if (c == 0) p.lse[((i64)b * p.H + h) * p.Sq + i] = nan ? qnan : sum > 0.f ? m + logf(sum) : -FRT_INF;
+    }
+    cluster_sync();  // no block leaves while another reads its shared memory
 }
 
 template <class T>
@@ -340,12 +385,17 @@ __device__ void decode(const DecodeParams& p) {
             packed.y = Elem<T::BF16>::pack(acc[2], acc[3]);
             *reinterpret_cast<uint2*>(p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh + c) = packed;
             if (c == 0) p.lse[((i64)b * p.H + h) * p.Sq + i] = lse;
+        } else if (p.cluster) {  // the part over warp column 0's O row (only this thread reads these columns), its
+            // lse in the row's padding (column DP): cluster_combine reads them
+            *reinterpret_cast<float4*>(s_o + r * T::OP + c) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            if (c == 0) s_o[r * T::OP + DP] = lse;
         } else {
             const i64 row = (((i64)split * p.B + b) * p.Sq + i) * p.H + h;
             *reinterpret_cast<float4*>(p.o_part + row * T::D + c) = make_float4(acc[0], acc[1], acc[2], acc[3]);
             if (c == 0) p.lse_part[(((i64)split * p.B + b) * p.H + h) * p.Sq + i] = lse;
         }
     }
+    if (p.cluster) cluster_combine<T>(p, s_o, split, b, hk, row0, rows, group);
 }
 
 }  // namespace frt

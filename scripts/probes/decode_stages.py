@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-from flashrt import launch, spec as specmod, tiles  # noqa: E402
-from bench_decode import capture, copies_for, decode_calls, decode_error, kv_bytes, make_set, replay_ms  # noqa: E402
+from flashrt import spec as specmod  # noqa: E402
+from bench_decode import (capture, copies_for, decode_calls, decode_error, kv_bytes, library_splits,  # noqa: E402
+                          make_set, replay_ms)
 from variants import fresh  # noqa: E402
 
 RUN_ARGS = (sys.argv[1] if len(sys.argv) > 1 else "0,4,4:=,6,6:=").split(",")
@@ -40,9 +41,7 @@ for (H, Hkv, D), (B, S) in itertools.product(HEADS, POINTS):
     sets = [make_set(B, S, H, Hkv, D, c) for c in range(copies_for(kv_bytes(B, S, Hkv, D), 60 * 2**20))]
     lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
     use(0)
-    dev = launch.device(torch.cuda.current_device())
-    lib = tiles.decode_splits(tiles.decode_spec(D, "bf16", H // Hkv, dev.arch, dev.smem_optin), B, Hkv, H // Hkv, S,
-                              dev.sm_count, dev.smem_optin)
+    lib = library_splits(B, S, H, Hkv, D)
     graphs = {}
     for d, sp in RUNS:
         use(d)
