@@ -119,6 +119,8 @@ struct Softcap {
     FRT_DEVICE float scale_of(float scale_log2) const { return FRT_SOFTCAP ? cap * scale_log2 : scale_log2; }
     // The capped score; a hidden pair's -inf stays -inf.
     FRT_DEVICE float apply(float s) const { return s == -FRT_INF ? s : cap * tanh_of(s); }
+    // ... with tanh_of(s) at hand
+    FRT_DEVICE float of_tanh(float s, float th) const { return s == -FRT_INF ? s : cap * th; }
     // 1 - tanh^2 of the pair whose P = exp2(capped * scale_log2 - lse2) is `prob` (recovered from P, for a kernel
     // that keeps no copy of the scores until dS): any finite value where P = 0 (dS is 0 there), never NaN.
     FRT_DEVICE float grad_from_p(float prob, float lse2) const {

@@ -43,6 +43,9 @@
 #ifndef FRT_PAIR_RECORD  // (0: an A/B of the pair record)
 #define FRT_PAIR_RECORD 1
 #endif
+#ifndef FRT_CAP_GRADS  // (0: an A/B of the softcap derivative's copies)
+#define FRT_CAP_GRADS 1
+#endif
 
 namespace frt {
 
@@ -76,6 +79,9 @@ struct FusedWsTraits {
     // beside their fragments or lists it spilled (6-68 bytes).
     static constexpr bool EARLY_PAIR = FRT_EARLY_PAIR && !WIDE && !(MASK & (MASK_MOD | MASK_BLOCK_IDS | MASK_SEGMENTS));
     static constexpr bool RECORD = FRT_PAIR_RECORD && !EARLY_PAIR;
+    // Softcap: 1 - tanh^2 kept beside P^T in 16 bits, BM / 4 registers (bwd_sm90.cuh: probabilities), not recovered
+    // from P^T by an lg2 (docs/perf-notes.md: Softcap); not with 128-query tiles (those spill already)
+    static constexpr bool CAP_GRADS = FRT_SOFTCAP && FRT_CAP_GRADS && !WIDE;
     // a stage's lse2[BM], delta[BM], then the pair record (int4: h, m, partial; spec.py's smem formula: the same)
     static constexpr int STAT_STAGE_BYTES = 2 * BM * 4 + 16, DS_BYTES = BN * BM * 2, DQ_BYTES = BM * D * 4;
     enum : int { KV_FULL = 0, DQ_FULL = 1, DQ_EMPTY = 2, FULL = 3, EMPTY = 3 + STAGES, N_BARS = 3 + 2 * STAGES };
@@ -235,6 +241,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         const HiddenWord<BM> hidden = EARLY_PAIR ? hidden_next : hidden_of(pr);
         fence_proxy_async();
         float sc[BM / 2], dp[BM / 2];
+        u32 capg[T::CAP_GRADS ? BM / 4 : 1];  // (CAP_GRADS)
         wgmma_fence();  // orders the dK / dV accumulator and fragment writes before the wgmmas
         if constexpr (T::KV_REGS) {
             wgmma_abt<BM, D / 16, T::BF16>(sc, ka, sQ);
@@ -262,7 +269,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         } else {
             add_alibi<BM>(sc, p, tile, pr.h, pr.m, key_base, t);
             if constexpr (!EARLY_LSE) load_row_stats<BM>(lse, s_lse2, t);
-            probabilities<BM>(sc, lse, p.scale_log2, hidden, cap);
+            if constexpr (T::CAP_GRADS)
+                probabilities<BM, T::BF16>(sc, lse, p.scale_log2, hidden, cap, capg);
+            else
+                probabilities<BM>(sc, lse, p.scale_log2, hidden, cap);
         }
         auto pack_p = [&] {
             if constexpr (FRT_DROPOUT) {
@@ -286,7 +296,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         }
         fence_operand(dp);
         if constexpr (FRT_DROPOUT) kept_dp(dp, dropped, drop.scale);
-        ds_from_dp<BM>(dp, sc, s_delta, t, s_lse2, cap);
+        if constexpr (T::CAP_GRADS)
+            ds_from_dp<BM, T::BF16>(dp, sc, s_delta, t, capg);
+        else
+            ds_from_dp<BM>(dp, sc, s_delta, t, s_lse2, cap);
         if constexpr (T::WIDE) pack_p();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) acc_to_a_frag<BM / 2, T::BF16>(dp, kk, dsa[kk]);

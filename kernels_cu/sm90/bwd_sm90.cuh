@@ -120,20 +120,15 @@ FRT_DEVICE void load_row_stats(float2 (&v)[BM / 8], const float* s, int t) {
     for (int j = 0; j < BM / 8; ++j) v[j] = *reinterpret_cast<const float2*>(s + 8 * j + 2 * t);
 }
 
-// P^T = exp2(S^T * scale_log2 - lse2[query]) on the accumulator fragment (accumulator column =
-// query; lse: load_row_stats), 0 where `hidden` says so; with FRT_SOFTCAP, S^T capped first.
+// P^T = exp2(S^T * scale_log2 - lse2[query]) on the accumulator fragment (accumulator column = query; lse:
+// load_row_stats), 0 where `hidden` says so; with FRT_SOFTCAP, S^T capped first.
 template <int BM>
-FRT_DEVICE void probabilities(float (&s)[BM / 2], const float2 (&lse)[BM / 8], float scale_log2,
-                              HiddenWord<BM> hidden, const Softcap& cap) {
+FRT_DEVICE void exponentials(float (&s)[BM / 2], const float2 (&lse)[BM / 8], float scale_log2, HiddenWord<BM> hidden) {
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
         const float2 l = lse[j];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            if constexpr (FRT_SOFTCAP) {
-                s[4 * j + 2 * hh] = cap.apply(s[4 * j + 2 * hh]);
-                s[4 * j + 2 * hh + 1] = cap.apply(s[4 * j + 2 * hh + 1]);
-            }
             s[4 * j + 2 * hh] = fast_exp2(fmaf(s[4 * j + 2 * hh], scale_log2, -l.x));
             s[4 * j + 2 * hh + 1] = fast_exp2(fmaf(s[4 * j + 2 * hh + 1], scale_log2, -l.y));
         }
@@ -141,6 +136,31 @@ FRT_DEVICE void probabilities(float (&s)[BM / 2], const float2 (&lse)[BM / 8], f
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i)
         if (hidden >> i & 1) s[i] = 0.f;
+}
+template <int BM>
+FRT_DEVICE void probabilities(float (&s)[BM / 2], const float2 (&lse)[BM / 8], float scale_log2,
+                              HiddenWord<BM> hidden, const Softcap& cap) {
+    if constexpr (FRT_SOFTCAP) {
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) s[i] = cap.apply(s[i]);
+    }
+    exponentials<BM>(s, lse, scale_log2, hidden);
+}
+// FRT_SOFTCAP, and the cap's derivative 1 - tanh^2 of each element too, two to a word in the kernel's 16-bit type
+// (the precision dS^T is rounded to anyway), for ds_from_dp: none recovered from P^T by an lg2 then (one MUFU op of
+// three an element; docs/perf-notes.md: Softcap).
+template <int BM, bool BF16>
+FRT_DEVICE void probabilities(float (&s)[BM / 2], const float2 (&lse)[BM / 8], float scale_log2,
+                              HiddenWord<BM> hidden, const Softcap& cap, u32 (&grads)[BM / 4]) {
+    static_assert(FRT_SOFTCAP, "probabilities: the cap's derivative is for softcap variants");
+#pragma unroll
+    for (int i = 0; i < BM / 4; ++i) {
+        const float t0 = cap.tanh_of(s[2 * i]), t1 = cap.tanh_of(s[2 * i + 1]);
+        grads[i] = Elem<BF16>::pack(fmaf(-t0, t0, 1.f), fmaf(-t1, t1, 1.f));
+        s[2 * i] = cap.of_tanh(s[2 * i], t0);
+        s[2 * i + 1] = cap.of_tanh(s[2 * i + 1], t1);
+    }
+    exponentials<BM>(s, lse, scale_log2, hidden);
 }
 template <int BM>
 FRT_DEVICE void probabilities(float (&s)[BM / 2], const float* s_lse2, float scale_log2, HiddenWord<BM> hidden, int t,
@@ -235,24 +255,39 @@ FRT_DEVICE void acc_to_partial(float* dst, const float (&acc)[D / 2], int rows, 
         }
 }
 
-// dS^T = P^T o (dP^T - delta[query]) in dp, with P^T (s) in fp32; with FRT_SOFTCAP, times the cap's derivative,
-// recovered from P^T and lse2 (s_lse2; no copy of the scores is kept).
-template <int BM>
-FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const float* s_delta, int t,
-                           const float* s_lse2, const Softcap& cap) {
+// dS^T = P^T o (dP^T - delta[query]) in dp, with P^T (s) in fp32, each P^T taken times factor(j, hh, e) (the
+// element 4 j + 2 hh + e's score-modification derivative: 1 without one).
+template <int BM, class F>
+FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const float* s_delta, int t, const F& factor) {
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
         const float2 dl = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * t);
-        float2 gl = make_float2(1.f, 1.f);  // (the derivative's row factors, softcap only)
-        if constexpr (FRT_SOFTCAP) gl = *reinterpret_cast<const float2*>(s_lse2 + 8 * j + 2 * t);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            float p0 = s[4 * j + 2 * hh], p1 = s[4 * j + 2 * hh + 1];
-            if constexpr (FRT_SOFTCAP) p0 *= cap.grad_from_p(p0, gl.x), p1 *= cap.grad_from_p(p1, gl.y);
-            dp[4 * j + 2 * hh] = p0 * (dp[4 * j + 2 * hh] - dl.x);
-            dp[4 * j + 2 * hh + 1] = p1 * (dp[4 * j + 2 * hh + 1] - dl.y);
+            const float2 f = factor(j, hh);
+            dp[4 * j + 2 * hh] = s[4 * j + 2 * hh] * f.x * (dp[4 * j + 2 * hh] - dl.x);
+            dp[4 * j + 2 * hh + 1] = s[4 * j + 2 * hh + 1] * f.y * (dp[4 * j + 2 * hh + 1] - dl.y);
         }
     }
+}
+// ... with FRT_SOFTCAP, times the cap's derivative, recovered from P^T and lse2 (s_lse2; no copy of the scores is kept)
+template <int BM>
+FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const float* s_delta, int t,
+                           const float* s_lse2, const Softcap& cap) {
+    ds_from_dp<BM>(dp, s, s_delta, t, [&](int j, int hh) {
+        if constexpr (!FRT_SOFTCAP) return make_float2(1.f, 1.f);
+        const float2 gl = *reinterpret_cast<const float2*>(s_lse2 + 8 * j + 2 * t);
+        return make_float2(cap.grad_from_p(s[4 * j + 2 * hh], gl.x), cap.grad_from_p(s[4 * j + 2 * hh + 1], gl.y));
+    });
+}
+// ... or from its 16-bit copies (probabilities' grads)
+template <int BM, bool BF16>
+FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const float* s_delta, int t,
+                           const u32 (&grads)[BM / 4]) {
+    ds_from_dp<BM>(dp, s, s_delta, t, [&](int j, int hh) {
+        const u32 w = grads[2 * j + hh];
+        return make_float2(Elem<BF16>::to_float((u16)(w & 0xFFFFu)), Elem<BF16>::to_float((u16)(w >> 16)));
+    });
 }
 
 // dV_w += P^T dO and dK_w += dS^T Q (64 x D, k = the BM queries of the stage at sQ, dO after it): A from

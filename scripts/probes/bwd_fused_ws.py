@@ -1,7 +1,7 @@
 """The warp-specialised wgmma fused backward (bwd_fused_sm90), ordered and not, against the split pair.
 
     python scripts/probes/bwd_fused_ws.py [--check-only] [--rounds 3] [--heads 64,128] [--seqlens 1024,4096,16384]
-                                         [--gqa] [--defines "a=-DX=1;b=-DX=0"] [--no-sm90]
+                                         [--gqa] [--defines "a=-DX=1;b=-DX=0"] [--no-sm90] [--softcap C]
 
 Checks first (float64 reference, fresh inputs): the fused kernel, ordered and not, at small shapes with causal, GQA
 and MQA; the ordered form bitwise over repeats. Then times flashrt.backward alone (out and lse from one
@@ -12,6 +12,7 @@ H = 2048 // head_dim), or with --gqa at GQA prefill shapes (head_dim 128). TFLOP
 set of NVRTC defines (the kernels reloaded at each switch), the split pair once; an item "bm64=64" sets the fused
 kernel's query tile at head_dim 64, "rotate=0" turns the ordered non-causal rotation off (tiles.rotate_ordered_dq).
 --no-sm90: the same for the mma.sync fused kernel and split pair (FLASHRT_NO_SM90=1).
+--softcap C: every call (forward, backward, reference) with softcap=C.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ BASE_OPTIONS = spec.NVRTC_OPTIONS
 BASE_TILES = list(tiles._PREFERENCES["bwd_fused_sm90"])
 BASE_ROTATION = tiles.ORDERED_ROTATION_SM_SHARE
 DEFINES: dict[str, tuple] = {"": ()}  # name -> NVRTC options added, and "bm64=M" (--defines)
+MODS: dict = {}  # keyword arguments of every call (--softcap)
 
 
 def use_defines(name: str) -> None:
@@ -54,6 +56,8 @@ def reference(q, k, v, do, causal):
     g = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = q @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if MODS.get("softcap"):
+        s = MODS["softcap"] * torch.tanh(s / MODS["softcap"])
     Sq, Sk = s.shape[-2:]
     mask = torch.zeros(Sq, Sk, dtype=torch.bool, device=s.device)
     if causal:
@@ -78,15 +82,15 @@ def check() -> list[str]:
         v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
         do = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
         ref = reference(q, k, v, do, causal)
-        out, lse = flashrt.forward(q, k, v, causal=causal)
+        out, lse = flashrt.forward(q, k, v, causal=causal, **MODS)
         for dname, det in ((dname, det) for dname in DEFINES for det in (False, True)):
             use_defines(dname)
-            got = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=det)
+            got = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=det, **MODS)
             errs = [float((a.double() - r).norm() / r.norm()) for a, r in zip(got, ref)]
             same = ""
             if det:
-                again = [flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True)
-                         for _ in range(3)]
+                again = [flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True,
+                                          **MODS) for _ in range(3)]
                 same = all(torch.equal(a, b) for g2 in again for a, b in zip(got, g2))
                 same = "bitwise" if same else "DIFFERS"
             ok = all(e < 2e-2 for e in errs) and same != "DIFFERS"
@@ -102,13 +106,13 @@ def time_shape(B, S, H, Hkv, D, causal, rounds) -> dict:
     """TFLOP/s of each variant at one shape (medians over interleaved rounds)."""
     q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out, lse = flashrt.forward(q, k, v, causal=causal)
+    out, lse = flashrt.forward(q, k, v, causal=causal, **MODS)
     variants = {}
     for dname in DEFINES:
         tag = f"{dname} " if dname else ""
-        variants[tag + "fused-det"] = (dname, dict(impl="fused"))
-        variants[tag + "fused"] = (dname, dict(impl="fused", deterministic=False))
-    variants["split"] = (next(iter(DEFINES)), dict(impl="split"))
+        variants[tag + "fused-det"] = (dname, dict(impl="fused", **MODS))
+        variants[tag + "fused"] = (dname, dict(impl="fused", deterministic=False, **MODS))
+    variants["split"] = (next(iter(DEFINES)), dict(impl="split", **MODS))
     times = {n: [] for n in variants}
     for _ in range(rounds):
         for name, (dname, kw) in variants.items():
@@ -147,7 +151,10 @@ def main():
     ap.add_argument("--gqa", action="store_true", help="GQA shapes instead of the grid")
     ap.add_argument("--defines", default="", help='named sets of NVRTC defines to A/B: "a=-DX=1 -DY=2;b=-DX=0"')
     ap.add_argument("--no-sm90", action="store_true", help="FLASHRT_NO_SM90=1: the mma.sync fused kernel and pair")
+    ap.add_argument("--softcap", type=float, default=0.0, help="softcap=C in every call")
     a = ap.parse_args()
+    if a.softcap:
+        MODS["softcap"] = a.softcap
     if a.no_sm90:
         os.environ["FLASHRT_NO_SM90"] = "1"
     if a.defines:
