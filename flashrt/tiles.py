@@ -313,8 +313,14 @@ _SCORE_MOD_PREFERENCES = {
     "bwd_dq": [(128, [(64, 64, 4)]), (224, [(128, 32, 8), (64, 32, 4)]), (256, [(128, 32, 8), (64, 16, 4)])],
     "bwd_fused": [(128, [(64, 64, 8)]), (240, [(64, 64, 8), (64, 32, 8), (32, 64, 8)]), (248, [(64, 32, 8)]),
                   (256, [(64, 64, 8), (64, 32, 8), (32, 64, 8)])],
-    # (128-query tiles at head_dim 64 spill 16-96 bytes with softcap, 0-8 with ALiBi: not measured against 64)
+    # (128-query tiles at head_dim 64 spill 212-220 bytes with softcap; ALiBi: _ALIBI_PREFERENCES)
     "bwd_fused_sm90": [(128, [(64, 128, 12)])],
+}
+# ... with ALiBi and no masks beyond lengths, replacing those: the fused wgmma backward's 128-query tiles at head_dim
+# 64 spill 20-32 bytes (NVRTC 12.9; SPILL_ALLOWANCE) and run 1.00-1.20x as fast as its 64-query ones (H200,
+# docs/perf-notes.md: ALiBi; with windows or ids, as the plain kernel, 64-query tiles).
+_ALIBI_PREFERENCES = {
+    "bwd_fused_sm90": [(64, [(128, 128, 12)]), (128, [(64, 128, 12)])],
 }
 # Tilings of dropout variants (spec.KernelSpec.dropout), family -> (lo, hi, tilings) for lo < head_dim <= hi, ahead of
 # the tables above, where the draws' registers (kernels_cu/attention/dropout.cuh) made the preferred tilings spill
@@ -402,6 +408,8 @@ def long_rows(family: str, head_dim: int, seqlen_q: int, causal: bool = True) ->
 # than at one block (H200, docs/perf-notes.md: head_dim 64 backward).
 # The warp-specialised fused backward at head_dim 128 spills 24-48 bytes (by mask) in its producer warpgroup, which
 # keeps 24 registers so that the consumers have the 240 they need (bwd_fused_sm90_ws.cu: FusedWsTraits).
+# With ALiBi its 128-query tiles at head_dim 64 spill 20-32 bytes (a 40-byte stack) and run 1.00-1.20x as fast as
+# 64-query ones (H200, docs/perf-notes.md: ALiBi; _ALIBI_PREFERENCES).
 # The mma.sync forward at head_dim 256 with swizzled tiles spills 8 bytes in its 128 x 64 tiles (sm_90a, not
 # causal) and runs 8-9% faster than with padded ones (H100, docs/perf-notes.md: Forward: mma.sync).
 # Not measured (no such GPU here): with 99 KB (sm_86, sm_89) the dK / dV kernels' 32 x 16 w2 tiles spill 8-104 bytes
@@ -410,6 +418,7 @@ def long_rows(family: str, head_dim: int, seqlen_q: int, causal: bool = True) ->
 # Not measured yet: the wgmma dK / dV kernel at head_dim 128 (255 registers) spills 4 bytes in its causal variant with
 # a score_mod reading a bias table since its descriptors are stepped (docs/perf-notes.md, Per-pair fixed cost).
 SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 64, ("fwd", 256, 1): 8,
+                   ("bwd_fused_sm90", 64, 1, "alibi"): 40,
                    ("bwd_dkdv_sm90", 128, 1, "sm_90a"): 8,
                    **{(f, d, 1, arch): 112 for f in ("bwd_dkdv", "bwd_fused") for d in (232, 240, 248, 256)
                       for arch in ("sm_86", "sm_89")}}
@@ -444,8 +453,10 @@ _FALLBACKS = {
 
 def spill_allowance(spec: KernelSpec) -> int:
     """Bytes of local memory (register spills) `spec` may use: 0 unless SPILL_ALLOWANCE says otherwise (for its arch,
-    or for every arch)."""
+    or for every arch; for its ALiBi variants)."""
     key = (spec.family, spec.head_dim, spec.min_blocks)
+    if spec.alibi and (*key, "alibi") in SPILL_ALLOWANCE:
+        return SPILL_ALLOWANCE[(*key, "alibi")]
     return SPILL_ALLOWANCE.get((*key, spec.arch), SPILL_ALLOWANCE.get(key, 0))
 
 
@@ -468,6 +479,8 @@ def candidates(family: str, head_dim: int, mask: int = 0, softcap: bool = False,
         table = _MOD_PREFERENCES.get(family, table)
     if softcap or alibi or score_mod:
         table = _SCORE_MOD_PREFERENCES.get(family, table)
+    if alibi and not mask & ~MASK_BITS["lengths"]:
+        table = _ALIBI_PREFERENCES.get(family, table)
     if score_mod and score_mod[2]:  # (it reads tensors)
         table = [(256, prefs) for lo, hi, prefs in _USER_MOD_PREFERENCES.get(family, ()) if lo < head_dim <= hi] + table
     if dropout:

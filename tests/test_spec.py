@@ -132,14 +132,17 @@ def test_tiling_prefers_large_tiles_when_they_fit():
 
 def test_fused_wgmma_backward_query_tiles():
     """bwd_fused_sm90 (kernels_cu/sm90/bwd_fused_sm90_ws.cu): 128-query tiles at head_dim 64 without masks beyond
-    lengths or score mods (they spill there), 64 otherwise and at 128; no 128-query tiles at 128 (the registers)."""
+    lengths, plain or with ALiBi (its measured spills: tiles._ALIBI_PREFERENCES), 64 otherwise (softcap, masks) and
+    at 128; no 128-query tiles at 128 (the registers)."""
     def bm(d, causal=False, mask=0, **mod):
         return tiles.tiling("bwd_fused_sm90", d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask, **mod).block_m
     for causal in (False, True):
         assert bm(64, causal) == bm(64, causal, MASK_BITS["lengths"]) == 128
         for mask in (MASK_BITS["window"], MASK_BITS["block_ids"], MASK_BITS["segments"]):
             assert bm(64, causal, mask) == 64
-        assert bm(64, causal, softcap=True) == bm(64, causal, alibi=True) == 64
+        assert bm(64, causal, softcap=True) == bm(64, causal, MASK_BITS["window"], alibi=True) == 64
+        assert bm(64, causal, alibi=True) == bm(64, causal, MASK_BITS["lengths"], alibi=True) == 128
+        assert bm(64, causal, alibi=True, dropout=8) == bm(128, causal, alibi=True) == 64
         assert bm(128, causal) == 64
     ok = tiles.tiling("bwd_fused_sm90", 64, "bf16", False, "sm_90a", SMEM_OPTIN[90])
     assert ok.smem_bytes <= SMEM_OPTIN[90] and ok.layout_problem() is None

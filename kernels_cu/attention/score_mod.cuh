@@ -56,6 +56,10 @@ FRT_DEVICE void flashrt_score_mod_tgrad(float s, int b, int h, int q, int k, int
 #define FRT_SCORE_TGRAD 0
 #endif
 
+#ifndef FRT_ALIBI_SPLIT  // (0: an A/B of Alibi::add_split)
+#define FRT_ALIBI_SPLIT 1
+#endif
+
 namespace frt {
 
 #if FRT_SCORE_TGRAD
@@ -156,6 +160,27 @@ struct Alibi {
                     const float d = base + (float)(TRANSPOSED ? rows - cols : cols - rows);  // key - query - shift
                     x(mt, jj, c) = fmaf(-slope, fabsf(d), x(mt, jj, c));
                 }
+    }
+    // The same on the forward's fragment of N8 key groups (rows queries; at.row0 the thread's first row, at.col0 its
+    // first key, in key tile n0..): where the thread's two rows see the tile's keys on one side of the diagonal only,
+    // each score gains one FFMA's share, k (8 jj + e) with k = -slope right of the diagonal, slope left, and
+    // off[hh] = k (col0 - row - shift) is the rest, one value for a row's elements (softmax.cuh: online_row's OFF):
+    // one FP op a score, not two. Elsewhere (the diagonal's tiles) `add`, and off 0.
+    template <int N8, class Elem>
+    FRT_DEVICE void add_split(Fragments at, int n0, float (&off)[2], const Elem& x) const {
+        const int lo = n0 - (at.row0 + 8) - shift, hi = n0 + 8 * N8 - 1 - at.row0 - shift;  // key - query - shift
+        if (!FRT_ALIBI_SPLIT || (lo < 0 && hi > 0)) {
+            add<1, N8>(at, x);
+            off[0] = off[1] = 0.f;
+            return;
+        }
+        const float k = lo >= 0 ? -slope : slope;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) off[hh] = k * (float)(at.col0 - at.row0 - 8 * hh - shift);
+#pragma unroll
+        for (int jj = 0; jj < N8; ++jj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) x(0, jj, c) = fmaf((float)(8 * jj + (c & 1)), k, x(0, jj, c));
     }
 };
 

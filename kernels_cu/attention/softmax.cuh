@@ -14,22 +14,26 @@ namespace frt {
 // and Softcap::scale_of(scale_log2) as the scale: score_mod.cuh.) POLY of every 8 key groups jj take their
 // exponentials on the FMA units (common.cuh: poly_exp2), the rest on MUFU: where the MUFU unit bounds the loop
 // (head_dim 64, softcap's tanh; docs/perf-notes.md: Exponentials on the FMA units).
-template <int N8, int POLY = 0, class Scores>
-FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Scores x) {
+// OFF: the thread's scores of the row are x + off (off: one value for all of them, raw units; ALiBi off the
+// diagonal, score_mod.cuh: Alibi::add_split), the offset added to the row's maximum and exponent, not to each score.
+template <int N8, int POLY = 0, bool OFF = false, class Scores>
+FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Scores x, float off = 0.f) {
     float mx = -FRT_INF;
 #pragma unroll
     for (int jj = 0; jj < N8; ++jj) mx = fmaxf(mx, fmaxf(x(jj, 0), x(jj, 1)));
+    if constexpr (OFF) mx += off;
     const float m_new = fmaxf(row_max, warp_max4(mx) * scale_log2);
     const float base = m_new == -FRT_INF ? 0.f : m_new;
     const float alpha = fast_exp2(row_max - base);
     row_max = m_new;
+    const float shift = OFF ? fmaf(off, scale_log2, -base) : -base;
     float sum = 0.f;
 #pragma unroll
     for (int jj = 0; jj < N8; ++jj)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float& v = x(jj, e);
-            const float arg = fmaf(v, scale_log2, -base);
+            const float arg = fmaf(v, scale_log2, shift);
             v = (jj & 7) < POLY ? poly_exp2(arg) : fast_exp2(arg);
             sum += v;
         }

@@ -34,6 +34,7 @@ struct FwdRows {
     u32 pa[BN / 16][4];
     Softcap cap;   // FRT_SOFTCAP: set by the kernel (score_mod.cuh)
     Alibi alibi;  // FRT_ALIBI: set by the kernel
+    float alibi_off[2] = {0.f, 0.f};  // FRT_ALIBI: the last tile's per-row part of the bias (Alibi::add_split)
     ScoreMod smod;  // FRT_SCORE_MOD: set by the kernel
     Dropout drop;   // FRT_DROPOUT: set by the kernel
 
@@ -175,7 +176,8 @@ struct FwdRows {
             for (int i = 0; i < 4 * JHI; ++i) s[i] = cap.tanh_of(s[i]);
         }
         if constexpr (FRT_ALIBI)
-            alibi.add<1, JHI>(Fragments{row_base, n0 + 2 * t}, [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
+            alibi.add_split<JHI>(Fragments{row_base, n0 + 2 * t}, n0, alibi_off,
+                                 [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
         if constexpr (FRT_SCORE_MOD)
             smod.apply<1, JHI>(Fragments{row_base, n0 + 2 * t},
                                [&](int, int jj, int c) -> float& { return s[4 * jj + c]; });
@@ -188,9 +190,9 @@ struct FwdRows {
     FRT_DEVICE void online(float scale_log2, int row_base, int n0, int t) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            alpha[hh] = online_row<JHI, EXP_POLY>(row_max[hh], row_sum[hh],
-                                                  ScoreMod::exp_scale(cap.scale_of(scale_log2)),
-                                                  [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; });
+            alpha[hh] = online_row<JHI, EXP_POLY, (bool)FRT_ALIBI>(
+                row_max[hh], row_sum[hh], ScoreMod::exp_scale(cap.scale_of(scale_log2)),
+                [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; }, alibi_off[hh]);
 #pragma unroll
             for (int jj = JHI; jj < BN / 8; ++jj) s[4 * jj + 2 * hh] = s[4 * jj + 2 * hh + 1] = 0.f;
         }

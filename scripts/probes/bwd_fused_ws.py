@@ -12,7 +12,7 @@ H = 2048 // head_dim), or with --gqa at GQA prefill shapes (head_dim 128). TFLOP
 set of NVRTC defines (the kernels reloaded at each switch), the split pair once; an item "bm64=64" sets the fused
 kernel's query tile at head_dim 64, "rotate=0" turns the ordered non-causal rotation off (tiles.rotate_ordered_dq).
 --no-sm90: the same for the mma.sync fused kernel and split pair (FLASHRT_NO_SM90=1).
---softcap C: every call (forward, backward, reference) with softcap=C.
+--softcap C / --alibi: every call (forward, backward, reference) with softcap=C / ALiBi's geometric (H,) slopes.
 """
 from __future__ import annotations
 
@@ -27,23 +27,34 @@ from flashrt import api, launch, spec, tiles
 
 BASE_OPTIONS = spec.NVRTC_OPTIONS
 BASE_TILES = list(tiles._PREFERENCES["bwd_fused_sm90"])
+BASE_MOD_TILES = list(tiles._SCORE_MOD_PREFERENCES["bwd_fused_sm90"])
 BASE_ROTATION = tiles.ORDERED_ROTATION_SM_SHARE
 DEFINES: dict[str, tuple] = {"": ()}  # name -> NVRTC options added, and "bm64=M" (--defines)
-MODS: dict = {}  # keyword arguments of every call (--softcap)
+MODS: dict = {}  # --softcap's cap, --alibi
+
+
+def mods(H: int) -> dict:
+    """The keyword arguments of every call at H query heads (--softcap, --alibi: the ALiBi paper's slopes)"""
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda")
+    return {**({"softcap": MODS["softcap"]} if "softcap" in MODS else {}),
+            **({"alibi_slopes": slopes} if "alibi" in MODS else {})}
 
 
 def use_defines(name: str) -> None:
     """Compile and load the kernels with the named set of defines from here on (a separate cache entry each); a
-    "bm64=M" item: the fused kernel's query tile of M rows at head_dim 64; "rotate=X": tiles.ORDERED_ROTATION_SM_SHARE
-    (0: the ordered non-causal kernel's query tiles in order)."""
+    "bm64=M" item: the fused kernel's query tile of M rows at head_dim 64 (with a score modification too);
+    "rotate=X": tiles.ORDERED_ROTATION_SM_SHARE (0: the ordered non-causal kernel's query tiles in order)."""
     opts = tuple(o for o in DEFINES[name] if not o.startswith(("bm64=", "rotate=")))
     bm64 = [int(o[5:]) for o in DEFINES[name] if o.startswith("bm64=")]
     rotate = [float(o[7:]) for o in DEFINES[name] if o.startswith("rotate=")] or [BASE_ROTATION]
     prefs = BASE_TILES if not bm64 else [(64, [(bm64[0], 128, 12)]), *BASE_TILES[1:]]
+    mod_prefs = BASE_MOD_TILES if not bm64 else [(64, [(bm64[0], 128, 12)]), (128, [(64, 128, 12)])]
     if (spec.NVRTC_OPTIONS != BASE_OPTIONS + opts or tiles._PREFERENCES["bwd_fused_sm90"] != prefs
+            or tiles._SCORE_MOD_PREFERENCES["bwd_fused_sm90"] != mod_prefs
             or tiles.ORDERED_ROTATION_SM_SHARE != rotate[0]):
         spec.NVRTC_OPTIONS = BASE_OPTIONS + opts
         tiles._PREFERENCES["bwd_fused_sm90"] = prefs
+        tiles._SCORE_MOD_PREFERENCES["bwd_fused_sm90"] = mod_prefs
         tiles.ORDERED_ROTATION_SM_SHARE = rotate[0]
         launch._functions.clear()
         tiles.kernel_for.cache_clear()
@@ -58,6 +69,10 @@ def reference(q, k, v, do, causal):
     s = q @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
     if MODS.get("softcap"):
         s = MODS["softcap"] * torch.tanh(s / MODS["softcap"])
+    if "alibi" in MODS:  # -slope |j - i - (Sk - Sq)|
+        Sq, Sk = s.shape[-2:]
+        d = torch.arange(Sk, device=s.device)[None, :] - torch.arange(Sq, device=s.device)[:, None] - (Sk - Sq)
+        s = s - mods(q.shape[1])["alibi_slopes"].double()[:, None, None] * d.abs().double()
     Sq, Sk = s.shape[-2:]
     mask = torch.zeros(Sq, Sk, dtype=torch.bool, device=s.device)
     if causal:
@@ -82,15 +97,15 @@ def check() -> list[str]:
         v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
         do = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
         ref = reference(q, k, v, do, causal)
-        out, lse = flashrt.forward(q, k, v, causal=causal, **MODS)
+        out, lse = flashrt.forward(q, k, v, causal=causal, **mods(H))
         for dname, det in ((dname, det) for dname in DEFINES for det in (False, True)):
             use_defines(dname)
-            got = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=det, **MODS)
+            got = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=det, **mods(H))
             errs = [float((a.double() - r).norm() / r.norm()) for a, r in zip(got, ref)]
             same = ""
             if det:
                 again = [flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True,
-                                          **MODS) for _ in range(3)]
+                                          **mods(H)) for _ in range(3)]
                 same = all(torch.equal(a, b) for g2 in again for a, b in zip(got, g2))
                 same = "bitwise" if same else "DIFFERS"
             ok = all(e < 2e-2 for e in errs) and same != "DIFFERS"
@@ -106,13 +121,14 @@ def time_shape(B, S, H, Hkv, D, causal, rounds) -> dict:
     """TFLOP/s of each variant at one shape (medians over interleaved rounds)."""
     q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out, lse = flashrt.forward(q, k, v, causal=causal, **MODS)
+    kw = mods(H)
+    out, lse = flashrt.forward(q, k, v, causal=causal, **kw)
     variants = {}
     for dname in DEFINES:
         tag = f"{dname} " if dname else ""
-        variants[tag + "fused-det"] = (dname, dict(impl="fused", **MODS))
-        variants[tag + "fused"] = (dname, dict(impl="fused", deterministic=False, **MODS))
-    variants["split"] = (next(iter(DEFINES)), dict(impl="split", **MODS))
+        variants[tag + "fused-det"] = (dname, dict(impl="fused", **kw))
+        variants[tag + "fused"] = (dname, dict(impl="fused", deterministic=False, **kw))
+    variants["split"] = (next(iter(DEFINES)), dict(impl="split", **kw))
     times = {n: [] for n in variants}
     for _ in range(rounds):
         for name, (dname, kw) in variants.items():
@@ -152,9 +168,12 @@ def main():
     ap.add_argument("--defines", default="", help='named sets of NVRTC defines to A/B: "a=-DX=1 -DY=2;b=-DX=0"')
     ap.add_argument("--no-sm90", action="store_true", help="FLASHRT_NO_SM90=1: the mma.sync fused kernel and pair")
     ap.add_argument("--softcap", type=float, default=0.0, help="softcap=C in every call")
+    ap.add_argument("--alibi", action="store_true", help="ALiBi (geometric (H,) slopes) in every call")
     a = ap.parse_args()
     if a.softcap:
         MODS["softcap"] = a.softcap
+    if a.alibi:
+        MODS["alibi"] = True
     if a.no_sm90:
         os.environ["FLASHRT_NO_SM90"] = "1"
     if a.defines:

@@ -5,7 +5,7 @@ defines follow a "+" ("late=fwd_sm90_ws+-DFRT_FWD_EARLY_Q=0": an A/B of a compil
 
     python scripts/probes/fwd_ws_wide.py [--check-only] [--rounds 3] [--heads 192,256] [--seqlens 1024,4096,16384]
                                          [--seed-only] [--variants name=family[:block_m:block_n:warps][+opt],...]
-                                         [--softcap 30]
+                                         [--softcap 30] [--alibi]
 
 Checks first (float64 reference, fresh inputs): each variant at small ragged shapes, causal and not, GQA, padded
 lengths. Then times flashrt.forward with each variant forced (tiles.forward_family and the tile table patched, the
@@ -46,7 +46,17 @@ def use(variant: str) -> None:
     api._PLANS.clear()
 
 
-def reference(q, k, v, causal, lengths=None, softcap=0.0):
+def slopes(H):
+    """--alibi: the ALiBi paper's geometric slopes for H heads, fp32 (H,)"""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda", dtype=torch.float32)
+
+
+def mods(H, softcap=0.0, alibi=False) -> dict:
+    """flashrt.forward's keyword arguments for --softcap / --alibi at H query heads"""
+    return {**(dict(softcap=softcap) if softcap else {}), **(dict(alibi_slopes=slopes(H)) if alibi else {})}
+
+
+def reference(q, k, v, causal, lengths=None, softcap=0.0, alibi=False):
     q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -54,6 +64,11 @@ def reference(q, k, v, causal, lengths=None, softcap=0.0):
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     Sq, Sk = s.shape[-2:]
+    if alibi:  # -slope |j - i - (Lk - Sq)|, bottom-right as flashrt aligns it (each sequence's own key length)
+        lk = lengths.double() if lengths is not None else torch.full((q.shape[0],), float(Sk), device=s.device)
+        d = (torch.arange(Sk, device=s.device)[None, :] - torch.arange(Sq, device=s.device)[:, None]).double()
+        d = (d[None] - (lk - Sq)[:, None, None]).abs()[:, None]
+        s = s - slopes(q.shape[1]).double()[None, :, None, None] * d
     hide = torch.zeros(q.shape[0], 1, Sq, Sk, dtype=torch.bool, device=s.device)
     if causal:
         hide |= torch.ones(Sq, Sk, dtype=torch.bool, device=s.device).tril(Sk - Sq).logical_not()
@@ -64,7 +79,7 @@ def reference(q, k, v, causal, lengths=None, softcap=0.0):
     return (torch.softmax(s, -1) @ v).transpose(1, 2).nan_to_num()  # (rows that see no key: 0)
 
 
-def check(heads, softcap=0.0) -> list[str]:
+def check(heads, softcap=0.0, alibi=False) -> list[str]:
     rows = []
     torch.manual_seed(0)
     cases = [(2, 300, 300, 4, 4, 192, False, False), (2, 300, 300, 4, 4, 256, True, False),
@@ -85,12 +100,11 @@ def check(heads, softcap=0.0) -> list[str]:
         k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16)
         lengths = torch.randint(1, Sk + 1, (B,), device="cuda", dtype=torch.int32) if padded else None
-        ref = reference(q, k, v, causal, lengths, softcap)
+        ref = reference(q, k, v, causal, lengths, softcap, alibi)
         for family in VARIANTS:
             use(family)
             kw = dict(seqlens_k=lengths) if padded else {}
-            if softcap:
-                kw["softcap"] = softcap
+            kw.update(mods(H, softcap, alibi))
             try:
                 out, _ = flashrt.forward(q, k, v, causal=causal, **kw)
             except (ValueError, tiles.TilingError) as e:  # (a tiling the host refuses for this call)
@@ -104,7 +118,7 @@ def check(heads, softcap=0.0) -> list[str]:
     return rows
 
 
-def time_shape(B, S, H, Hkv, D, causal, rounds, softcap=0.0) -> dict:
+def time_shape(B, S, H, Hkv, D, causal, rounds, softcap=0.0, alibi=False) -> dict:
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -114,22 +128,24 @@ def time_shape(B, S, H, Hkv, D, causal, rounds, softcap=0.0) -> dict:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != Hkv)
 
+    kw = mods(H, softcap, alibi)
+
     def ours(family):
         def run():
-            flashrt.forward(q, k, v, causal=causal, **(dict(softcap=softcap) if softcap else {}))
+            flashrt.forward(q, k, v, causal=causal, **kw)
         return family, run
 
     variants = {}
     for f in VARIANTS:
         use(f)
         try:
-            flashrt.forward(q, k, v, causal=causal, **(dict(softcap=softcap) if softcap else {}))
+            flashrt.forward(q, k, v, causal=causal, **kw)
             variants.update([ours(f)])
         except (ValueError, tiles.TilingError):  # (a tiling the host refuses for this call)
             pass
     try:
-        if softcap:
-            raise RuntimeError("cuDNN SDPA has no softcap")
+        if kw:
+            raise RuntimeError("cuDNN SDPA has no softcap or ALiBi")
         cudnn()
         variants["cudnn"] = cudnn
     except RuntimeError:
@@ -162,6 +178,7 @@ def main():
     ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--seed-only", action="store_true", help="time the seed shape only")
     ap.add_argument("--softcap", type=float, default=0.0, help="every call with this softcap (no cuDNN then)")
+    ap.add_argument("--alibi", action="store_true", help="every call with ALiBi, geometric (H,) slopes (no cuDNN)")
     ap.add_argument("--variants", help="name=family[:block_m:block_n:warps][+opt...],... instead of fwd_sm90, ws64, "
                     "ws80")
     a = ap.parse_args()
@@ -173,14 +190,14 @@ def main():
             family, *t = rest.split(":")
             VARIANTS[name] = (family, tuple(map(int, t)) if t else None, tuple(opts))
     print(torch.cuda.get_device_name())
-    rows = check(list(map(int, a.heads.split(","))), a.softcap)
+    rows = check(list(map(int, a.heads.split(","))), a.softcap, a.alibi)
     shapes = [] if a.seed_only else [(16384 // S, S, 2048 // D, 2048 // D, D, causal) for D in map(
         int, a.heads.split(",")) for S in map(int, a.seqlens.split(",")) for causal in (False, True)]
     if 256 in map(int, a.heads.split(",")):
         shapes += [(2, 1024, 8, 1, 256, False), (2, 1024, 8, 1, 256, True)]  # the seed shape
     table = []
     for B, S, H, Hkv, D, causal in ([] if a.check_only else shapes):
-        tf = time_shape(B, S, H, Hkv, D, causal, a.rounds, a.softcap)
+        tf = time_shape(B, S, H, Hkv, D, causal, a.rounds, a.softcap, a.alibi)
         if not table:
             table = ["| shape | mask | " + " | ".join(tf) + " |", "|" + "---|" * (2 + len(tf))]
         table.append(f"| B{B} S{S} H{H}/{Hkv} D{D} | {'causal' if causal else 'full'} | " +
