@@ -121,7 +121,7 @@ FRT_DEVICE void load_row_stats(float2 (&v)[BM / 8], const float* s, int t) {
 }
 
 // P^T = exp2(S^T * scale_log2 - lse2[query]) on the accumulator fragment (accumulator column = query; lse:
-// load_row_stats), 0 where `hidden` says so; with FRT_SOFTCAP, S^T capped first.
+// load_row_stats), 0 where `hidden` says so.
 template <int BM>
 FRT_DEVICE void exponentials(float (&s)[BM / 2], const float2 (&lse)[BM / 8], float scale_log2, HiddenWord<BM> hidden) {
 #pragma unroll
@@ -137,6 +137,7 @@ FRT_DEVICE void exponentials(float (&s)[BM / 2], const float2 (&lse)[BM / 8], fl
     for (int i = 0; i < BM / 2; ++i)
         if (hidden >> i & 1) s[i] = 0.f;
 }
+// ... with FRT_SOFTCAP, S^T capped first
 template <int BM>
 FRT_DEVICE void probabilities(float (&s)[BM / 2], const float2 (&lse)[BM / 8], float scale_log2,
                               HiddenWord<BM> hidden, const Softcap& cap) {
@@ -255,8 +256,8 @@ FRT_DEVICE void acc_to_partial(float* dst, const float (&acc)[D / 2], int rows, 
         }
 }
 
-// dS^T = P^T o (dP^T - delta[query]) in dp, with P^T (s) in fp32, each P^T taken times factor(j, hh, e) (the
-// element 4 j + 2 hh + e's score-modification derivative: 1 without one).
+// dS^T = P^T o (dP^T - delta[query]) in dp, with P^T (s) in fp32, elements 4 j + 2 hh + (0, 1) of P^T taken times
+// factor(j, hh)'s (x, y): their score modification's derivative (1 without one).
 template <int BM, class F>
 FRT_DEVICE void ds_from_dp(float (&dp)[BM / 2], const float (&s)[BM / 2], const float* s_delta, int t, const F& factor) {
 #pragma unroll
