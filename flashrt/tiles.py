@@ -189,7 +189,10 @@ FUSED_WGMMA_MIN_SQ_ROTATED = {(64, 128, True, False): 0}
 # at 1k 0.95-1.15x / 1.22-1.50x, fused from 4k: 0.70-0.83x / 0.77-1.00x). Ordered causal on its grid in chunks of
 # pairs (H100, benchmarks/results/h100-2026-11-27-bwd-mods-ordered-chunks.md, fused / split time): at 128 0.79-0.90x
 # at 2k, 0.69-0.80x at 4k; at 64 (64-query tiles) 0.84-1.01x at 2k, 0.81-0.97x at 4k: from 2k, as without one.
-FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096, (64, 64, True, True): 2048}
+# ALiBi's 128-query tiles at 64 (_ALIBI_PREFERENCES; H200, benchmarks/results/h200-2026-11-28-alibi.md), ordered
+# non-causal: 1.15x / 1.40x / 1.42x the split pair at 1k / 4k / 16k (causal from 2k as without one: 0.95x at 1k).
+FUSED_WGMMA_MIN_SQ_MODIFIED = {(64, 64, False, True): 0, (64, 64, True, False): 4096, (64, 64, True, True): 2048,
+                               (64, 128, True, False): 0}
 ORDERED_CAUSAL_MIN_WAVES = 2  # (backward_impl: key tiles of every pair, per SM)
 
 
@@ -418,7 +421,7 @@ def long_rows(family: str, head_dim: int, seqlen_q: int, causal: bool = True) ->
 # Not measured yet: the wgmma dK / dV kernel at head_dim 128 (255 registers) spills 4 bytes in its causal variant with
 # a score_mod reading a bias table since its descriptors are stepped (docs/perf-notes.md, Per-pair fixed cost).
 SPILL_ALLOWANCE = {("bwd_dq_sm90", 64, 2): 32, ("bwd_fused_sm90", 128, 1): 64, ("fwd", 256, 1): 8,
-                   ("bwd_fused_sm90", 64, 1, "alibi"): 40,
+                   ("bwd_fused_sm90", 64, 1, "alibi", 128): 40,
                    ("bwd_dkdv_sm90", 128, 1, "sm_90a"): 8,
                    **{(f, d, 1, arch): 112 for f in ("bwd_dkdv", "bwd_fused") for d in (232, 240, 248, 256)
                       for arch in ("sm_86", "sm_89")}}
@@ -453,10 +456,10 @@ _FALLBACKS = {
 
 def spill_allowance(spec: KernelSpec) -> int:
     """Bytes of local memory (register spills) `spec` may use: 0 unless SPILL_ALLOWANCE says otherwise (for its arch,
-    or for every arch; for its ALiBi variants)."""
+    or for every arch; for its ALiBi variants of its query tile)."""
     key = (spec.family, spec.head_dim, spec.min_blocks)
-    if spec.alibi and (*key, "alibi") in SPILL_ALLOWANCE:
-        return SPILL_ALLOWANCE[(*key, "alibi")]
+    if spec.alibi and (*key, "alibi", spec.block_m) in SPILL_ALLOWANCE:
+        return SPILL_ALLOWANCE[(*key, "alibi", spec.block_m)]
     return SPILL_ALLOWANCE.get((*key, spec.arch), SPILL_ALLOWANCE.get(key, 0))
 
 

@@ -152,6 +152,10 @@ def test_fused_wgmma_backward_query_tiles():
     # sequences than 128-query ones (ordered: 16384 against 4096)
     assert tiles.backward_impl(64, True, True, True, True, False, 4096, 0, 128) == "fused"
     assert tiles.backward_impl(64, True, True, True, True, False, 4096, MASK_BITS["window"], 64) == "split"
+    # ALiBi's 128-query tiles (tiles.FUSED_WGMMA_MIN_SQ_MODIFIED): ordered non-causal fused from 1k, causal from 2k
+    assert tiles.backward_impl(64, True, True, True, True, False, 1024, 0, 128, modified=True, rotated=True) == "fused"
+    assert tiles.backward_impl(64, True, True, True, True, True, 1024, 0, 128, modified=True) == "split"
+    assert tiles.backward_impl(64, True, True, True, True, True, 2048, 0, 128, modified=True) == "fused"
 
 
 def test_tiling_error_names_required_and_limit():

@@ -28,6 +28,7 @@ from flashrt import api, launch, spec, tiles
 BASE_OPTIONS = spec.NVRTC_OPTIONS
 BASE_TILES = list(tiles._PREFERENCES["bwd_fused_sm90"])
 BASE_MOD_TILES = list(tiles._SCORE_MOD_PREFERENCES["bwd_fused_sm90"])
+BASE_ALIBI_TILES = list(tiles._ALIBI_PREFERENCES["bwd_fused_sm90"])
 BASE_ROTATION = tiles.ORDERED_ROTATION_SM_SHARE
 DEFINES: dict[str, tuple] = {"": ()}  # name -> NVRTC options added, and "bm64=M" (--defines)
 MODS: dict = {}  # --softcap's cap, --alibi
@@ -49,12 +50,15 @@ def use_defines(name: str) -> None:
     rotate = [float(o[7:]) for o in DEFINES[name] if o.startswith("rotate=")] or [BASE_ROTATION]
     prefs = BASE_TILES if not bm64 else [(64, [(bm64[0], 128, 12)]), *BASE_TILES[1:]]
     mod_prefs = BASE_MOD_TILES if not bm64 else [(64, [(bm64[0], 128, 12)]), (128, [(64, 128, 12)])]
+    alibi_prefs = BASE_ALIBI_TILES if not bm64 else mod_prefs
     if (spec.NVRTC_OPTIONS != BASE_OPTIONS + opts or tiles._PREFERENCES["bwd_fused_sm90"] != prefs
             or tiles._SCORE_MOD_PREFERENCES["bwd_fused_sm90"] != mod_prefs
+            or tiles._ALIBI_PREFERENCES["bwd_fused_sm90"] != alibi_prefs
             or tiles.ORDERED_ROTATION_SM_SHARE != rotate[0]):
         spec.NVRTC_OPTIONS = BASE_OPTIONS + opts
         tiles._PREFERENCES["bwd_fused_sm90"] = prefs
         tiles._SCORE_MOD_PREFERENCES["bwd_fused_sm90"] = mod_prefs
+        tiles._ALIBI_PREFERENCES["bwd_fused_sm90"] = alibi_prefs
         tiles.ORDERED_ROTATION_SM_SHARE = rotate[0]
         launch._functions.clear()
         tiles.kernel_for.cache_clear()
