@@ -780,8 +780,9 @@ def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, 
         streaming = per_sm * tiles / min(1.0, min(per_sm, resident) * share)
         return streaming + (DECODE_COMBINE_TILES * s if s > 1 else 0.0)
     best = min(range(1, most + 1), key=lambda s: (round(time(s), 6), s))
-    few = 8 < best <= 16 and tiles_max <= DECODE_CLUSTER_FEW_TILES
-    return 8 if few and decode_cluster(spec, B, Hkv, rows, capacity, 8, sm_count, smem_per_sm) else best
+    n = DECODE_CLUSTER_SPLITS
+    few = n < best <= 2 * n and tiles_max <= DECODE_CLUSTER_FEW_TILES
+    return n if few and decode_cluster(spec, B, Hkv, rows, capacity, n, sm_count, smem_per_sm) else best
 
 
 def combine_row_warps(parts: int, rows: int, sm_count: int, warps: int) -> int:

@@ -423,6 +423,11 @@ FRT_DEVICE void wait_previous_grid() {
 #endif
 }
 
+// One 16-byte shared-memory store of four 32-bit words at `at` (a shared-window address, 16-byte aligned).
+FRT_DEVICE void st_shared_v4(u32 at, u32 x, u32 y, u32 z, u32 w) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(at), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+
 // Thread block clusters (sm_90+; launch.py: a launch's cluster size): every thread of every block of the cluster
 // meets here, the shared-memory writes of each before the barrier visible to all after it (release / acquire).
 FRT_DEVICE void cluster_sync() {

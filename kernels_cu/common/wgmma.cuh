@@ -132,8 +132,7 @@ FRT_DEVICE void copy_tile_sw128_warp(u32 s_tile, const u16* g, i64 g_stride, int
         const int r = i / CPR, c = i % CPR;
         uint4 v = make_uint4(0, 0, 0, 0);
         if (r < rows_valid && c * 8 < cols_valid) v = *reinterpret_cast<const uint4*>(g + r * g_stride + c * 8);
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
-                     :: "r"(s_tile + sw128_offset<ROWS>(r, c)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+        st_shared_v4(s_tile + sw128_offset<ROWS>(r, c), v.x, v.y, v.z, v.w);
     }
 }
 

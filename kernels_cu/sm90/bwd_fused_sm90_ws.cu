@@ -82,8 +82,10 @@ struct FusedWsTraits {
     // Softcap: 1 - tanh^2 kept beside P^T in 16 bits, BM / 4 registers (bwd_sm90.cuh: probabilities), not recovered
     // from P^T by an lg2 (docs/perf-notes.md: Softcap); not with 128-query tiles (those spill already)
     static constexpr bool CAP_GRADS = FRT_SOFTCAP && FRT_CAP_GRADS && !WIDE;
-    // a stage's lse2[BM], delta[BM], then the pair record (int4: h, m, partial; spec.py's smem formula: the same)
-    static constexpr int STAT_STAGE_BYTES = 2 * BM * 4 + 16, DS_BYTES = BN * BM * 2, DQ_BYTES = BM * D * 4;
+    // a stage's lse2[BM], delta[BM], then the pair record at RECORD_AT (int4: h, m, partial; spec.py's smem formula:
+    // the same)
+    static constexpr int RECORD_AT = 2 * BM * 4, STAT_STAGE_BYTES = RECORD_AT + 16;
+    static constexpr int DS_BYTES = BN * BM * 2, DQ_BYTES = BM * D * 4;
     enum : int { KV_FULL = 0, DQ_FULL = 1, DQ_EMPTY = 2, FULL = 3, EMPTY = 3 + STAGES, N_BARS = 3 + 2 * STAGES };
     static constexpr int JOB_BYTES = 32;  // the writer's job: dq_accum offset (i64), bytes, counter, turn
     static constexpr int SMEM = 2 * KV_BYTES + STAGES * (STAGE_BYTES + STAT_STAGE_BYTES) + 2 * DS_BYTES + DQ_BYTES +
@@ -153,9 +155,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                 mbar_wait(bar(T::EMPTY, s), r.free_parity());
                 if (T::RECORD && lane == 0) {  // (before load_query_stage's arrival)
                     const auto pr = tile.pair(p, it);
-                    const u32 at = sStat + s * T::STAT_STAGE_BYTES + 2 * BM * 4;
-                    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n"
-                                 :: "r"(at), "r"(pr.h), "r"(pr.m), "r"((int)pr.partial), "r"(0) : "memory");
+                    st_shared_v4(sStat + s * T::STAT_STAGE_BYTES + T::RECORD_AT, pr.h, pr.m, pr.partial, 0);
                 }
                 load_query_stage<T, 32>(p, tile, it, sQdO + s * T::STAGE_BYTES, sStat + s * T::STAT_STAGE_BYTES,
                                         lane, full);  // (its 33 arrivals)
@@ -234,7 +234,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
         const float* s_delta = s_lse2 + BM;
         mbar_wait(bar(T::FULL, s_), r.parity());
         auto stage_pair = [&] {
-            const int4 rec = *reinterpret_cast<const int4*>(s_delta + BM);
+            const int4 rec = *reinterpret_cast<const int4*>(s_lse2 + T::RECORD_AT / 4);
             return typename Tile::Pair{rec.x, rec.y, rec.z != 0};
         };
         const auto pr = EARLY_PAIR ? pr_next : T::RECORD ? stage_pair() : tile.pair(p, it);

@@ -81,10 +81,7 @@ FRT_DEVICE int ld_shared_s32(u32 at) {
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at) : "memory");
     return v;
 }
-FRT_DEVICE void st_shared_item(u32 at, const WorkItem& wi) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(at), "r"(wi.m), "r"(wi.h), "r"(wi.b), "r"(wi.hk)
-                 : "memory");
-}
+FRT_DEVICE void st_shared_item(u32 at, const WorkItem& wi) { st_shared_v4(at, wi.m, wi.h, wi.b, wi.hk); }
 // (Each field passed through lane 0, so that ptxas knows the item's loop bounds to be uniform: block_uniform.)
 FRT_DEVICE WorkItem ld_shared_item(u32 at) {
     WorkItem wi;
