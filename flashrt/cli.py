@@ -179,9 +179,9 @@ def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: boo
              for t in dtypes for cap, ali, drop in (mods if f in SOFTCAP_FAMILIES else mods[:1])
              for long in (False, True)[:1 + tiles.long_rows(f, d, 1 << 30)]
              if tiles.applies(f, d, arch, mask, cap, ali, dropout=drop) and not (mask and f in ELEMENTWISE)
-             and f != "combine_f32"}
+             and f not in ("combine_f32", "combine_rows_f32")}
     # (flashrt.combine of fp32 parts: no 16-bit dtype, compiled as bf16 whatever the dtypes)
-    specs.add(tiles.tiling("combine_f32", 256, "bf16", False, arch, smem_limit))
+    specs.update(tiles.tiling(f, 256, "bf16", False, arch, smem_limit) for f in ("combine_f32", "combine_rows_f32"))
     specs.update(s for d in head_dims for t in dtypes for cap, ali, drop in mods if not drop
                  for s in tiles.decode_variants(d, t, arch, smem_limit, cap, ali))
     specs.add(tiles.check_spec(arch))

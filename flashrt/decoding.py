@@ -259,13 +259,14 @@ def combine(out_parts, lse_parts):
     if not 1 <= n <= COMBINE_MAX_PARTS:
         raise ValueError(f"combine takes 1 to {COMBINE_MAX_PARTS} parts, got {n}; combine them in groups, then the "
                          f"groups' results")
-    family = "combine_f32" if Op.dtype == "float32" else "combine"
     allocs = [_Alloc(("o",), (B, Sq, H, D), "like"), _Alloc(("lse",), (B, H, Sq), "f32")]
     if B * Sq * H == 0:
         return tuple(_Plan([], (), allocs, [], None).run((Op.obj, Lp.obj)))
     dev = launch.device(Op.device)
-    spec = tiles.kernel_for(family, D, "bf16" if family == "combine_f32" else Op.dtype, False, dev)
-    rw = tiles.combine_row_warps(n, B * Sq * H, dev.sm_count, spec.warps)
+    rows = tiles.combine_rows(n, B * Sq * H, dev.sm_count)  # (combine.cu: a thread per 8 columns, or warps a row)
+    family = ("combine_rows" if rows else "combine") + ("_f32" if Op.dtype == "float32" else "")
+    spec = tiles.kernel_for(family, D, "bf16" if Op.dtype == "float32" else Op.dtype, False, dev)
+    rw = 1 if rows else tiles.combine_row_warps(n, B * Sq * H, dev.sm_count, spec.warps)
     plan = _Plan([(params.COMBINE, dict(n=n, B=B, Sq=Sq, H=H, D=D, row_warps=rw), {})], ("o_part", "lse_part"),
                  allocs, [(spec, launch.grid(spec, B, H, H, Sq, 0, dev.sm_count, row_warps=rw), 0)], dev)
     out, lse = plan.run((Op.obj, Lp.obj))

@@ -8,10 +8,11 @@ and the all-to-all form (ulysses_attention).
 
 Each rank holds a shard of the sequence (flashrt/ring.py: the layouts and the step plan). The keys and values
 travel around the ring by NCCL point-to-point (torch.distributed.batch_isend_irecv) while the held block is
-computed, so the transfer hides behind the kernels. Every step's (out, lse) merges into fp32 accumulators by
-its lse; in the backward each key shard's dK/dV parts from the other ranks travel around the ring behind the
-keys as one accumulator, back to the shard's owner (_ring_backward). The order of every addition is fixed, so
-with deterministic=True results are bitwise reproducible for a given world size.
+computed, so the transfer hides behind the kernels. The steps' (out, lse) parts combine by their lse after the
+ring (flashrt.combine: fp32 sums, one rounding); in the backward each key shard's dK/dV parts from the other
+ranks travel around the ring behind the keys as one accumulator, back to the shard's owner (_ring_backward).
+The order of every addition is fixed, so with deterministic=True results are bitwise reproducible for a given
+world size.
 
 The forward and backward are torch custom ops (flashrt::ring_fwd, flashrt::ring_bwd) with an autograd
 formula: torch.compile sees one opaque op (no graph break), and DDP / FSDP see ordinary autograd.
@@ -209,18 +210,36 @@ def _check_ids(ids, layout: str, cu_seqlens) -> None:
                          "out as shard_sequence makes it)")
 
 
-def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """acc (B, s, H, D) and acc_lse (B, H, s) become the merge of themselves and (out, lse), in place, computed in
-    fp32 (acc fp32, or the kernels' dtype when this is the rows' last merge)."""
-    new = torch.logaddexp(acc_lse, lse)
-    safe = torch.where(new == -math.inf, 0.0, new)  # rows that saw no key yet: both weights 0
-    w_acc = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    if acc.dtype == torch.float32:
-        acc.mul_(w_acc).addcmul_(out, w_new)
-    else:  # the same fp32 sum, rounded once into the kernels' dtype
-        acc.copy_((acc * w_acc).addcmul_(out, w_new))
-    acc_lse.copy_(new)
+def _combine(outs: list, lses: list) -> tuple:
+    """(out, lse) of attention over the union of disjoint key ranges from each range's (out (B, s, H, D), lse
+    (B, H, s)), in list order: flashrt.combine on the GPU (the sum in fp32, rounded once into the parts' dtype); on the
+    CPU (the tests' float64 stand-ins for the kernels) the same sum in torch. A row no part saw: 0 and -inf."""
+    if outs[0].is_cuda:
+        from .decoding import combine
+        return combine(list(outs), list(lses))
+    every = torch.stack(list(lses))
+    lse = torch.logsumexp(every, 0)
+    safe = torch.where(lse == -math.inf, 0.0, lse)  # rows that saw no key: every weight 0
+    weights = torch.exp(every - safe).transpose(2, 3).unsqueeze(-1)  # (n, B, s, H, 1)
+    return (weights * torch.stack(list(outs))).sum(0), lse
+
+
+def _merge_steps(parts: list, rows: int) -> tuple:
+    """This rank's (out, lse) from its steps' (q0, q1, out, lse), in step order; step 0's covers every row. Each
+    run of rows that the same steps cover is combined once (_combine) and written over step 0's rows."""
+    out, lse = parts[0][2], parts[0][3]
+    cuts = sorted({0, rows} | {p[0] for p in parts} | {p[1] for p in parts})
+    for a, b in zip(cuts, cuts[1:]):
+        over = [p for p in parts if p[0] <= a and b <= p[1]]
+        if len(over) == 1:  # step 0's alone
+            continue
+        o, o_lse = _combine([p[2][:, a - p[0]:b - p[0]] for p in over],
+                            [p[3][:, :, a - p[0]:b - p[0]] for p in over])
+        if (a, b) == (0, rows):
+            return o, o_lse
+        out[:, a:b].copy_(o)
+        lse[:, :, a:b].copy_(o_lse)
+    return out, lse
 
 
 def _masks(step, ids, rank) -> dict:
@@ -233,14 +252,14 @@ def _masks(step, ids, rank) -> dict:
 def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: list, sinks=None, padding=None):
     """This rank's (out, lse). Before each kernel call, a failure an earlier call reported is taken into
     `reports` (_take_report), to be raised after the ring. sinks (H,): flashrt.forward's, given to step 0's call
-    (every row; the merges that follow are order-free, so the sink counts once); `padding` (B, S_local) bool: rows
-    that are no token (cu_seqlens' padding), whose lse goes back to -inf."""
+    (every row; the combine after the steps is order-free, so the sink counts once); `padding` (B, S_local) bool:
+    rows that are no token (cu_seqlens' padding), whose lse goes back to -inf. The steps' parts are kept and
+    combined once after the ring (_merge_steps): one rounding at any world size."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     S = q.shape[1]
     steps = ring.ring_steps(layout, world, rank, S, causal)
     held = (k.contiguous(), v.contiguous())
-    acc = acc_lse = None
-    fp32 = world > 2  # with two ranks a row merges at most once: its one rounding can go straight to q's dtype
+    parts = []  # (q0, q1, out, lse) of each step that computes
     for i, step in enumerate(steps):
         if i + 1 < world:
             coming, works = _pass_on(g, held)
@@ -250,16 +269,14 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
             o, lse = api.forward(q[:, step.q0:step.q1], kh, vh, causal=step.causal, softmax_scale=scale,
                                  sinks=sinks if i == 0 else None, validate=False,
                                  **_masks(step, ids, rank))  # (the ids are checked up front)
-            if acc is None:  # step 0: every row, the rank's own keys
-                acc, acc_lse = (o.float() if fp32 else o), lse
-            else:
-                _merge(acc[:, step.q0:step.q1], acc_lse[:, :, step.q0:step.q1], o, lse)
+            parts.append((step.q0, step.q1, o, lse))
         if i + 1 < world:
             _wait(works)
             held = coming
+    out, lse = _merge_steps(parts, S)
     if padding is not None:
-        acc_lse.masked_fill_(padding[:, None, :], -math.inf)
-    return acc.to(q.dtype), acc_lse
+        lse.masked_fill_(padding[:, None, :], -math.inf)
+    return out.to(q.dtype), lse
 
 
 def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale, impl: str, deterministic: bool,
@@ -286,7 +303,7 @@ def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale,
                                             lse[:, :, qs].contiguous(), causal=step.causal, softmax_scale=scale,
                                             impl=impl, deterministic=deterministic, validate=False,
                                             **_masks(step, ids, rank))
-            if dq is None:  # step 0: every row (in fp32 where rows add more than once, as in _ring_forward)
+            if dq is None:  # step 0: every row (in fp32 where rows add more than once)
                 dq = dq_s.float() if world > 2 else dq_s
             else:
                 dq[:, qs] += dq_s

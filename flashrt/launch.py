@@ -102,7 +102,10 @@ def grid(spec: KernelSpec, B: int, H: int, Hkv: int, Sq: int, Sk: int, sm_count:
     elif spec.family in ELEMENTWISE:  # grid-stride loops: enough blocks for the work, at most 32 per SM
         work = {"bwd_preprocess": (B * H * Sq, spec.warps),  # one warp per (b, h, query) row
                 "bwd_dkdv_reduce": (B * Hkv * Sk * spec.head_dim // 8, spec.threads),  # a thread per 8 elements
-                "bwd_dq_convert": (B * H * Sq * spec.head_dim // 8, spec.threads)}.get(
+                "bwd_dq_convert": (B * H * Sq * spec.head_dim // 8, spec.threads),
+                # a thread per 8 columns at the most (256: spec.ANY_HEAD_DIM's instance; grid-stride over fewer)
+                "combine_rows": (B * H * Sq * spec.head_dim // 8, spec.threads),
+                "combine_rows_f32": (B * H * Sq * spec.head_dim // 8, spec.threads)}.get(
                     spec.family, (B * H * Sq * row_warps, spec.warps))  # the combines: row_warps warps per row
         g = (max(1, min(_cdiv(*work), 32 * sm_count)), 1, 1)
     else:

@@ -44,12 +44,18 @@ FAMILIES = {
     # flashrt.combine: parts in the 16-bit dtype, or fp32 parts and out
     "combine": ("helpers/combine.cu", params.COMBINE, {"FRT_PART_F32": 0, "FRT_OUT_F32": 0}),
     "combine_f32": ("helpers/combine.cu", params.COMBINE, {"FRT_PART_F32": 1, "FRT_OUT_F32": 1}),
+    # the same with a thread per (row, 8 columns): few parts over many rows (tiles.combine_rows)
+    "combine_rows": ("helpers/combine.cu", params.COMBINE,
+                     {"FRT_PART_F32": 0, "FRT_OUT_F32": 0, "FRT_COMBINE_ROWS": 1}),
+    "combine_rows_f32": ("helpers/combine.cu", params.COMBINE,
+                         {"FRT_PART_F32": 1, "FRT_OUT_F32": 1, "FRT_COMBINE_ROWS": 1}),
 }
 # Families with no tiles or mask: one thread (or warp) per row or chunk, grid-stride.
-ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert", "decode_combine", "combine", "combine_f32")
+ELEMENTWISE = ("bwd_preprocess", "bwd_dkdv_reduce", "bwd_dq_convert", "decode_combine", "combine", "combine_f32",
+               "combine_rows", "combine_rows_f32")
 # Families that take head_dim at run time (kernels_cu/helpers/combine.cu: p.D): one variant per dtype serves every
 # head_dim, compiled at 256 (tiles.tiling), and the name leaves it out.
-ANY_HEAD_DIM = ("decode_combine", "combine", "combine_f32")
+ANY_HEAD_DIM = ("decode_combine", "combine", "combine_f32", "combine_rows", "combine_rows_f32")
 # Families whose tiles tiles.decode_spec chooses from the packed rows (query heads per KV head x new tokens), not
 # tiles.tiling; their mask is a run-time argument (no causal or mask bits in the variant).
 PACKED_ROWS = ("decode",)

@@ -306,6 +306,8 @@ _PREFERENCES = {
     "decode_combine": [(256, [(0, 0, 8)])],
     "combine": [(256, [(0, 0, 8)])],
     "combine_f32": [(256, [(0, 0, 8)])],
+    "combine_rows": [(256, [(0, 0, 8, 4)])],
+    "combine_rows_f32": [(256, [(0, 0, 8, 4)])],
 }
 # Tilings of softcap and ALiBi variants (spec.KernelSpec.softcap, alibi), family -> buckets as in _PREFERENCES,
 # replacing the family's: the modification's registers make these preferred tilings spill (NVRTC 12.9,
@@ -447,6 +449,8 @@ _FALLBACKS = {
     "decode_combine": [],
     "combine": [],
     "combine_f32": [],
+    "combine_rows": [],
+    "combine_rows_f32": [],
     "bwd_fused": [(32, 32, 4), (16, 32, 4), (32, 16, 2), (16, 32, 2), (16, 16, 1)],
     "bwd_preprocess": [],
     "bwd_dkdv_reduce": [],
@@ -783,6 +787,22 @@ def decode_splits(spec: KernelSpec, B: int, Hkv: int, rows: int, capacity: int, 
     n = DECODE_CLUSTER_SPLITS
     few = n < best <= 2 * n and tiles_max <= DECODE_CLUSTER_FEW_TILES
     return n if few and decode_cluster(spec, B, Hkv, rows, capacity, n, sm_count, smem_per_sm) else best
+
+
+# flashrt.combine takes combine.cu's thread per (row, 8 columns) (combine_rows) for at most COMBINE_ROWS_FEW_PARTS
+# parts, or from COMBINE_ROWS_MIN_ROWS_PER_SM rows per SM with at most COMBINE_ROWS_MAX_PARTS (H200,
+# scripts/probes/combine_rows.py, docs/perf-notes.md "Context parallelism": 0.81-0.89x warps' time at 64 rows and 2-4
+# parts, 1.2-3.2x at 8-32; 0.65-0.98x at 1k rows and 2-32 parts; 0.09-0.40x from 16k rows).
+COMBINE_ROWS_FEW_PARTS = 4
+COMBINE_ROWS_MIN_ROWS_PER_SM = 8
+COMBINE_ROWS_MAX_PARTS = 32
+
+
+def combine_rows(parts: int, rows: int, sm_count: int) -> bool:
+    """Whether flashrt.combine merges by a thread per (row, 8 columns) (few parts, or many rows) rather than by
+    warps per row (many parts over few rows)."""
+    return parts <= COMBINE_ROWS_FEW_PARTS or (parts <= COMBINE_ROWS_MAX_PARTS
+                                                and rows >= COMBINE_ROWS_MIN_ROWS_PER_SM * sm_count)
 
 
 def combine_row_warps(parts: int, rows: int, sm_count: int, warps: int) -> int:

@@ -42,16 +42,16 @@ def test_prewarm_twice_then_info_and_clear(tmp_path):
                 cache_dir=tmp_path)
     assert first.returncode == 0, first.stderr
     assert str(tmp_path) in first.stdout
-    # 2 head dims x (4 tiled families x 2 masks + 3 elementwise + 3 decode), 3 combines, the mask arrays' check
-    assert "compiled 32, already cached 0" in first.stdout
-    assert "32/32" in first.stderr and "\r" not in first.stderr  # progress: lines, not a bar (stderr is no TTY)
+    # 2 head dims x (4 tiled families x 2 masks + 3 elementwise + 3 decode), 5 combines, the mask arrays' check
+    assert "compiled 34, already cached 0" in first.stdout
+    assert "34/34" in first.stderr and "\r" not in first.stderr  # progress: lines, not a bar (stderr is no TTY)
     assert first.stderr.count("\n") <= 11  # a line at every ~10%
     second = run("prewarm", "--arch", "sm_80", "--head-dims", "64,96", "--dtypes", "bf16", cache_dir=tmp_path)
-    assert "compiled 0, already cached 32" in second.stdout
+    assert "compiled 0, already cached 34" in second.stdout
     info = run("cache", "info", cache_dir=tmp_path)
-    assert "entries:   32" in info.stdout and "sm_80: 32" in info.stdout
+    assert "entries:   34" in info.stdout and "sm_80: 34" in info.stdout
     cleared = run("cache", "clear", cache_dir=tmp_path)
-    assert "removed 32 entries (and 32 lock, temp or source files)" in cleared.stdout  # locks are no entries
+    assert "removed 34 entries (and 34 lock, temp or source files)" in cleared.stdout  # locks are no entries
     assert "entries:   0" in run("cache", "info", cache_dir=tmp_path).stdout
 
 
@@ -138,7 +138,7 @@ def test_check_without_gpu_says_so_and_compiles(tmp_path):
     r = run("check", "--arch", "sm_80", "--jobs", "2", cache_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "no CUDA GPU found" in r.stdout
-    assert "compiled 32" in r.stdout
+    assert "compiled 34" in r.stdout
 
 
 def test_cache_info_shows_and_clear_removes_stale_entries(cache_dir, monkeypatch):
@@ -308,7 +308,7 @@ def test_masked_prewarm_compiles_them(tmp_path):
             cache_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     names = [h["name"] for _, h in _entries(tmp_path)]
-    assert "compiled 22, already cached 0" in r.stdout and len(names) == 22
+    assert "compiled 24, already cached 0" in r.stdout and len(names) == 24
     assert sum("_full_win_" in n for n in names) == 4
 
 

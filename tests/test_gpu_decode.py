@@ -5,7 +5,7 @@ import math
 import pytest
 
 import flashrt
-from flashrt import interop
+from flashrt import interop, tiles
 
 pytestmark = pytest.mark.gpu
 
@@ -344,6 +344,40 @@ def test_combine_of_key_halves_is_the_whole(torch):
     assert out32.dtype == torch.float32 and torch.equal(lse32, lse)
     again, _ = flashrt.combine([p[0] for p in parts], [p[1] for p in parts])
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("n,D,dtype", [(1, 64, "bf16"), (2, 128, "bf16"), (3, 72, "fp16"), (5, 256, "bf16"),
+                                       (2, 128, "float32"), (40, 64, "bf16")])
+@pytest.mark.parametrize("kernel", ["warps", "rows"])
+def test_combine_kernels_agree_with_a_float64_merge(torch, monkeypatch, n, D, dtype, kernel):
+    """combine.cu's two kernels (warps per row; combine_rows' thread per 8 columns), forced in turn: the lse-weighted
+    sum in float64 within the output dtype's rounding, rows a part did not see (-inf), a row no part saw (0 and
+    -inf), a NaN lse (the row NaN), and bitwise repeatable."""
+    g = torch.Generator(device="cuda").manual_seed(n * D)
+    B, Sq, H = 2, 37, 3
+    t = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32}[dtype]
+    o = torch.randn(n, B, Sq, H, D, generator=g, device="cuda").to(t)
+    lse = torch.randn(n, B, H, Sq, generator=g, device="cuda") * 4
+    lse[0, 0, 0, :10] = -torch.inf
+    lse[:, 1, 2, 5] = -torch.inf
+    lse[n - 1, 1, 0, 7] = torch.nan
+    monkeypatch.setattr(tiles, "combine_rows", lambda *a: kernel == "rows")
+    out, out_lse = flashrt.combine(o, lse)
+    again = flashrt.combine(o, lse)
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(again, (out, out_lse)))
+    every = lse.double()
+    whole = torch.logsumexp(every, 0)
+    w = torch.exp(every - torch.where(whole == -torch.inf, 0.0, whole)).permute(0, 1, 3, 2)[..., None]
+    want = (w * o.double()).sum(0)
+    nan = torch.zeros(B, Sq, H, dtype=torch.bool, device="cuda")
+    nan[1, 7, 0] = True
+    assert torch.isnan(out[nan]).all() and torch.isnan(out_lse[1, 0, 7])
+    assert not torch.isnan(out[~nan]).any()
+    tol = {"bf16": 2e-2, "fp16": 4e-3, "float32": 1e-5}[dtype]
+    assert (out[~nan].double() - want[~nan]).abs().max() < tol
+    assert (out[1, 5, 2] == 0).all() and out_lse[1, 2, 5] == -torch.inf
+    finite = ~torch.isnan(out_lse) & (whole != -torch.inf)
+    assert (out_lse[finite].double() - whole[finite]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("Sq,causal,window", [(1, True, (-1, -1)), (5, True, (-1, -1)), (16, False, (-1, -1)),

@@ -98,7 +98,7 @@ def test_argument_errors_come_before_any_communication():
 
 
 @pytest.mark.parametrize("w", [1, 3])
-def test_merge_is_the_lse_weighted_sum(w):
+def test_combine_is_the_lse_weighted_sum(w):
     torch = pytest.importorskip("torch")
     fd = pytest.importorskip("flashrt.distributed")
     g = torch.Generator().manual_seed(w)
@@ -106,17 +106,36 @@ def test_merge_is_the_lse_weighted_sum(w):
     outs = [torch.randn(B, S, H, D, generator=g, dtype=torch.float64) for _ in range(w + 1)]
     lses = [torch.randn(B, H, S, generator=g, dtype=torch.float64) for _ in range(w + 1)]
     lses[-1][0, 0, :2] = -torch.inf  # a part that saw no key for some rows
-    acc, acc_lse = outs[0].clone(), lses[0].clone()
-    for o, lse in zip(outs[1:], lses[1:]):
-        fd._merge(acc, acc_lse, o, lse)
+    out, lse = fd._combine(outs, lses)
     every = torch.stack(lses)
     want_lse = torch.logsumexp(every, 0)
     weights = torch.exp(every - want_lse).permute(0, 1, 3, 2)[..., None]
-    assert torch.allclose(acc_lse, want_lse) and torch.allclose(acc, (weights * torch.stack(outs)).sum(0))
+    assert torch.allclose(lse, want_lse) and torch.allclose(out, (weights * torch.stack(outs)).sum(0))
     empty, empty_lse = torch.zeros(B, S, H, D, dtype=torch.float64), torch.full((B, H, S), -torch.inf,
                                                                                 dtype=torch.float64)
-    fd._merge(empty, empty_lse, torch.ones_like(empty), torch.full_like(empty_lse, -torch.inf))
-    assert (empty == 0).all() and (empty_lse == -torch.inf).all()  # no key anywhere: 0 and -inf, no NaN
+    out, lse = fd._combine([empty, torch.ones_like(empty)], [empty_lse, empty_lse.clone()])
+    assert (out == 0).all() and (lse == -torch.inf).all()  # no key anywhere: 0 and -inf, no NaN
+
+
+def test_merge_steps_combines_each_run_of_rows_once():
+    """_merge_steps: rows covered by step 0 alone keep its part; the rest take the combine of every step covering
+    them (zigzag causal: the tail half of a rank's rows sees the later ranks' keys)."""
+    torch = pytest.importorskip("torch")
+    fd = pytest.importorskip("flashrt.distributed")
+    g = torch.Generator().manual_seed(0)
+    B, S, H, D = 2, 8, 3, 4
+    part = lambda a, b: (a, b, torch.randn(B, b - a, H, D, generator=g, dtype=torch.float64),  # noqa: E731
+                         torch.randn(B, H, b - a, generator=g, dtype=torch.float64))
+    parts = [part(0, S), part(0, S), part(S // 2, S), part(S // 2, S)]
+    want_head = fd._combine([p[2][:, :S // 2] for p in parts[:2]], [p[3][:, :, :S // 2] for p in parts[:2]])
+    want_tail = fd._combine([parts[0][2][:, S // 2:], parts[1][2][:, S // 2:], parts[2][2], parts[3][2]],
+                            [parts[0][3][:, :, S // 2:], parts[1][3][:, :, S // 2:], parts[2][3], parts[3][3]])
+    out, lse = fd._merge_steps(parts, S)
+    assert torch.equal(out, torch.cat([want_head[0], want_tail[0]], 1))
+    assert torch.equal(lse, torch.cat([want_head[1], want_tail[1]], 2))
+    alone = part(0, S)
+    out, lse = fd._merge_steps([alone, part(S // 2, S)], S)
+    assert out.data_ptr() == alone[2].data_ptr()  # written over step 0's part
 
 
 def _all_to_all_round_trip(rank, path, world):

@@ -44,7 +44,7 @@ def test_tilings_for_several_blocks_per_sm_fit_their_shared_memory():
     """A tiling asking for min_blocks per SM must leave room for them in an SM's shared memory (H100 / H200:
     228 KiB, 1 KiB of it reserved per block); registers are capped by the kernel's launch bounds."""
     for family in set(FAMILIES) - set(NO_INPUTS) - set(PACKED_ROWS):
-        for d in HEAD_DIMS:
+        for d in (256,) if family in ANY_HEAD_DIM else HEAD_DIMS:  # (those compiled at 256 only)
             for mask in (0, MASK_BITS["lengths"] | MASK_BITS["window"], MASK_BITS["mod"]):
                 try:
                     tilings = tiles.candidates(family, d, mask)
@@ -634,6 +634,14 @@ def test_combine_row_warps():
     assert tiles.combine_row_warps(2, 4096, 132, 8) == 1    # two parts: a warp per row
     assert tiles.combine_row_warps(16, 128, 132, 8) == 4
     assert tiles.combine_row_warps(64, 100000, 132, 8) == 1  # rows enough for every warp
+
+
+def test_combine_takes_a_thread_per_8_columns_for_few_parts_over_many_rows():
+    assert tiles.combine_rows(2, 16384 * 16, 132)          # context parallelism's merge: two parts, 262k rows
+    assert tiles.combine_rows(2, 64, 132)                  # few parts
+    assert tiles.combine_rows(32, 1056, 132)
+    assert not tiles.combine_rows(8, 64, 132)              # many parts over few rows: warps share a row's
+    assert not tiles.combine_rows(64, 16384 * 16, 132)     # more parts than measured
 
 
 def test_decode_params_carry_one_stride_set_for_both_caches():

@@ -3,8 +3,11 @@
 // A part whose lse is -inf saw no key (weight 0); a NaN lse (decode.cu: a bad cache value) makes the row NaN. With
 // sinks (decode's), each row's head sink joins as one more part with lse = sink and no value.
 //
-// Warps per (b, token, head) row, grid-stride; lane l holds columns 8l .. 8l + 7 (and the lse of parts l, l + 32, ...). Families (spec.FAMILIES):
-// FRT_PART_F32 = 1: fp32 parts (decode.cu's partials), else parts of the 16-bit dtype; FRT_OUT_F32 = 1: fp32 out.
+// combine: warps per (b, token, head) row, grid-stride; lane l holds columns 8l .. 8l + 7 (and the lse of parts
+// l, l + 32, ...): many parts over few rows (decode's splits). combine_rows (FRT_COMBINE_ROWS = 1): a thread per
+// (row, 8 columns), each over every part: few parts over many rows (context parallelism, cascades), where a warp per
+// row ran latency-bound (docs/perf-notes.md, Context parallelism). Families (spec.FAMILIES): FRT_PART_F32 = 1: fp32
+// parts (decode.cu's partials), else parts of the 16-bit dtype; FRT_OUT_F32 = 1: fp32 out.
 #include "attention/params.cuh"
 
 namespace frt {
@@ -20,6 +23,20 @@ FRT_DEVICE void load8(const void* base, i64 at, float (&x)[8]) {
         const u16* h = reinterpret_cast<const u16*>(&v);
 #pragma unroll
         for (int e = 0; e < 8; ++e) x[e] = Elem<BF16>::to_float(h[e]);
+    }
+}
+
+template <bool OUT_F32, bool BF16>
+FRT_DEVICE void store8(void* base, i64 at, const float (&x)[8]) {
+    if constexpr (OUT_F32) {
+        float4* out = reinterpret_cast<float4*>(reinterpret_cast<float*>(base) + at);
+        out[0] = make_float4(x[0], x[1], x[2], x[3]);
+        out[1] = make_float4(x[4], x[5], x[6], x[7]);
+    } else {
+        uint4 v;
+        v.x = Elem<BF16>::pack(x[0], x[1]), v.y = Elem<BF16>::pack(x[2], x[3]);
+        v.z = Elem<BF16>::pack(x[4], x[5]), v.w = Elem<BF16>::pack(x[6], x[7]);
+        *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(base) + at) = v;
     }
 }
 
@@ -133,24 +150,66 @@ __device__ void combine(const CombineParams& p) {
         const float inv = sum > 0.f ? 1.f / sum : 0.f, qnan = __int_as_float(0x7fffffff);
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = nan ? qnan : acc[e] * inv;
-        if (c < p.D) {
-            if constexpr (OUT_F32) {
-                float4* out = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.o) + row * p.D + c);
-                out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-                out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-            } else {
-                uint4 v;
-                v.x = Elem<T::BF16>::pack(acc[0], acc[1]), v.y = Elem<T::BF16>::pack(acc[2], acc[3]);
-                v.z = Elem<T::BF16>::pack(acc[4], acc[5]), v.w = Elem<T::BF16>::pack(acc[6], acc[7]);
-                *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(p.o) + row * p.D + c) = v;
+        if (c < p.D) store8<OUT_F32, T::BF16>(p.o, row * p.D + c, acc);
+        if (lane == 0) p.lse[st] = nan ? qnan : sum > 0.f ? m + logf(sum) : -FRT_INF;
+    }
+}
+
+// A thread per (row, 8 columns): the row's lse values (a row's threads read the same ones, from L1), then its
+// parts. 8 columns, BATCH loads in flight, added in index order.
+template <class T>
+__device__ void combine_rows(const CombineParams& p) {
+    constexpr bool PART_F32 = FRT_PART_F32, OUT_F32 = FRT_OUT_F32;
+    constexpr int BATCH = 2;
+    const int C8 = p.D / 8;
+    const i64 rows = (i64)p.B * p.Sq * p.H, st_rows = (i64)p.B * p.H * p.Sq;
+    const i64 items = rows * C8, step = (i64)gridDim.x * blockDim.x;
+    for (i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x; item < items; item += step) {
+        const i64 row = item / C8;  // = (b * Sq + i) * H + h, as in out; lse is (B, H, Sq)
+        const int c = (int)(item % C8) * 8;
+        const int h = (int)(row % p.H), i = (int)(row / p.H % p.Sq), b = (int)(row / ((i64)p.H * p.Sq));
+        const i64 st = ((i64)b * p.H + h) * p.Sq + i;
+        const float sink = p.sinks ? p.sinks[h] : -FRT_INF;
+        float m = sink;
+        bool nan = false;
+        for (int s = 0; s < p.n; ++s) {
+            const float l = p.lse_part[s * st_rows + st];
+            nan |= l != l;
+            m = fmaxf(m, l);
+        }
+        float sum = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int s0 = 0; s0 < p.n; s0 += BATCH) {
+            float ws[BATCH], x[BATCH][8];
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int s = s0 + u;
+                const float l = s < p.n ? p.lse_part[s * st_rows + st] : -FRT_INF;
+                ws[u] = l == -FRT_INF ? 0.f : expf(l - m);
+                if (ws[u] != 0.f) load8<PART_F32, T::BF16>(p.o_part, (s * rows + row) * p.D + c, x[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                sum += ws[u];  // (0 past the last part)
+                if (ws[u] != 0.f)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(ws[u], x[u][e], acc[e]);
             }
         }
-        if (lane == 0) p.lse[st] = nan ? qnan : sum > 0.f ? m + logf(sum) : -FRT_INF;
+        if (sink != -FRT_INF) sum += expf(sink - m);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f, qnan = __int_as_float(0x7fffffff);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = nan ? qnan : acc[e] * inv;
+        store8<OUT_F32, T::BF16>(p.o, row * p.D + c, acc);
+        if (c == 0) p.lse[st] = nan ? qnan : sum > 0.f ? m + logf(sum) : -FRT_INF;
     }
 }
 
 }  // namespace frt
 
 #ifdef FRT_KERNEL_NAME
+#if FRT_COMBINE_ROWS
+FRT_ENTRY(ElementwiseTraits, combine_rows, CombineParams)
+#else
 FRT_ENTRY(ElementwiseTraits, combine, CombineParams)
+#endif
 #endif
