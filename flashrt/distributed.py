@@ -9,8 +9,8 @@ and the all-to-all form (ulysses_attention).
 Each rank holds a shard of the sequence (flashrt/ring.py: the layouts and the step plan). The keys and values
 travel around the ring by NCCL point-to-point (torch.distributed.batch_isend_irecv) while the held block is
 computed, so the transfer hides behind the kernels. The steps' (out, lse) parts combine by their lse after the
-ring (flashrt.combine: fp32 sums, one rounding); in the backward each key shard's dK/dV parts from the other
-ranks travel around the ring behind the keys as one accumulator, back to the shard's owner (_ring_backward).
+ring (flashrt.combine: fp32 sums, one rounding); the backward runs the steps in reverse order from the keys the
+forward held last, each key shard's dK/dV parts travelling with it as one accumulator to its owner (_ring_backward).
 The order of every addition is fixed, so with deterministic=True results are bitwise reproducible for a given
 world size.
 
@@ -254,7 +254,8 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
     `reports` (_take_report), to be raised after the ring. sinks (H,): flashrt.forward's, given to step 0's call
     (every row; the combine after the steps is order-free, so the sink counts once); `padding` (B, S_local) bool:
     rows that are no token (cu_seqlens' padding), whose lse goes back to -inf. The steps' parts are kept and
-    combined once after the ring (_merge_steps): one rounding at any world size."""
+    combined once after the ring (_merge_steps): one rounding at any world size. Returns (out, lse, the keys and
+    values held at the last step: rank+1's, where _ring_backward starts)."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     S = q.shape[1]
     steps = ring.ring_steps(layout, world, rank, S, causal)
@@ -276,26 +277,42 @@ def _ring_forward(q, k, v, g, causal: bool, layout: str, scale, ids, reports: li
     out, lse = _merge_steps(parts, S)
     if padding is not None:
         lse.masked_fill_(padding[:, None, :], -math.inf)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, held
 
 
-def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale, impl: str, deterministic: bool,
-                   ids, reports: list, sinks=None):
-    """The dK/dV of rank s's keys: s's own step-0 part stays on s; the others' parts travel as one
-    accumulator that starts on rank s+1 at step 1, gains a part on each rank it reaches and returns to s after
-    the last step. While it holds one part it travels in the kernels' dtype (exact), then in fp32. Reports are taken
-    into `reports` as in _ring_forward. Returns (dq, dk, dv, this rank's share of dsinks or None): out and lse
-    include the sinks, so the steps' kernels need nothing more."""
+def _ring_backward(dout, q, k, v, out, lse, last, g, causal: bool, layout: str, scale, impl: str,
+                   deterministic: bool, ids, reports: list, sinks=None):
+    """The forward's steps in reverse order: step world-1 first, with `last` (the keys and values the forward held
+    last, rank+1's), then each earlier step's keys from the next rank (which held them one step before), down to
+    step 0's own. A key shard's dK/dV parts travel with it as one accumulator, from rank s+world-1 down to its owner s,
+    and reach s while s computes its own step 0, whose part is added last: no transfer waits after the last kernel,
+    and two ranks pass no keys at all. An accumulator of one part travels in the kernels' dtype (exact), of more in
+    fp32; the owner's sum is rounded once. Reports are taken into `reports` as in _ring_forward. Returns (dq, dk, dv,
+    this rank's share of dsinks or None): out and lse include the sinks, so the steps' kernels need nothing more."""
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     S = q.shape[1]
     steps = ring.ring_steps(layout, world, rank, S, causal)
-    held = (k.contiguous(), v.contiguous())
-    dq = own = travelling = None
-    grad_works = []
-    for i, step in enumerate(steps):
-        if i + 1 < world:
-            coming, works = _pass_on(g, held)
-        part = None  # (key rows, dK, dV) of this step
+    nxt, prv = _peers(g)
+    own = (k.contiguous(), v.contiguous())
+    held = own if world == 1 else last
+    # dQ: each step adds its rows (in fp32 where a row adds more than two parts; two bf16 parts round once)
+    dq = torch.zeros_like(q, dtype=torch.float32 if world > 2 else q.dtype)
+    part = incoming = None  # the previous step's (key rows, dK, dV), and its keys' accumulator from the next rank
+    works = []
+    for i in reversed(range(world)):
+        _wait(works)  # the previous step's transfers: this step's keys, the previous keys' accumulator
+        fp32 = world - 1 - i > 1  # the accumulators passed now hold world - 1 - i parts
+        passing = received = coming = ()
+        if i + 1 < world:  # the previous step's keys' accumulator, its part added, to the previous rank; this one's in
+            passing = _accumulate(incoming, part, own, S, fp32)
+            received = tuple(torch.empty_like(t, dtype=torch.float32 if fp32 else None) for t in held)
+        if i >= 2:  # these keys, which the previous rank takes at its step i - 1; the next rank's for step i - 1
+            passing += held
+            coming = tuple(torch.empty_like(t) for t in held)
+        ops = [dist.P2POp(dist.isend, t, prv, g) for t in passing] + [dist.P2POp(dist.irecv, t, nxt, g)
+                                                                      for t in received + coming]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        step, part = steps[i], None
         if step is not None:
             reports.append(_take_report())
             qs, ks = slice(step.q0, step.q1), slice(step.k0, step.k1)
@@ -303,33 +320,31 @@ def _ring_backward(dout, q, k, v, out, lse, g, causal: bool, layout: str, scale,
                                             lse[:, :, qs].contiguous(), causal=step.causal, softmax_scale=scale,
                                             impl=impl, deterministic=deterministic, validate=False,
                                             **_masks(step, ids, rank))
-            if dq is None:  # step 0: every row (in fp32 where rows add more than once)
-                dq = dq_s.float() if world > 2 else dq_s
-            else:
-                dq[:, qs] += dq_s
+            dq[:, qs] += dq_s
             part = (ks, dk_s, dv_s)
-        if i == 0:  # this rank's own keys; step 0 covers every key row. The accumulator is added to it at the end
-            own = (dk_s, dv_s)  # in fp32 and rounded once (an in-place add to a bf16 tensor computes in fp32)
-        else:
-            if i == 1:  # the accumulator starts as this step's part alone
-                whole = step is not None and (step.k0, step.k1) == (0, S)
-                travelling = part[1:] if whole else tuple(torch.zeros_like(t) for t in held)
-                add = None if whole else part
-            else:
-                _wait(grad_works)
-                travelling, add = tuple(t.float() for t in travelling), part
-            if add is not None:
-                for acc, p in zip(travelling, add[1:]):
-                    acc[:, add[0]] += p
-            travelling, grad_works = _pass_on(g, travelling)  # to the next holder; after the last step, the owner
-        if i + 1 < world:
-            _wait(works)
-            held = coming
-    if world > 1:
-        _wait(grad_works)
-        for acc, part in zip(own, travelling):
-            acc += part
-    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), _sink_grad(sinks, dout, out, lse)
+        incoming = received or None
+        held = own if i == 1 else coming or held  # (the transfers complete before the next step: _wait above)
+    _wait(works)
+    if world > 1:  # this rank's keys: step 0's part (every key row) and the accumulator of the others', rounded once
+        dk, dv = _accumulate(incoming, part, own, S, True)
+    else:
+        dk, dv = part[1:]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sink_grad(sinks, dout, out, lse)
+
+
+def _accumulate(acc, part, like, S: int, fp32: bool) -> tuple:
+    """(dK, dV) of a key shard: `acc` (its parts so far, or None) plus `part` ((key rows, dK, dV) or None), in fp32
+    or, for one part, in the kernels' dtype (0 + x is exact). `like`: the shard's keys and values (the shapes)."""
+    if not fp32 and acc is None and part is not None and (part[0].start, part[0].stop) == (0, S):
+        return part[1:]
+    if acc is None:
+        acc = tuple(torch.zeros_like(t, dtype=torch.float32 if fp32 else None) for t in like)
+    elif fp32:
+        acc = tuple(t.float() for t in acc)
+    if part is not None:
+        for a, p in zip(acc, part[1:]):
+            a[:, part[0]] += p
+    return acc
 
 
 def _sink_grad(sinks, dout, out, lse):
@@ -352,7 +367,8 @@ def _resolve(group_name: str):
 def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool, layout: str,
               softmax_scale: Optional[float], impl: str, deterministic: bool, segment_ids: Optional[torch.Tensor],
               cu_seqlens: Optional[torch.Tensor], check: bool,
-              sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+              sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, and the keys and values the ring held last, which the backward starts with)."""
     g = _resolve(group_name)
     reports = [_take_report()]
     check = check and not _capturing()
@@ -364,9 +380,12 @@ def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str
     # (cu_seqlens' padding: q and k ids differ there, -2 / -1 before cu[0] and docs / docs + 1 after cu[-1])
     rank = dist.get_rank(g)
     padding = ids[0][rank] != ids[1][rank] if cu_seqlens is not None and sinks is not None else None
-    out, lse = _ring_forward(q, k, v, g, causal, layout, softmax_scale, ids, reports, sinks, padding)
+    out, lse, (k_last, v_last) = _ring_forward(q, k, v, g, causal, layout, softmax_scale, ids, reports, sinks,
+                                               padding)
     _raise_first(reports)
-    return out, lse
+    mine = {t.untyped_storage().data_ptr() for t in (q, k, v)}  # (one rank: its own; an op's outputs alias no input)
+    k_last, v_last = (t.clone() if t.untyped_storage().data_ptr() in mine else t for t in (k_last, v_last))
+    return out, lse, k_last, v_last
 
 
 def _raise_first(reports: list) -> None:
@@ -380,43 +399,45 @@ def _raise_first(reports: list) -> None:
 def _ring_fwd_fake(q, k, v, group_name, causal, layout, softmax_scale, impl, deterministic, segment_ids, cu_seqlens,
                    check, sinks):
     B, S, H, _ = q.shape
-    return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
+    return (q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32), k.new_empty(k.shape),
+            v.new_empty(v.shape))
 
 
 @torch.library.custom_op("flashrt::ring_bwd", mutates_args=())
 def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-              lse: torch.Tensor, group_name: str, causal: bool, layout: str, softmax_scale: Optional[float], impl: str,
-              deterministic: bool, segment_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+              lse: torch.Tensor, k_last: torch.Tensor, v_last: torch.Tensor, group_name: str, causal: bool,
+              layout: str, softmax_scale: Optional[float], impl: str, deterministic: bool,
+              segment_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
               sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, this rank's share of dsinks); dsinks is empty (0,) without sinks (an op returns no None)."""
     g = _resolve(group_name)
     ids = _ids_per_rank(g, layout, q.shape[1], segment_ids, cu_seqlens)
     reports = [_take_report()]
-    dq, dk, dv, dsinks = _ring_backward(torch_ops._kernel_ready(dout), q, k, v, o, lse, g, causal, layout,
-                                        softmax_scale, impl, deterministic, ids, reports, sinks)
+    dq, dk, dv, dsinks = _ring_backward(torch_ops._kernel_ready(dout), q, k, v, o, lse, (k_last, v_last), g, causal,
+                                        layout, softmax_scale, impl, deterministic, ids, reports, sinks)
     _raise_first(reports)
     return dq, dk, dv, lse.new_empty((0,)) if dsinks is None else dsinks
 
 
 @_ring_bwd.register_fake
-def _ring_bwd_fake(dout, q, k, v, o, lse, group_name, causal, layout, softmax_scale, impl, deterministic,
-                   segment_ids, cu_seqlens, sinks):
+def _ring_bwd_fake(dout, q, k, v, o, lse, k_last, v_last, group_name, causal, layout, softmax_scale, impl,
+                   deterministic, segment_ids, cu_seqlens, sinks):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             lse.new_empty((0,) if sinks is None else sinks.shape))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, group_name, causal, layout, softmax_scale, impl, deterministic, segment_ids, cu_seqlens, _, sinks = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, segment_ids, cu_seqlens, sinks)
+    out, lse, k_last, v_last = output  # (the keys held last: one more K / V shard kept for the backward)
+    ctx.save_for_backward(q, k, v, out, lse, k_last, v_last, segment_ids, cu_seqlens, sinks)
     ctx.options = (group_name, causal, layout, softmax_scale, impl, deterministic)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, k_last, v_last)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, segment_ids, cu_seqlens, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.flashrt.ring_bwd.default(dout, q, k, v, out, lse, *ctx.options, segment_ids,
-                                                            cu_seqlens, sinks)
+def _backward(ctx, dout, _dlse, _dk_last, _dv_last):
+    q, k, v, out, lse, k_last, v_last, segment_ids, cu_seqlens, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.flashrt.ring_bwd.default(dout, q, k, v, out, lse, k_last, v_last, *ctx.options,
+                                                            segment_ids, cu_seqlens, sinks)
     return dq, dk, dv, *(None,) * 9, None if sinks is None else dsinks
 
 
@@ -446,6 +467,8 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
       replicated parameter).
     impl, deterministic: the backward's kernels (flashrt.backward). With deterministic=True the same inputs
       give bitwise the same results on the same world size.
+    Memory: with a gradient, the keys and values the forward held last (another rank's shard) are kept for the
+      backward, which starts from them (one more k, v shard per rank; at two ranks the backward then passes no keys).
     check: before the ring, all-gather every rank's shapes and options and raise on every rank on a mismatch,
       or when a rank holds a failure that an earlier flashrt call's device check reported, and check that the
       document ids do not decrease (one host synchronisation, two with ids; skipped while a CUDA graph is
@@ -478,8 +501,9 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
                              f"q's device {q.device}, got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
         sinks = sinks.float().contiguous()
     scale = None if softmax_scale is None else float(softmax_scale)
-    out, lse = torch.ops.flashrt.ring_fwd.default(q, k, v, g.group_name, bool(causal), layout, scale, impl,
-                                                  bool(deterministic), segment_ids, cu_seqlens, bool(check), sinks)
+    out, lse, _, _ = torch.ops.flashrt.ring_fwd.default(q, k, v, g.group_name, bool(causal), layout, scale, impl,
+                                                        bool(deterministic), segment_ids, cu_seqlens, bool(check),
+                                                        sinks)
     if packed:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

@@ -311,9 +311,11 @@ def _ring_on_cpu(rank, path, world, layout, causal, docs):
             per_rank = fd._ids_per_rank(dist.group.WORLD, layout, S // world, None, cu)
         local = [fd.shard_sequence(t, layout=layout) for t in (q, k, v, dout)]
         reports = []
-        out, lse = fd._ring_forward(*local[:3], dist.group.WORLD, causal, layout, None, per_rank, reports)
-        grads = fd._ring_backward(local[3], *local[:3], out, lse, dist.group.WORLD, causal, layout, None, "auto",
-                                  True, per_rank, reports)
+        out, lse, last = fd._ring_forward(*local[:3], dist.group.WORLD, causal, layout, None, per_rank, reports)
+        want_last = [fd.shard_sequence(t, layout=layout, world=world, rank=(rank + 1) % world) for t in (k, v)]
+        assert all(torch.equal(a, b) for a, b in zip(last, want_last))  # rank + 1's keys: the backward's first
+        grads = fd._ring_backward(local[3], *local[:3], out, lse, last, dist.group.WORLD, causal, layout, None,
+                                  "auto", True, per_rank, reports)
         assert reports and not any(reports)
         if docs == "cu":  # the reference: the stand-in itself over the whole sequence, padding rows and keys apart
             t = torch.arange(S)
@@ -331,15 +333,15 @@ def _ring_on_cpu(rank, path, world, layout, causal, docs):
             sinks = torch.tensor([1.0, -0.5, 0.25, 3.0])
             padding = fd.shard_sequence(pad[None], layout=layout)  # (this rank's share of the test's own padding)
             assert torch.equal(padding, per_rank[0][rank] != per_rank[1][rank])  # (before cu[0] and after cu[-1])
-            out_s, lse_s = fd._ring_forward(*local[:3], dist.group.WORLD, causal, layout, None, per_rank, reports,
-                                            sinks, padding)
+            out_s, lse_s, _ = fd._ring_forward(*local[:3], dist.group.WORLD, causal, layout, None, per_rank,
+                                               reports, sinks, padding)
             folded = torch.logaddexp(lse, sinks.double().view(1, -1, 1))
             tokens = ~padding[:, None, :].expand_as(lse)
             assert torch.allclose(lse_s[tokens], folded[tokens]) and (lse_s[~tokens] == -torch.inf).all()
             assert torch.allclose(out_s, out * torch.exp(lse - folded).nan_to_num().transpose(1, 2)[..., None],
                                   rtol=1e-5, atol=1e-6)
-            *_, dsinks = fd._ring_backward(local[3], *local[:3], out_s, lse_s, dist.group.WORLD, causal, layout, None,
-                                           "auto", True, per_rank, reports, sinks)
+            *_, dsinks = fd._ring_backward(local[3], *local[:3], out_s, lse_s, last, dist.group.WORLD, causal, layout,
+                                           None, "auto", True, per_rank, reports, sinks)
             rows = torch.exp(sinks.double().view(1, -1, 1) - lse_s) * (local[3] * out_s).sum(-1).transpose(1, 2)
             assert torch.allclose(dsinks.double(), -rows.nan_to_num().sum((0, 2)), rtol=1e-5, atol=1e-6)
         else:
