@@ -240,7 +240,8 @@ def combine(out_parts, lse_parts):
     out_parts: (n, B, Sq, H, D) bf16, fp16 or fp32 (or a list of n (B, Sq, H, D) arrays), each part normalised
     over its own keys, as flashrt.forward and flashrt.decode return; lse_parts: (n, B, H, Sq) fp32 (or a list),
     their natural-log lse (-inf: the part saw no key for that row, and adds nothing). out has the parts' dtype,
-    lse is fp32 (B, H, Sq). The parts are added in order: the result is bitwise reproducible.
+    lse is fp32 (B, H, Sq). The parts are added in order: the result is bitwise reproducible (on one GPU model: which
+    of combine.cu's two kernels merges depends on the rows per SM, tiles.combine_rows).
     """
     Op, Lp = _stacked(out_parts, "out_parts"), _stacked(lse_parts, "lse_parts")
     for a, name in ((Op, "out_parts"), (Lp, "lse_parts")):

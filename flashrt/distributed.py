@@ -108,11 +108,16 @@ def _peers(g) -> tuple[int, int]:
     return dist.get_global_rank(g, (rank + 1) % world), dist.get_global_rank(g, (rank - 1) % world)
 
 
-def _pass_on(g, tensors: tuple) -> tuple[tuple, list]:
-    """Start sending `tensors` to the next rank and receiving their successors from the previous one."""
+def _pass_on(g, tensors: tuple, back: bool = False) -> tuple[tuple, list]:
+    """Start sending `tensors` to the next rank and receiving their like from the previous one (back: to the
+    previous, from the next). Every transfer of the ring goes through here (scripts/bench_cp.py's "no comm" replaces
+    it with the tensors themselves)."""
+    if not tensors:
+        return (), []
     nxt, prv = _peers(g)
+    dst, src = (prv, nxt) if back else (nxt, prv)
     received = tuple(torch.empty_like(t) for t in tensors)
-    ops = [dist.P2POp(dist.isend, t, nxt, g) for t in tensors] + [dist.P2POp(dist.irecv, t, prv, g)
+    ops = [dist.P2POp(dist.isend, t, dst, g) for t in tensors] + [dist.P2POp(dist.irecv, t, src, g)
                                                                   for t in received]
     return received, dist.batch_isend_irecv(ops)
 
@@ -292,7 +297,6 @@ def _ring_backward(dout, q, k, v, out, lse, last, g, causal: bool, layout: str, 
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     S = q.shape[1]
     steps = ring.ring_steps(layout, world, rank, S, causal)
-    nxt, prv = _peers(g)
     own = (k.contiguous(), v.contiguous())
     held = own if world == 1 else last
     # dQ: each step adds its rows (in fp32 where a row adds more than two parts; two bf16 parts round once)
@@ -301,17 +305,11 @@ def _ring_backward(dout, q, k, v, out, lse, last, g, causal: bool, layout: str, 
     works = []
     for i in reversed(range(world)):
         _wait(works)  # the previous step's transfers: this step's keys, the previous keys' accumulator
-        fp32 = world - 1 - i > 1  # the accumulators passed now hold world - 1 - i parts
-        passing = received = coming = ()
-        if i + 1 < world:  # the previous step's keys' accumulator, its part added, to the previous rank; this one's in
-            passing = _accumulate(incoming, part, own, S, fp32)
-            received = tuple(torch.empty_like(t, dtype=torch.float32 if fp32 else None) for t in held)
-        if i >= 2:  # these keys, which the previous rank takes at its step i - 1; the next rank's for step i - 1
-            passing += held
-            coming = tuple(torch.empty_like(t) for t in held)
-        ops = [dist.P2POp(dist.isend, t, prv, g) for t in passing] + [dist.P2POp(dist.irecv, t, nxt, g)
-                                                                      for t in received + coming]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        # to the previous rank, and their like from the next: the previous step's keys' accumulator, its part added
+        # (holding world - 1 - i parts); from step 2 on, these keys (the previous rank's at its step i - 1)
+        acc = _accumulate(incoming, part, own, S, world - 1 - i > 1) if i + 1 < world else ()
+        got, works = _pass_on(g, acc + (held if i >= 2 else ()), back=True)
+        received, coming = got[:len(acc)], got[len(acc):]
         step, part = steps[i], None
         if step is not None:
             reports.append(_take_report())
@@ -469,6 +467,7 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
       give bitwise the same results on the same world size.
     Memory: with a gradient, the keys and values the forward held last (another rank's shard) are kept for the
       backward, which starts from them (one more k, v shard per rank; at two ranks the backward then passes no keys).
+      The forward holds each step's output until it combines them after the ring: up to 2 x world outputs at once.
     check: before the ring, all-gather every rank's shapes and options and raise on every rank on a mismatch,
       or when a rank holds a failure that an earlier flashrt call's device check reported, and check that the
       document ids do not decrease (one host synchronisation, two with ids; skipped while a CUDA graph is
