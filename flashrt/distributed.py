@@ -323,11 +323,10 @@ def _ring_backward(dout, q, k, v, out, lse, last, g, causal: bool, layout: str, 
         incoming = received or None
         held = own if i == 1 else coming or held  # (the transfers complete before the next step: _wait above)
     _wait(works)
-    if world > 1:  # this rank's keys: step 0's part (every key row) and the accumulator of the others', rounded once
-        dk, dv = _accumulate(incoming, part, own, S, True)
-    else:
-        dk, dv = part[1:]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sink_grad(sinks, dout, out, lse)
+    dk, dv = part[1:]  # step 0's: this rank's keys, every row
+    for mine, others in zip((dk, dv), incoming or ()):  # the others' accumulator, in fp32 and rounded once
+        mine += others
+    return dq.to(q.dtype), dk, dv, _sink_grad(sinks, dout, out, lse)
 
 
 def _accumulate(acc, part, like, S: int, fp32: bool) -> tuple:
