@@ -1,0 +1,64 @@
+"""Host time inside one ring_attention forward on each rank: how long _pass_on (torch's batch_isend_irecv),
+_take_report and each step's api.forward take on the host (time.perf_counter around each, medians of 20 calls after
+a warm-up; the GPU is made busy first so that the host never waits for it), and the whole call's host time.
+
+    python3 scripts/probes/cp_host_time.py [S] [H/Hkv/D]     (every visible GPU)
+"""
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_cp import join  # noqa: E402
+
+
+def _worker(rank, world, path, S, heads):
+    join(rank, world, path)
+    import flashrt.distributed as fd
+    from flashrt import api
+    H, Hkv, D = heads
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q, k, v = (fd.shard_sequence(torch.randn(1, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16))
+               for h in (H, Hkv, Hkv))
+    spent = {"_pass_on": [], "_take_report": [], "api.forward": [], "_merge_steps": [], "whole call": []}
+
+    def timed(owner, name):
+        real = getattr(owner, name.split(".")[-1])
+
+        def run(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                spent[name].append((time.perf_counter() - t) * 1e6)
+        setattr(owner, name.split(".")[-1], run)
+
+    for _ in range(3):
+        fd.ring_attention(q, k, v, causal=True, check=False)
+    torch.cuda.synchronize()
+    timed(fd, "_pass_on"), timed(fd, "_take_report"), timed(fd, "_merge_steps"), timed(api, "api.forward")
+    for v_ in spent.values():
+        v_.clear()
+    for _ in range(20):
+        torch.cuda._sleep(20_000_000)  # (~10 ms of GPU time: the host runs ahead)
+        t = time.perf_counter()
+        fd.ring_attention(q, k, v, causal=True, check=False)
+        spent["whole call"].append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+    print(f"rank {rank}, S={S}: host us per call (median of {len(spent['whole call'])}), per occurrence: "
+          + ", ".join(f"{n} {statistics.median(t):.0f} x{len(t) // 20}" for n, t in spent.items() if t), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    S = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
+    heads = tuple(map(int, (sys.argv[2] if len(sys.argv) > 2 else "16/16/128").split("/")))
+    world = torch.cuda.device_count()
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, os.path.join(d, "rendezvous"), S, heads), nprocs=world)
