@@ -81,9 +81,10 @@ def fit_table(a, sms: int, form: str) -> list[str]:
 
 def grid_table(a, forms: list[str]) -> list[str]:
     """flashrt.backward alone per form, CUDA events over 10 calls, medians of interleaved rounds."""
-    cases = [(D, S, c, det) for D in map(int, a.head_dims.split(",")) for S in (1024, 4096, 16384)
+    cases = [(D, S, c, det) for D in map(int, a.head_dims.split(",")) for S in map(int, a.grid_seqlens.split(","))
              for c in (False, True) for det in (False, True)]
-    cases += [(D, 4096, "docs", False) for D in map(int, a.head_dims.split(","))]  # (ordered: not with ids)
+    if a.docs:
+        cases += [(D, 4096, "docs", False) for D in map(int, a.head_dims.split(","))]  # (ordered: not with ids)
     times = {(f, c): [] for f in forms for c in cases}
     inputs = {}
     for D, S, c, det in cases:
@@ -131,6 +132,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--forms", default="base:")
     ap.add_argument("--grid", action="store_true")
+    ap.add_argument("--grid-seqlens", default="1024,4096,16384")
+    ap.add_argument("--docs", type=int, default=1, help="--grid: also 4k causal in four documents (0: not)")
     a = ap.parse_args()
     sms = launch.device(0).sm_count
     print(torch.cuda.get_device_name(), f"{sms} SMs", flush=True)
