@@ -4,47 +4,36 @@ a warm-up; the GPU is made busy first so that the host never waits for it), and 
 
     python3 scripts/probes/cp_host_time.py [S] [H/Hkv/D]     (every visible GPU)
 """
-import os
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_cp import join  # noqa: E402
+from cp_timeline import join, run, shards  # (it puts the repository and scripts/ on the path)
 
 
 def _worker(rank, world, path, S, heads):
     join(rank, world, path)
     import flashrt.distributed as fd
     from flashrt import api
-    H, Hkv, D = heads
-    g = torch.Generator(device="cuda").manual_seed(S)
-    q, k, v = (fd.shard_sequence(torch.randn(1, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16))
-               for h in (H, Hkv, Hkv))
+    q, k, v, _ = shards(S, heads)
     spent = {"_pass_on": [], "_take_report": [], "api.forward": [], "_merge_steps": [], "whole call": []}
 
     def timed(owner, name):
         real = getattr(owner, name.split(".")[-1])
 
-        def run(*a, **kw):
+        def wrapped(*a, **kw):
             t = time.perf_counter()
             try:
                 return real(*a, **kw)
             finally:
                 spent[name].append((time.perf_counter() - t) * 1e6)
-        setattr(owner, name.split(".")[-1], run)
+        setattr(owner, name.split(".")[-1], wrapped)
 
     for _ in range(3):
         fd.ring_attention(q, k, v, causal=True, check=False)
     torch.cuda.synchronize()
     timed(fd, "_pass_on"), timed(fd, "_take_report"), timed(fd, "_merge_steps"), timed(api, "api.forward")
-    for v_ in spent.values():
-        v_.clear()
     for _ in range(20):
         torch.cuda._sleep(20_000_000)  # (~10 ms of GPU time: the host runs ahead)
         t = time.perf_counter()
@@ -57,8 +46,4 @@ def _worker(rank, world, path, S, heads):
 
 
 if __name__ == "__main__":
-    S = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
-    heads = tuple(map(int, (sys.argv[2] if len(sys.argv) > 2 else "16/16/128").split("/")))
-    world = torch.cuda.device_count()
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "rendezvous"), S, heads), nprocs=world)
+    run(_worker, 32768)

@@ -16,13 +16,29 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_cp import join, no_comm, timed_ms  # noqa: E402
 
 
-def _worker(rank, world, path, S, heads):
-    join(rank, world, path)
+def shards(S: int, heads: tuple) -> list:
+    """This rank's zigzag shards of fresh (1, S, h, D) bf16 q, k, v and dout (seeded by S: every rank alike)."""
     import flashrt.distributed as fd
     H, Hkv, D = heads
     g = torch.Generator(device="cuda").manual_seed(S)
-    local = [fd.shard_sequence(torch.randn(1, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16))
-             for h in (H, Hkv, Hkv, H)]
+    return [fd.shard_sequence(torch.randn(1, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16))
+            for h in (H, Hkv, Hkv, H)]
+
+
+def run(worker, default_S: int) -> None:
+    """worker(rank, world, rendezvous path, S, (H, Hkv, D)) on every visible GPU, S and H/Hkv/D from the command
+    line."""
+    S = int(sys.argv[1]) if len(sys.argv) > 1 else default_S
+    heads = tuple(map(int, (sys.argv[2] if len(sys.argv) > 2 else "16/16/128").split("/")))
+    world = torch.cuda.device_count()
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(world, os.path.join(d, "rendezvous"), S, heads), nprocs=world)
+
+
+def _worker(rank, world, path, S, heads):
+    join(rank, world, path)
+    import flashrt.distributed as fd
+    local = shards(S, heads)
     x = [t.requires_grad_() for t in local[:3]]
 
     def step():
@@ -53,8 +69,4 @@ def _worker(rank, world, path, S, heads):
 
 
 if __name__ == "__main__":
-    S = int(sys.argv[1]) if len(sys.argv) > 1 else 65536
-    heads = tuple(map(int, (sys.argv[2] if len(sys.argv) > 2 else "16/16/128").split("/")))
-    world = torch.cuda.device_count()
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "rendezvous"), S, heads), nprocs=world)
+    run(_worker, 65536)
