@@ -7,7 +7,11 @@ Per point, interleaved rounds (medians; CUDA events, after a warm-up), each rank
 slowest rank counting:
   ring: ring_attention over the world; ring (no comm): the same kernels with the transfers replaced by the
   local keys (what the steps cost with nothing to hide); ulysses: ulysses_attention (all-to-all); single:
-  flashrt.attention on one GPU, whole sequence.
+  flashrt.attention on one GPU, whole sequence. Ring and Ulysses with check=False (their cross-rank argument check
+  is a host synchronisation).
+Every call is timed with the host ahead of the GPU (as in training: a sleep kernel, then an all-reduce that lines
+the GPUs up, while the host queues it), and, in the last column, alone (its host time before the first kernel
+counted).
 Per-GPU TF/s = FLOPs / world / time (FLOPs: 4*B*H*S^2*D halved for causal, x2.5 for the backward); scaling
 efficiency = single time / (world * ring time); hidden = no-comm time / ring time; K/V pass: one step's
 transfer alone (each rank's keys and values to the next rank).
@@ -48,16 +52,28 @@ def no_comm(fn):
     return run
 
 
-def timed_ms(fn) -> float:
-    """One call of fn on every rank at once (a barrier first), in ms by CUDA events."""
+AHEAD_CYCLES = 20_000_000  # (~10 ms of GPU time at ~2 GHz, longer than a call's host time)
+
+
+def timed_ms(fn, ahead: bool) -> tuple:
+    """One call of fn on every rank at once (a barrier first): (ms by CUDA events, whether the host fell behind).
+    ahead: the GPU is first kept busy (torch.cuda._sleep, then an all-reduce that lines the GPUs up again: their
+    sleeps end apart) while the host queues the call, which is then timed as in training, where the host runs ahead of
+    the GPU; behind: the GPU reached the call before the host had queued it (a call too long on the host for the
+    sleep, or one that waits for the GPU). Otherwise the call's host time before its first kernel counts too (a call
+    timed alone)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     dist.barrier()
     torch.cuda.synchronize()
+    if ahead:
+        torch.cuda._sleep(AHEAD_CYCLES)
+        dist.all_reduce(torch.zeros(1, device="cuda"))
     start.record()
     fn()
     end.record()
+    behind = ahead and start.query()
     torch.cuda.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end), behind
 
 
 def _slowest(ms: float) -> float:
@@ -88,7 +104,7 @@ def _worker(rank, world, path, args, results_path):
         def ulysses(fb):
             def run():
                 x = [t.requires_grad_(fb) for t in local[:3]]
-                out = fd.ulysses_attention(*x, causal=True, layout=args.layout)
+                out = fd.ulysses_attention(*x, causal=True, layout=args.layout, check=False)
                 if fb:
                     torch.autograd.grad(out, x, local[3])
             return run
@@ -109,19 +125,27 @@ def _worker(rank, world, path, args, results_path):
                  "ulysses fwd": ulysses(False), "single fwd": single(False), "ring fwd+bwd": ring_fb,
                  "ring fwd+bwd (no comm)": no_comm(ring_fb), "ulysses fwd+bwd": ulysses(True),
                  "single fwd+bwd": single(True)}
-        times = {name: [] for name in cases}
+        times = {(name, ahead): [] for name in cases for ahead in (True, False)}
         for fn in cases.values():  # warm-up (compiles the kernels)
             fn()
+        behind = {name: 0 for name in cases}  # rounds where the host fell behind (timed_ms)
+
+        def one(key):
+            ms, late = timed_ms(cases[key[0]], key[1])
+            times[key].append(ms)
+            behind[key[0]] += late
         if args.grouped:  # every round of one case, then the next case's
-            for name, fn in cases.items():
+            for key in times:
                 for _ in range(args.rounds):
-                    times[name].append(timed_ms(fn))
+                    one(key)
         else:
             for _ in range(args.rounds):
-                for name, fn in cases.items():
-                    times[name].append(timed_ms(fn))
-        med = {name: _slowest(statistics.median(t)) for name, t in times.items()}
-        spread = {name: (_slowest(min(t)), _slowest(max(t))) for name, t in times.items()}
+                for key in times:
+                    one(key)
+        alone = {name: _slowest(statistics.median(t)) for (name, ahead), t in times.items() if not ahead}
+        med = {name: _slowest(statistics.median(t)) for (name, ahead), t in times.items() if ahead}
+        spread = {name: (_slowest(min(t)), _slowest(max(t))) for (name, ahead), t in times.items() if ahead}
+        behind = {name: int(_slowest(n)) for name, n in behind.items()}
         flops = 4 * H * S * S * D / 2
         for kind, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
             ring_ms, alone_ms, single_ms = med[f"ring {kind}"], med[f"ring {kind} (no comm)"], med[f"single {kind}"]
@@ -130,9 +154,12 @@ def _worker(rank, world, path, args, results_path):
                              ring_tfs_per_gpu=flops * mult / world / ring_ms / 1e9,
                              single_tfs=flops * mult / single_ms / 1e9,
                              efficiency=single_ms / (world * ring_ms), hidden=alone_ms / ring_ms,
+                             ring_ms_alone=alone[f"ring {kind}"], single_ms_alone=alone[f"single {kind}"],
+                             efficiency_alone=alone[f"single {kind}"] / (world * alone[f"ring {kind}"]),
                              kv_pass_ms=med["kv pass"], ulysses_ms=med[f"ulysses {kind}"],
                              ulysses_efficiency=single_ms / (world * med[f"ulysses {kind}"]),
-                             min_max_ms={n: spread[n] for n in spread if kind in n.split() or n == "kv pass"}))
+                             min_max_ms={n: spread[n] for n in spread if kind in n.split() or n == "kv pass"},
+                             host_behind={n: behind[n] for n in behind if kind in n.split() or n == "kv pass"}))
         whole = local = cases = None  # (frees them before the next length)
         torch.cuda.empty_cache()
     if rank == 0:
@@ -159,13 +186,17 @@ def main():
     lines = [f"Context parallel, {data['device']} x{args.world}, causal bf16, {args.layout}, medians of "
              f"{args.rounds} rounds", "",
              "| S | H/Hkv/D | pass | ring ms | no-comm ms | single-GPU ms | per-GPU TF/s (ring) | single TF/s | "
-             "efficiency | hidden | K/V pass ms | Ulysses ms | Ulysses efficiency |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "efficiency | hidden | K/V pass ms | Ulysses ms | Ulysses efficiency | timed alone: ring / single ms, "
+             "efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         lines.append(f"| {r['S'] // 1024}k | {r['H']}/{r['Hkv']}/{r['D']} | {r['kind']} | {r['ring_ms']:.2f} | "
                      f"{r['no_comm_ms']:.2f} | {r['single_ms']:.2f} | {r['ring_tfs_per_gpu']:.0f} | "
                      f"{r['single_tfs']:.0f} | {r['efficiency']:.1%} | {r['hidden']:.1%} | {r['kv_pass_ms']:.2f} | "
-                     f"{r['ulysses_ms']:.2f} | {r['ulysses_efficiency']:.1%} |")
+                     f"{r['ulysses_ms']:.2f} | {r['ulysses_efficiency']:.1%} | {r['ring_ms_alone']:.2f} / "
+                     f"{r['single_ms_alone']:.2f}, {r['efficiency_alone']:.1%} |")
+    late = {f"{r['S'] // 1024}k {n}": b for r in data["rows"] for n, b in r["host_behind"].items() if b}
+    if late:
+        lines += ["", f"The host fell behind the GPU (rounds of {args.rounds}, the worse rank): {late}"]
     text = "\n".join(lines)
     print(text)
     if args.out:
