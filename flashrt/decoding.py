@@ -244,6 +244,12 @@ def combine(out_parts, lse_parts):
     of combine.cu's two kernels merges depends on the rows per SM, tiles.combine_rows).
     """
     Op, Lp = _stacked(out_parts, "out_parts"), _stacked(lse_parts, "lse_parts")
+    # (planned once per signature, as forward / decode: building a plan each call cost ~0.1-0.2 ms of host time)
+    return tuple(_planned("combine", (Op.obj, Lp.obj), (), {}, 0, lambda tensors: _combine_plan(Op, Lp)))
+
+
+def _combine_plan(Op, Lp) -> _Plan:
+    """combine's plan for parts laid out as Op, Lp (checked here, once per signature)."""
     for a, name in ((Op, "out_parts"), (Lp, "lse_parts")):
         if a.device < 0:
             raise ValueError(f"{name} is in host memory; flashrt needs CUDA tensors")
@@ -262,16 +268,14 @@ def combine(out_parts, lse_parts):
                          f"groups' results")
     allocs = [_Alloc(("o",), (B, Sq, H, D), "like"), _Alloc(("lse",), (B, H, Sq), "f32")]
     if B * Sq * H == 0:
-        return tuple(_Plan([], (), allocs, [], None).run((Op.obj, Lp.obj)))
+        return _Plan([], (), allocs, [], None)
     dev = launch.device(Op.device)
     rows = tiles.combine_rows(n, B * Sq * H, dev.sm_count)  # (combine.cu: a thread per 8 columns, or warps a row)
     family = ("combine_rows" if rows else "combine") + ("_f32" if Op.dtype == "float32" else "")
     spec = tiles.kernel_for(family, D, "bf16" if Op.dtype == "float32" else Op.dtype, False, dev)
     rw = 1 if rows else tiles.combine_row_warps(n, B * Sq * H, dev.sm_count, spec.warps)
-    plan = _Plan([(params.COMBINE, dict(n=n, B=B, Sq=Sq, H=H, D=D, row_warps=rw), {})], ("o_part", "lse_part"),
+    return _Plan([(params.COMBINE, dict(n=n, B=B, Sq=Sq, H=H, D=D, row_warps=rw), {})], ("o_part", "lse_part"),
                  allocs, [(spec, launch.grid(spec, B, H, H, Sq, 0, dev.sm_count, row_warps=rw), 0)], dev)
-    out, lse = plan.run((Op.obj, Lp.obj))
-    return out, lse
 
 
 def _stacked(x, name: str) -> interop.Array:
