@@ -244,7 +244,7 @@ def combine(out_parts, lse_parts):
     of combine.cu's two kernels merges depends on the rows per SM, tiles.combine_rows).
     """
     Op, Lp = _stacked(out_parts, "out_parts"), _stacked(lse_parts, "lse_parts")
-    # (planned once per signature, as forward / decode: building a plan each call cost ~0.1-0.2 ms of host time)
+    # (planned once per signature, as forward / decode: ~20 us less host time a call than a plan built each time)
     return tuple(_planned("combine", (Op.obj, Lp.obj), (), {}, 0, lambda tensors: _combine_plan(Op, Lp)))
 
 
