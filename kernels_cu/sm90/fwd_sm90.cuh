@@ -46,15 +46,20 @@ struct FwdRows {
     // O's rescale and P's packing, once the P V wgmma issued last iteration is done. (At the top of
     // an iteration: written at its end, the wait was hoisted by ptxas above the softmax, whatever
     // kept P's registers live: docs/perf-notes.md: Forward: wgmma (fwd_sm90).)
+    // RESCALE false: O's rescale left to rescale_o (fwd_sm90_ws.cu runs it under the next S wgmma).
+    template <bool RESCALE = true>
     FRT_DEVICE void retire_pv() {
         wgmma_wait<0>();
         fence_operand(o);
+        if constexpr (RESCALE) rescale_o();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, BF16>(s, kk, pa[kk]);
+    }
+    FRT_DEVICE void rescale_o() {
 #pragma unroll
         for (int jj = 0; jj < D / 8; ++jj)
 #pragma unroll
             for (int c = 0; c < 4; ++c) o[4 * jj + c] *= alpha[c >> 1];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, BF16>(s, kk, pa[kk]);
     }
 
     // mask_mod's element mask of key tile n0.. on the thread's elements of s (MOD_FENCED). Where the

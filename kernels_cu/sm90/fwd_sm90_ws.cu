@@ -25,9 +25,16 @@
 // 128 at 176), the one slot goes back when the item's last S is complete (EARLY_Q), and O is stored from registers.
 // Each consumer warpgroup runs fwd_sm90.cu's loop (S = Q K^T of tile it and O += P V of tile
 // it - 1 issued together, tile it's softmax under the P V wgmma), and the warpgroups issue
-// their wgmmas in turn (named barriers 4, 5 and 7): one's softmax runs under the others' wgmmas.
+// their wgmmas in turn (named barriers 4, 5 and 7): one's softmax runs under the others' wgmmas; not above
+// head_dim 128 (FwdWsTraits::PINGPONG).
 #include "sm90/fwd_sm90.cuh"
 
+#ifndef FRT_FWD_PINGPONG_MAX_D  // (256: an A/B of FwdWsTraits::PINGPONG)
+#define FRT_FWD_PINGPONG_MAX_D 128
+#endif
+#ifndef FRT_FWD_RESCALE_UNDER_S  // (0: an A/B of FwdWsTraits::RESCALE_UNDER_S)
+#define FRT_FWD_RESCALE_UNDER_S 1
+#endif
 #ifndef FRT_FWD_EARLY_Q  // (0: an A/B of FwdWsTraits::EARLY_Q)
 #define FRT_FWD_EARLY_Q 1
 #endif
@@ -64,6 +71,12 @@ struct FwdWsTraits {
     // tile's softmax, P V and epilogue (docs/perf-notes.md: head_dim 192 and 256).
     static constexpr bool EARLY_Q = Q_SLOTS == 1 && !IDS && FRT_FWD_EARLY_Q;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+    // The consumer warpgroups take turns at the wgmmas (named barriers 4, 5, 7) up to head_dim 128; above it each
+    // issues when its operands are there (FlashAttention-3 / 4's choice; docs/perf-notes.md: head_dim 192 and 256)
+    static constexpr bool PINGPONG = D <= FRT_FWD_PINGPONG_MAX_D;
+    // Without the turns, O's rescale by the last softmax runs under the S wgmma, before P V is issued (FA3 / 4's
+    // order above head_dim 128), not between the P V wait and the S issue
+    static constexpr bool RESCALE_UNDER_S = !PINGPONG && FRT_FWD_RESCALE_UNDER_S;
     // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each (Q: one per slot); then each Q
     // slot's work item (32 bytes: the item, an int, -1 when no work is left, and at 16 bytes its WorkItem,
     // decoded by the producer), then the producer's next claimed item (int). With id arrays, then each Q
@@ -218,6 +231,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
     // The wgmma turn, round robin from warpgroup 0 (named barrier 4: its turn, 5: warpgroup 1's, 7: warpgroup 2's;
     // 6 is the producer's).
     auto my_turn = [&] {
+        if constexpr (!T::PINGPONG) return;
         if (wg == 0)
             bar_wait<4, 256>();
         else if (T::CONSUMER_WGS == 2 || wg == 1)
@@ -226,6 +240,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             bar_wait<7, 256>();
     };
     auto their_turn = [&] {
+        if constexpr (!T::PINGPONG) return;
         if (wg == 0)
             bar_arrive<5, 256>();
         else if (T::CONSUMER_WGS == 2 || wg == 2)
@@ -233,7 +248,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         else
             bar_arrive<7, 256>();
     };
-    if (wg == T::CONSUMER_WGS - 1) bar_arrive<4, 256>();
+    if (T::PINGPONG && wg == T::CONSUMER_WGS - 1) bar_arrive<4, 256>();
 
     Ring<T::Q_SLOTS> qr;  // as the producer's
     Ring<2> kr;
@@ -258,7 +273,8 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         auto key_step = [&](int it) {
             const int j = key_tile(tile, it);
             const u32 st = kr.slot(), full = kr.parity();  // (the other stage: st ^ 1)
-            r.retire_pv();  // P V of tile it - 2 (issued last iteration) is done: its V stage goes back
+            // P V of tile it - 2 (issued last iteration) is done: its V stage goes back
+            r.template retire_pv<!T::RESCALE_UNDER_S>();
             if (it > 1) mbar_arrive(bar(T::V_EMPTY, st));
             mbar_wait(bar(T::K_FULL, st), full);
             if (it > 0) mbar_wait(bar(T::V_FULL, st ^ 1), kr.prev().parity());
@@ -269,6 +285,10 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             wgmma_abt<BN, BM, D / 16, T::BF16>(r.s, sQw, sK + st * T::KV_BYTES);
             wgmma_commit();
             if (it > 0) {
+                if constexpr (T::RESCALE_UNDER_S) {
+                    r.rescale_o();
+                    wgmma_fence();  // (O's rescaled registers before the P V wgmma reads them)
+                }
                 wgmma_rs_mn<D, BN, T::BF16>(r.o, r.pa, sV + (st ^ 1) * T::KV_BYTES);
                 wgmma_commit();
                 their_turn();
@@ -335,7 +355,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             mbar_arrive(bar(T::Q_EMPTY, qs));
         }
     }
-    if (wg == 0) bar_wait<4, 256>();  // the last warpgroup's last "your turn"
+    if (T::PINGPONG && wg == 0) bar_wait<4, 256>();  // the last warpgroup's last "your turn"
 }
 
 }  // namespace frt
