@@ -245,8 +245,9 @@ def _dropout_fields(p: float) -> dict:
 def _first_turn_stores(m: masks.Masking) -> bool:
     """The ordered wgmma fused backward's query tiles each take a first turn of dQ where every query row sees a key
     (no mask arrays, window or mask_mod; causal aligned so that row 0 sees key 0): that turn stores its dQ, so that
-    bwd_preprocess need not zero dq_accum (BwdParams::dq_first_store; docs/perf-notes.md: Ordered grid)."""
-    if m.bits or m.varlen or m.mask_mod or m.Sk == 0:
+    bwd_preprocess need not zero dq_accum (BwdParams::dq_first_store; docs/perf-notes.md: Ordered grid). Not with
+    FLASHRT_NO_DQ_FIRST_STORE=1."""
+    if m.bits or m.varlen or m.mask_mod or m.Sk == 0 or _env.no_dq_first_store():
         return False
     return not m.causal or bool(m.fields.get("top_left")) or m.Sq <= m.Sk
 
@@ -931,7 +932,7 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: 
             rest += (interop.stream(tensors[0]),)
     sig = _signatures(tensors)
     return None if sig is None else (kind, sig, options, rest, mode if mask_args else 0, _env.no_sm90(),
-                                     _env.no_tma(), _env.no_decode_forward())
+                                     _env.no_tma(), _env.no_decode_forward(), _env.no_dq_first_store())
 
 
 def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: int, build) -> list:
