@@ -17,9 +17,9 @@ _ENCODED: dict = {}
 
 
 def _get(name: str) -> str | None:
-    """os.environ.get(name), read at every attention call (no_sm90, no_tma: the plan key) in ~0.2 us instead of
-    ~2: os.environ.get of an unset name raises and catches a KeyError. CPython's os.environ keeps its items,
-    encoded, in the dict `_data` (which os.environ's own writes update); elsewhere, os.environ.get."""
+    """os.environ.get(name), read at every attention call (no_sm90, no_tma, no_dq_first_store: the plan key) in ~0.2
+    us instead of ~2: os.environ.get of an unset name raises and catches a KeyError. CPython's os.environ keeps its
+    items, encoded, in the dict `_data` (which os.environ's own writes update); elsewhere, os.environ.get."""
     data = getattr(os.environ, "_data", None)
     if type(data) is not dict:
         return os.environ.get(name)
@@ -66,6 +66,13 @@ def no_tma() -> bool:
     return _flag("FLASHRT_NO_TMA")
 
 
+def no_dq_first_store() -> bool:
+    """FLASHRT_NO_DQ_FIRST_STORE=1: the ordered Hopper fused backward zeroes its fp32 dQ accumulator first instead of
+    storing each query tile's first dQ turn (A/B timing; compute-sanitizer's initcheck, which does not see the bulk
+    copies' writes: scripts/probes/initcheck_bulk.py)."""
+    return _flag("FLASHRT_NO_DQ_FIRST_STORE")
+
+
 def no_decode_forward() -> bool:
     """FLASHRT_NO_DECODE_FORWARD=1: flashrt.forward with 16 query rows or fewer keeps the forward kernels instead of decode's split-KV ones (A/B timing, a fallback)."""
     return _flag("FLASHRT_NO_DECODE_FORWARD")
@@ -79,6 +86,7 @@ def record() -> str | None:
 VARIABLES = {
     "FLASHRT_NO_SM90": no_sm90.__doc__,
     "FLASHRT_NO_TMA": no_tma.__doc__,
+    "FLASHRT_NO_DQ_FIRST_STORE": no_dq_first_store.__doc__,
     "FLASHRT_NO_DECODE_FORWARD": no_decode_forward.__doc__,
     "FLASHRT_CACHE_DIR": cache_dir.__doc__,
     "FLASHRT_NVRTC": nvrtc.__doc__,

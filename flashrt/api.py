@@ -242,6 +242,16 @@ def _dropout_fields(p: float) -> dict:
     return {"drop_keep": keep, "drop_scale": (1 << bits) / keep}
 
 
+def _first_turn_stores(m: masks.Masking) -> bool:
+    """The ordered wgmma fused backward's query tiles each take a first turn of dQ where every query row sees a key
+    (no mask arrays, window or mask_mod; causal aligned so that row 0 sees key 0): that turn stores its dQ, so that
+    bwd_preprocess need not zero dq_accum (BwdParams::dq_first_store; docs/perf-notes.md: Ordered grid). Not with
+    FLASHRT_NO_DQ_FIRST_STORE=1."""
+    if m.bits or m.varlen or m.mask_mod or m.Sk == 0 or _env.no_dq_first_store():
+        return False
+    return not m.causal or bool(m.fields.get("top_left")) or m.Sq <= m.Sk
+
+
 def dropout_rng(like):
     """A fresh dropout (seed, offset) pair for flashrt.forward / backward's dropout_rng: an int64 array of 2 on
     `like`'s device, in its library. For torch, drawn on the device from torch's generator (torch.manual_seed makes it
@@ -715,6 +725,7 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
         if deterministic:  # a counter per query tile
             allocs.append(_Alloc(("dq_sem",), (m.B, H, -(-m.Sq // main.block_m)), "i32", 0))
             p["dq_rotate"] = int(rotated(main, splits))
+            p["dq_first_store"] = int(main.family == "bwd_fused_sm90" and _first_turn_stores(m))
         families = ["bwd_preprocess", fused_family, "bwd_dq_convert"]
     elif dq_family == "bwd_dq_sm90":  # it computes delta and lse2 (bwd_preprocess's work) for the dK/dV pass
         families = [dq_family, dkdv_family]
@@ -921,7 +932,7 @@ def _plan_key(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: 
             rest += (interop.stream(tensors[0]),)
     sig = _signatures(tensors)
     return None if sig is None else (kind, sig, options, rest, mode if mask_args else 0, _env.no_sm90(),
-                                     _env.no_tma(), _env.no_decode_forward())
+                                     _env.no_tma(), _env.no_decode_forward(), _env.no_dq_first_store())
 
 
 def _planned(kind: str, tensors: tuple, options: tuple, mask_args: dict, mode: int, build) -> list:

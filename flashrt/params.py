@@ -96,7 +96,7 @@ BWD = np.dtype(
     + [(n, _PTR) for n in ("q", "k", "v", "o", "dout", "lse", "lse2", "delta", "dq", "dk", "dv", "dkv_partial",
                            "dq_accum", "dq_sem")]
     + [("splits", _I32), ("sched_pairs", _I32), ("sched_key_pairs", _I32), ("dq_swizzle", _I32), ("use_tma", _I32),
-       ("dq_rotate", _I32)]
+       ("dq_rotate", _I32), ("dq_first_store", _I32)]
     + _MASK_PTRS
     + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
     + _STATS + _DIMS

@@ -12,9 +12,11 @@ for tool in "${tools[@]}"; do
     # initcheck must see the writes of torch's kernels that fill the inputs, so it checks every kernel. (A narrower
     # racecheck filter that leaves decode.cu's cluster kernels uninstrumented stops at them with "failed to handle a
     # hardware exception": the tool's; docs/history/perf-notes-log.md, "Racecheck and the cluster decode".)
-    filter=(--kernel-name kns=flashrt_)
-    [ "$tool" = initcheck ] && filter=()
-    compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 99 \
+    # initcheck does not see the global writes of bulk copies (scripts/probes/initcheck_bulk.py), so it runs with the
+    # ordered backward zeroing dq_accum first (FLASHRT_NO_DQ_FIRST_STORE=1) instead of storing its first dQ turns.
+    filter=(--kernel-name kns=flashrt_) env=()
+    [ "$tool" = initcheck ] && filter=() env=(FLASHRT_NO_DQ_FIRST_STORE=1)
+    env "${env[@]}" compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 99 \
         python3 scripts/sanitize_workload.py > "$OUT/sanitize-$tool.log" 2>&1 &
     pids+=($!)
 done

@@ -557,6 +557,29 @@ def test_ordered_causal_backward_chunks_its_pairs(monkeypatch):
     assert len(asked) == n + 1
 
 
+def test_ordered_fused_backward_stores_first_turns_where_every_row_sees_a_key(monkeypatch):
+    """The ordered wgmma fused backward stores each query tile's first dQ turn (p.dq_first_store; bwd_preprocess then
+    leaves dq_accum unzeroed) only where every query row has a key tile: not with a window, lengths or ids, nor causal
+    bottom-right with more queries than keys (its first rows see none), nor unordered."""
+    _plan_on(monkeypatch, "sm_90a")
+
+    def first_store(Sq, Sk, causal, deterministic=True, **mask):
+        q, kv = arr((2, Sq, 8, 128)), arr((2, Sk, 8, 128))
+        lse = arr((2, 8, Sq), dtype="float32")
+        plan = api._backward_plan((q, q, kv, kv, q, lse), causal, None, "fused", deterministic, 0, mask)
+        assert any(s.family == "bwd_fused_sm90" for s in _planned(plan))
+        return {int(np.frombuffer(t, params.BWD)[0]["dq_first_store"]) for t in plan.launches.templates
+                if len(t) == params.BWD.itemsize}
+
+    assert first_store(1024, 1024, False) == {1}
+    assert first_store(1024, 2048, True) == {1}                    # bottom-right, Sq <= Sk: row 0 sees keys
+    assert first_store(2048, 1024, "top_left") == {1}
+    assert first_store(2048, 1024, True) == {0}                    # bottom-right: rows 0-1023 see none
+    assert first_store(1024, 1024, False, deterministic=False) == {0}
+    assert first_store(1024, 1024, True, window=(128, 0)) == {0}
+    assert first_store(1024, 1024, False, seqlens_k=arr((2,), dtype="int32")) == {0}
+
+
 def test_ordered_non_causal_backward_rotates_where_its_key_tiles_fit(monkeypatch):
     """The ordered wgmma fused backward runs its query tiles rotated (p.dq_rotate, tiles.rotate_ordered_dq) only when
     not causal, in one split and with a row's key tiles on half the SMs; impl="auto" takes it at head_dim 64 from 1k

@@ -590,6 +590,39 @@ def test_ordered_fused_backward_rotated(torch, poison, monkeypatch, D, B, Sq, Sk
     assert not bool((in_order[0] == grads[0][0]).all()), "dq came out bitwise as without the rotation"
 
 
+@pytest.mark.parametrize("D,Sq,Sk,causal", [(128, 700, 900, False), (64, 1000, 1500, False), (128, 520, 777, True),
+                                          (64, 900, 600, "top_left")])
+def test_ordered_first_turn_stores_match_zeroed_accumulator(torch, poison, monkeypatch, D, Sq, Sk, causal):
+    """The ordered wgmma fused backward stores each query tile's first dQ turn where every query row sees a key
+    (BwdParams::dq_first_store), over a NaN-poisoned dq_accum that bwd_preprocess leaves unzeroed; with
+    FLASHRT_NO_DQ_FIRST_STORE=1 it zeroes and adds. The same adds in the same order: equal values (a store of -0 may
+    keep its sign where 0 + -0 gives +0), no NaN, close to float64."""
+    import cupy
+    dev = launch.device(torch.cuda.current_device())
+    if dev.arch != "sm_90a":
+        pytest.skip(f"the wgmma fused backward is for sm_90a; this GPU is {dev.arch}")
+    monkeypatch.setenv("FLASHRT_NO_SM90", "0")
+    B, H, Hkv = 2, 6, 2
+    q, k, v, do = (cupy.from_dlpack(x) for x in make_inputs(torch, B, Sq, Sk, H, Hkv, D, "bf16", seed=D + Sk))
+    out, lse = flashrt.forward(q, k, v, causal=causal)
+    grads, stores = {}, []
+    api._PLANS.clear()
+    first_turn_stores = api._first_turn_stores
+    monkeypatch.setattr(api, "_first_turn_stores", lambda m: stores.append(first_turn_stores(m)) or stores[-1])
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FLASHRT_NO_DQ_FIRST_STORE", flag)
+        grads[flag] = flashrt.backward(do, q, k, v, out, lse, causal=causal, impl="fused", deterministic=True)
+    assert stores == [True, False]  # (a plan each: the variable is in the plan key)
+    assert any(n.startswith(f"flashrt_bwd_fused_sm90_hd{D}_") for n, _ in launch._functions)
+    align = "top_left" if causal == "top_left" else "bottom_right"
+    keep = reference.visible(B, Sq, Sk, causal=bool(causal), align=align, xp=cupy)
+    _, _, rdq, rdk, rdv = reference.attention(f64(q), f64(k), f64(v), dout=f64(do), mask=keep)
+    for name, ref, a, b in zip(("dq", "dk", "dv"), (rdq, rdk, rdv), grads["0"], grads["1"]):
+        assert not bool(cupy.isnan(f64(a)).any()), f"{name} has NaN: an unwritten (poisoned) dq_accum row"
+        assert bool((a == b).all()), f"{name}: the first-turn stores and the zeroed accumulator differ"
+        assert reference.rel_error(f64(a), ref) < 2e-2, name
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", ["gqa-ragged-causal", "varlen"])
 def test_fused_backward_without_tma_is_bitwise_the_same(torch, poison, monkeypatch, D, case):

@@ -110,7 +110,7 @@ struct BwdParams {
     u16* dk;
     u16* dv;
     float* dkv_partial;  // splits > 1: fp32 (2, splits, B, Hkv, Sk, D) dK then dV partials
-    float* dq_accum;     // fused backward: fp32 (B, H, Sq, D) unscaled dQ, zeroed by bwd_preprocess (dq_swizzle)
+    float* dq_accum;     // fused backward: fp32 (B, H, Sq, D) unscaled dQ, zeroed by bwd_preprocess (dq_swizzle; or not: dq_first_store)
     int* dq_sem;         // fused + deterministic: (B, H, ceil(Sq/BM)) key tiles added so far, zeroed
     int splits;          // blocks that share one key tile's (query head, query tile) pairs
     int sched_pairs;     // causal bwd_dq: (batch entry, head) pairs per chunk of blocks (query_block); 0: none
@@ -118,6 +118,8 @@ struct BwdParams {
     int dq_swizzle;      // bwd_fused_sm90: dq_accum rows hold their 16-byte chunks permuted (bwd_sm90.cuh: stage_dq)
     int use_tma;         // the maps are set (0: FLASHRT_NO_TMA or another kernel; every tile by cp.async)
     int dq_rotate;       // ordered wgmma fused, not causal: query tiles rotated per key tile (KeyTile::rotate_if_asked)
+    int dq_first_store;  // ordered wgmma fused, every query row seeing a key: a query tile's first turn stores its dQ
+                         // (bwd_preprocess leaves dq_accum unzeroed; api.py: _first_turn_stores)
     // Masks (kernels_cu/attention/mask.cuh); null / 0 when unused. (B,) lengths, (B+1,) varlen
     // offsets, (B, S) or packed (total,) non-decreasing ids.
     const int* seqlens_q;

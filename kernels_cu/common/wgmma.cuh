@@ -236,6 +236,11 @@ FRT_DEVICE void bulk_reduce_add_f32(float* g, u32 s, u32 bytes) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                  :: "l"(g), "r"(s), "r"(bytes) : "memory");
 }
+// The same bytes copied (cp.async.bulk, non-tensor form), not added: the same bulk groups.
+FRT_DEVICE void bulk_store(void* g, u32 s, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                 :: "l"(g), "r"(s), "r"(bytes) : "memory");
+}
 FRT_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 FRT_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory"); }

@@ -24,7 +24,7 @@ __device__ void bwd_preprocess(const BwdParams& p) {
                 *reinterpret_cast<const uint4*>(p.dout + b * p.do_sb + (i64)i * p.do_ss + h * p.do_sh + c);
             acc = dot8<T::BF16>(ov, dv, acc);
         }
-        if (p.dq_accum)
+        if (p.dq_accum && !p.dq_first_store)  // (dq_first_store: the fused kernel's first turns store)
             for (int c = lane * 4; c < T::D; c += 32 * 4)
                 *reinterpret_cast<float4*>(p.dq_accum + r * T::D + c) = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll

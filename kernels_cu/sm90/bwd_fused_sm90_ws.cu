@@ -170,7 +170,12 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                 if (sem_at >= 0)
                     while (ld_acquire(p.dq_sem + sem_at) != turn) {
                     }
-                if (bytes > 0) bulk_reduce_add_f32(p.dq_accum + at, sDQ, bytes);
+                if (bytes > 0) {  // (a query tile's first turn stores where every row has one: p.dq_first_store)
+                    if (sem_at >= 0 && turn == 0 && p.dq_first_store)
+                        bulk_store(p.dq_accum + at, sDQ, bytes);
+                    else
+                        bulk_reduce_add_f32(p.dq_accum + at, sDQ, bytes);
+                }
                 bulk_commit();
                 bulk_wait_read<0>();
                 if (it + 1 < it_end) mbar_arrive(bar(T::DQ_EMPTY, 0));  // the staging tile (and job) is free
