@@ -73,6 +73,12 @@ def no_dq_first_store() -> bool:
     return _flag("FLASHRT_NO_DQ_FIRST_STORE")
 
 
+def no_copy_engine() -> bool:
+    """FLASHRT_NO_COPY_ENGINE=1: ring_attention's transfers go by NCCL even where every rank is on one host with peer
+    access (flashrt/p2p.py: the copy engines then; A/B timing, a fallback). Read once per process group."""
+    return _flag("FLASHRT_NO_COPY_ENGINE")
+
+
 def no_decode_forward() -> bool:
     """FLASHRT_NO_DECODE_FORWARD=1: flashrt.forward with 16 query rows or fewer keeps the forward kernels instead of decode's split-KV ones (A/B timing, a fallback)."""
     return _flag("FLASHRT_NO_DECODE_FORWARD")
@@ -87,6 +93,7 @@ VARIABLES = {
     "FLASHRT_NO_SM90": no_sm90.__doc__,
     "FLASHRT_NO_TMA": no_tma.__doc__,
     "FLASHRT_NO_DQ_FIRST_STORE": no_dq_first_store.__doc__,
+    "FLASHRT_NO_COPY_ENGINE": no_copy_engine.__doc__,
     "FLASHRT_NO_DECODE_FORWARD": no_decode_forward.__doc__,
     "FLASHRT_CACHE_DIR": cache_dir.__doc__,
     "FLASHRT_NVRTC": nvrtc.__doc__,

@@ -7,8 +7,9 @@ and the all-to-all form (ulysses_attention).
     pos = fd.position_ids(S, group, device=q.device)                   # global positions, for RoPE
 
 Each rank holds a shard of the sequence (flashrt/ring.py: the layouts and the step plan). The keys and values
-travel around the ring by NCCL point-to-point (torch.distributed.batch_isend_irecv) while the held block is
-computed, so the transfer hides behind the kernels. The steps' (out, lse) parts combine by their lse after the
+travel around the ring while the held block is computed, so the transfer hides behind the kernels: by the copy
+engines into the neighbour's memory where every rank is on one host with peer access (flashrt/p2p.py), else by NCCL
+point-to-point (torch.distributed.batch_isend_irecv). The steps' (out, lse) parts combine by their lse after the
 ring (flashrt.combine: fp32 sums, one rounding); the backward runs the steps in reverse order from the keys the
 forward held last, each key shard's dK/dV parts travelling with it as one accumulator to its owner (_ring_backward).
 The order of every addition is fixed, so with deterministic=True results are bitwise reproducible for a given
@@ -31,7 +32,7 @@ except ModuleNotFoundError as _exc:
     from . import _torch_missing
     raise _torch_missing("flashrt.distributed") from _exc
 
-from . import api, masks, ring, torch_ops
+from . import api, masks, p2p, ring, torch_ops
 from .api import _sink_grad_of  # (imported: the CPU tests stand in for `api`)
 from .ring import LAYOUTS  # noqa: F401  (part of this module's interface)
 
@@ -114,6 +115,10 @@ def _pass_on(g, tensors: tuple, back: bool = False) -> tuple[tuple, list]:
     it with the tensors themselves)."""
     if not tensors:
         return (), []
+    if tensors[0].is_cuda and not _capturing():
+        t = p2p.transport(g, tensors[0].device)  # (the copy engines where every rank can: flashrt/p2p.py)
+        if t is not None:
+            return t.pass_on(tensors, back)
     nxt, prv = _peers(g)
     dst, src = (prv, nxt) if back else (nxt, prv)
     received = tuple(torch.empty_like(t) for t in tensors)

@@ -245,17 +245,23 @@ class Sequence:
         device makes its primary context current (CUDA >= 12)."""
         cupy, driver = _cuda()
         calls = self._local.mine[2]
-        index = self.dev.index
-        current = cupy.cuda.runtime.getDevice()
-        if current == index and driver.ctxGetCurrent():
-            _enqueue(calls, stream, driver)
-            return
-        cupy.cuda.runtime.setDevice(index)
+        previous = make_current(self.dev.index)
         try:
             _enqueue(calls, stream, driver)
         finally:
-            if current != index:
-                cupy.cuda.runtime.setDevice(current)
+            if previous is not None:
+                cupy.cuda.runtime.setDevice(previous)
+
+
+def make_current(index: int) -> int | None:
+    """Make device `index`'s primary context current on this thread, for driver calls (Sequence.launch, p2p.py's stream
+    memory operations); returns the device to set back afterwards, or None."""
+    cupy, driver = _cuda()
+    current = cupy.cuda.runtime.getDevice()
+    if current == index and driver.ctxGetCurrent():
+        return None
+    cupy.cuda.runtime.setDevice(index)
+    return current if current != index else None
 
 
 def _enqueue(calls: list, stream: int, driver) -> None:

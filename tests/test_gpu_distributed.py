@@ -137,6 +137,41 @@ def test_ring_matches_single_gpu():
     _spawn(_ring_vs_single, cases)
 
 
+def _copy_engine_vs_nccl(rank):
+    """The ring's transfers by the copy engines (flashrt/p2p.py, the default group) and by NCCL (a second group made
+    with FLASHRT_NO_COPY_ENGINE=1): bitwise the same out and gradients, over calls queued back to back with no host
+    synchronisation (the slots' flags order them), at shapes that grow the slots and shrink again."""
+    import torch.distributed as dist
+    import flashrt.distributed as fd
+    from flashrt import p2p
+    os.environ["FLASHRT_NO_COPY_ENGINE"] = "1"
+    nccl = dist.new_group(list(range(WORLD)))
+    fd.ring_attention(*(fd.shard_sequence(t) for t in _inputs(1, 256, 2, 2, 64, seed=1)[:3]), group=nccl)
+    del os.environ["FLASHRT_NO_COPY_ENGINE"]
+    assert p2p._transports[nccl.group_name] is None
+    cases = [(1, 1024, 4, 4, 64, True), (2, 2048, 8, 2, 128, True), (1, 1024, 4, 4, 64, False),
+             (1, 4096, 4, 4, 128, True), (1, 1024, 4, 4, 64, True)]
+    results = {}
+    for name, group in (("copy engine", None), ("nccl", nccl)):
+        runs = []
+        for i, (B, S, H, Hkv, D, causal) in enumerate(cases * 2):
+            q, k, v, dout = _inputs(B, S, H, Hkv, D, seed=200 + i)
+            local = [fd.shard_sequence(t).requires_grad_() for t in (q, k, v)]
+            out = fd.ring_attention(*local, group=group, causal=causal, check=False)
+            runs.append([out, *torch.autograd.grad(out, local, fd.shard_sequence(dout))])
+        results[name] = runs
+    world = dist.group.WORLD.group_name
+    assert p2p._transports[world] is not None, f"the default group took NCCL: {p2p.why.get(world)}"
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(results["copy engine"], results["nccl"])):
+        for what, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+            assert torch.equal(x, y), f"rank {rank}, call {i} {(cases * 2)[i]}: {what} differs from NCCL's"
+
+
+def test_ring_by_copy_engines_matches_nccl():
+    _spawn(_copy_engine_vs_nccl)
+
+
 def _packed_and_repeatable(rank):
     import flashrt
     import flashrt.distributed as fd
