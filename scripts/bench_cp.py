@@ -8,7 +8,8 @@ slowest rank counting:
   ring: ring_attention over the world; ring (no comm): the same kernels with the transfers replaced by the
   local keys (what the steps cost with nothing to hide); ulysses: ulysses_attention (all-to-all); single:
   flashrt.attention on one GPU, whole sequence. Ring and Ulysses with check=False (their cross-rank argument check
-  is a host synchronisation).
+  is a host synchronisation). The ring's transfers go by the copy engines where they can (flashrt/p2p.py;
+  FLASHRT_NO_COPY_ENGINE=1: by NCCL).
 Every call is timed with the host ahead of the GPU (as in training: a sleep kernel, then an all-reduce that lines
 the GPUs up, while the host queues it), and, in the last column, alone (its host time before the first kernel
 counted).
