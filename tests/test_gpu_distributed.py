@@ -20,17 +20,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
 WORLD = min(max(_gpus(), 2), 8)  # every visible GPU (the code is written for any world size)
 
 
-def _spawn(fn, *args):
+def _spawn(fn, *args, world=WORLD, backend="nccl"):
+    """fn(rank, *args) in `world` processes, rank r on GPU r mod the GPUs (gloo: several ranks may share one)."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(fn, os.path.join(d, "rendezvous"), args), nprocs=WORLD, join=True)
+        mp.spawn(_entry, args=(fn, os.path.join(d, "rendezvous"), args, world, backend), nprocs=world, join=True)
 
 
-def _entry(rank, fn, path, args):
+def _entry(rank, fn, path, args, world, backend):
     import torch.distributed as dist
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=WORLD,
-                            device_id=torch.device("cuda", rank))
+    gpu = rank % _gpus()
+    torch.cuda.set_device(gpu)
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=world,
+                            **({"device_id": torch.device("cuda", gpu)} if backend == "nccl" else {}))
     try:
         fn(rank, *args)
     finally:
@@ -62,7 +64,7 @@ def _rel(x, ref):
     return float((x.double() - ref).norm() / ref.norm())
 
 
-def _ring_vs_single(rank, cases):
+def _ring_vs_single(rank, cases, check=True):
     import flashrt
     import flashrt.distributed as fd
     failures = []
@@ -79,7 +81,7 @@ def _ring_vs_single(rank, cases):
         single_grads = torch.autograd.grad(single, whole, dout)
         local = [fd.shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
         seg = fd.shard_sequence(ids, layout=layout) if docs else None
-        out = fd.ring_attention(*local, causal=causal, layout=layout, segment_ids=seg)
+        out = fd.ring_attention(*local, causal=causal, layout=layout, segment_ids=seg, check=check)
         grads = torch.autograd.grad(out, local, fd.shard_sequence(dout, layout=layout))
         ring_all = [fd.unshard_sequence(t, layout=layout) for t in (out, *grads)]
         ref = _reference(q, k, v, dout, causal, ids)
@@ -170,6 +172,23 @@ def _copy_engine_vs_nccl(rank):
 
 def test_ring_by_copy_engines_matches_nccl():
     _spawn(_copy_engine_vs_nccl)
+
+
+def _four_ranks_on_shared_gpus(rank):
+    import torch.distributed as dist
+    from flashrt import p2p
+    cases = [(1, 2048, 4, 2, 64, True, "zigzag", False), (2, 1024, 4, 4, 128, False, "contiguous", False),
+             (1, 4096, 8, 2, 128, True, "zigzag", False)]
+    _ring_vs_single(rank, cases, check=False)
+    world = dist.group.WORLD.group_name
+    assert p2p._transports[world] is not None, f"the ring took NCCL: {p2p.why.get(world)}"
+
+
+def test_ring_of_four_by_copy_engines_on_shared_gpus():
+    """A ring of 4 ranks (gloo for the group's setup, two ranks a GPU) whose transfers all go by the copy engines
+    (flashrt/p2p.py): each rank's next and previous are different ranks, as on 4 or 8 GPUs; outputs and gradients
+    against single-GPU flashrt and float64."""
+    _spawn(_four_ranks_on_shared_gpus, world=4, backend="gloo")
 
 
 def _packed_and_repeatable(rank):
