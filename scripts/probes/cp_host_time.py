@@ -3,7 +3,11 @@ _take_report and each step's api.forward take on the host (time.perf_counter aro
 a warm-up; the GPU is made busy first so that the host never waits for it), and the whole call's host time.
 
     python3 scripts/probes/cp_host_time.py [S] [H/Hkv/D]     (every visible GPU)
+
+With FLASHRT_PROFILE_HOST=1, rank 0 runs 20 more calls under cProfile and prints the functions that took the most host
+time (their own, then with what they call): where `_pass_on`'s and `_merge_steps`' time goes.
 """
+import os
 import statistics
 import time
 
@@ -42,6 +46,19 @@ def _worker(rank, world, path, S, heads):
         torch.cuda.synchronize()
     print(f"rank {rank}, S={S}: host us per call (median of {len(spent['whole call'])}), per occurrence: "
           + ", ".join(f"{n} {statistics.median(t):.0f} x{len(t) // 20}" for n, t in spent.items() if t), flush=True)
+    if os.environ.get("FLASHRT_PROFILE_HOST") == "1":
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        for _ in range(20):
+            torch.cuda._sleep(20_000_000)
+            prof.enable()
+            fd.ring_attention(q, k, v, causal=True, check=False)
+            prof.disable()
+            torch.cuda.synchronize()
+        if rank == 0:
+            for key in ("tottime", "cumtime"):
+                pstats.Stats(prof).sort_stats(key).print_stats(22)
     torch.distributed.destroy_process_group()
 
 
