@@ -2,18 +2,22 @@
 _take_report and each step's api.forward take on the host (time.perf_counter around each, medians of 20 calls after
 a warm-up; the GPU is made busy first so that the host never waits for it), and the whole call's host time.
 
-    python3 scripts/probes/cp_host_time.py [S] [H/Hkv/D]     (every visible GPU)
+    python3 scripts/probes/cp_host_time.py [S] [H/Hkv/D] [--profile]     (every visible GPU)
 
-With FLASHRT_PROFILE_HOST=1, rank 0 runs 20 more calls under cProfile and prints the functions that took the most host
+With --profile, rank 0 runs 20 more calls under cProfile and prints the functions that took the most host
 time (their own, then with what they call): where `_pass_on`'s and `_merge_steps`' time goes.
 """
-import os
 import statistics
+import sys
 import time
 
 import torch
 
 from cp_timeline import join, run, shards  # (it puts the repository and scripts/ on the path)
+
+PROFILE = "--profile" in sys.argv
+if PROFILE:
+    sys.argv.remove("--profile")
 
 
 def _worker(rank, world, path, S, heads):
@@ -46,7 +50,7 @@ def _worker(rank, world, path, S, heads):
         torch.cuda.synchronize()
     print(f"rank {rank}, S={S}: host us per call (median of {len(spent['whole call'])}), per occurrence: "
           + ", ".join(f"{n} {statistics.median(t):.0f} x{len(t) // 20}" for n, t in spent.items() if t), flush=True)
-    if os.environ.get("FLASHRT_PROFILE_HOST") == "1":
+    if PROFILE:
         import cProfile
         import pstats
         prof = cProfile.Profile()
