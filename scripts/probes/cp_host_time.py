@@ -1,4 +1,4 @@
-"""Host time inside one ring_attention forward on each rank: how long _pass_on (torch's batch_isend_irecv),
+"""Host time inside one ring_attention forward on each rank: how long _pass_on (the copy engines' pass, or NCCL's),
 _take_report and each step's api.forward take on the host (time.perf_counter around each, medians of 20 calls after
 a warm-up; the GPU is made busy first so that the host never waits for it), and the whole call's host time.
 
@@ -7,6 +7,7 @@ a warm-up; the GPU is made busy first so that the host never waits for it), and 
 With --profile, rank 0 runs 20 more calls under cProfile and prints the functions that took the most host
 time (their own, then with what they call): where `_pass_on`'s and `_merge_steps`' time goes.
 """
+import os
 import statistics
 import sys
 import time
@@ -15,9 +16,10 @@ import torch
 
 from cp_timeline import join, run, shards  # (it puts the repository and scripts/ on the path)
 
-PROFILE = "--profile" in sys.argv
-if PROFILE:
+if "--profile" in sys.argv:  # (to the spawned ranks by the environment: they see the parent's argv without it)
     sys.argv.remove("--profile")
+    os.environ["CP_HOST_TIME_PROFILE"] = "1"
+PROFILE = os.environ.get("CP_HOST_TIME_PROFILE") == "1"
 
 
 def _worker(rank, world, path, S, heads):
