@@ -14,9 +14,9 @@ for tool in "${tools[@]}"; do
     # hardware exception": the tool's; docs/history/perf-notes-log.md, "Racecheck and the cluster decode".)
     # initcheck does not see the global writes of bulk copies (scripts/probes/initcheck_bulk.py), so it runs with the
     # ordered backward zeroing dq_accum first (FLASHRT_NO_DQ_FIRST_STORE=1) instead of storing its first dQ turns.
-    filter=(--kernel-name kns=flashrt_) env=()
-    [ "$tool" = initcheck ] && filter=() env=(FLASHRT_NO_DQ_FIRST_STORE=1)
-    env "${env[@]}" compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 99 \
+    filter=(--kernel-name kns=flashrt_) variables=()
+    [ "$tool" = initcheck ] && filter=() variables=(FLASHRT_NO_DQ_FIRST_STORE=1)
+    env "${variables[@]}" compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 99 \
         python3 scripts/sanitize_workload.py > "$OUT/sanitize-$tool.log" 2>&1 &
     pids+=($!)
 done
