@@ -35,6 +35,9 @@
 #ifndef FRT_FWD_RESCALE_UNDER_S  // (0: an A/B of FwdWsTraits::RESCALE_UNDER_S)
 #define FRT_FWD_RESCALE_UNDER_S 1
 #endif
+#ifndef FRT_FWD_V_LAGS  // (0: an A/B of FwdWsTraits::V_LAGS)
+#define FRT_FWD_V_LAGS 1
+#endif
 #ifndef FRT_FWD_EARLY_Q  // (0: an A/B of FwdWsTraits::EARLY_Q)
 #define FRT_FWD_EARLY_Q 1
 #endif
@@ -77,6 +80,10 @@ struct FwdWsTraits {
     // Without the turns, O's rescale by the last softmax runs under the S wgmma, before P V is issued (FA3 / 4's
     // order above head_dim 128), not between the P V wait and the S issue
     static constexpr bool RESCALE_UNDER_S = !PINGPONG && FRT_FWD_RESCALE_UNDER_S;
+    // The producer fills K(it) before V(it - 1) (V a tile behind K), so that K, needed first in an iteration, does not
+    // queue behind a V stage the slower warpgroup still holds; the consumers wait for V(it - 1) after issuing S(it),
+    // right before P V (FlashAttention-3 / 4's order; docs/perf-notes.md: The producer, the ring and the epilogue)
+    static constexpr bool V_LAGS = FRT_FWD_V_LAGS;
     // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each (Q: one per slot); then each Q
     // slot's work item (32 bytes: the item, an int, -1 when no work is left, and at 16 bytes its WorkItem,
     // decoded by the producer), then the producer's next claimed item (int). With id arrays, then each Q
@@ -196,17 +203,32 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             }
             const u16* gk = p.k + tile.b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
             const u16* gv = p.v + tile.b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
-            for (int it = 0; it < tile.n_blocks; ++it, ++kr) {
+            // key tile it's K (value: V) into its ring stage (the count `at`: K and V tile it share stage it % 2)
+            auto fill_kv = [&](bool value, int it, Ring<2> at) {
                 const int j = key_tile(tile, it), rows = tile.vis.Lk - j * BN;
-                const u32 s = kr.slot(), empty = kr.free_parity(), k_full = bar(T::K_FULL, s), v_full = bar(T::V_FULL, s);
+                const u32 s = at.slot();
                 const int krow = (int)tile.vis.k_row0 + j * BN;
-                const bool by_tma = p.use_tma && rows >= BN;
-                mbar_wait(bar(T::K_EMPTY, s), empty);
-                fill_tile<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, k_full, by_tma, &p.k_map, tile.hk, krow, map_b,
-                                               gk + (i64)j * BN * p.k_ss, p.k_ss, rows, p.head_dim, ptid);
-                mbar_wait(bar(T::V_EMPTY, s), empty);
-                fill_tile<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, v_full, by_tma, &p.v_map, tile.hk, krow, map_b,
-                                               gv + (i64)j * BN * p.v_ss, p.v_ss, rows, p.head_dim_v, ptid);
+                mbar_wait(bar(value ? T::V_EMPTY : T::K_EMPTY, s), at.free_parity());
+                if (value)
+                    fill_tile<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, bar(T::V_FULL, s), p.use_tma && rows >= BN,
+                                                   &p.v_map, tile.hk, krow, map_b, gv + (i64)j * BN * p.v_ss, p.v_ss,
+                                                   rows, p.head_dim_v, ptid);
+                else
+                    fill_tile<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, bar(T::K_FULL, s), p.use_tma && rows >= BN,
+                                                   &p.k_map, tile.hk, krow, map_b, gk + (i64)j * BN * p.k_ss, p.k_ss,
+                                                   rows, p.head_dim, ptid);
+            };
+            if constexpr (T::V_LAGS) {
+                for (int it = 0; it <= tile.n_blocks; ++it) {  // (one fill of each kind in the loop: fewer registers)
+                    if (it < tile.n_blocks) fill_kv(false, it, kr);
+                    if (it > 0) fill_kv(true, it - 1, kr.prev());
+                    if (it < tile.n_blocks) ++kr;
+                }
+            } else {
+                for (int it = 0; it < tile.n_blocks; ++it, ++kr) {
+                    fill_kv(false, it, kr);
+                    fill_kv(true, it, kr);
+                }
             }
             // The next item, for all four warps: thread 0 claims it and writes it to shared memory
             // (after the Q slots' items), which none of them reads before the barrier below. (Named
@@ -277,7 +299,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             r.template retire_pv<!T::RESCALE_UNDER_S>();
             if (it > 1) mbar_arrive(bar(T::V_EMPTY, st));
             mbar_wait(bar(T::K_FULL, st), full);
-            if (it > 0) mbar_wait(bar(T::V_FULL, st ^ 1), kr.prev().parity());
+            if (!T::V_LAGS && it > 0) mbar_wait(bar(T::V_FULL, st ^ 1), kr.prev().parity());
             fence_proxy_async();
 
             my_turn();
@@ -285,6 +307,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             wgmma_abt<BN, BM, D / 16, T::BF16>(r.s, sQw, sK + st * T::KV_BYTES);
             wgmma_commit();
             if (it > 0) {
+                if constexpr (T::V_LAGS) mbar_wait_for_wgmma(bar(T::V_FULL, st ^ 1), kr.prev().parity());
                 if constexpr (T::RESCALE_UNDER_S) {
                     r.rescale_o();
                     wgmma_fence();  // (O's rescaled registers before the P V wgmma reads them)
