@@ -38,6 +38,9 @@
 #ifndef FRT_FWD_V_LAGS  // (0: an A/B of FwdWsTraits::V_LAGS)
 #define FRT_FWD_V_LAGS 1
 #endif
+#ifndef FRT_FWD_TMA_TAILS  // (0: an A/B of FwdWsTraits::TMA_TAILS)
+#define FRT_FWD_TMA_TAILS 1
+#endif
 #ifndef FRT_FWD_EARLY_Q  // (0: an A/B of FwdWsTraits::EARLY_Q)
 #define FRT_FWD_EARLY_Q 1
 #endif
@@ -84,6 +87,10 @@ struct FwdWsTraits {
     // queue behind a V stage the slower warpgroup still holds; the consumers wait for V(it - 1) after issuing S(it),
     // right before P V (FlashAttention-3 / 4's order; docs/perf-notes.md: The producer, the ring and the epilogue)
     static constexpr bool V_LAGS = FRT_FWD_V_LAGS;
+    // A ragged tile whose missing rows lie past the tensor's end (not packed varlen, the sequence running to the end of
+    // its tensor: 1k keys in 176-key tiles) loads by TMA too, which fills those rows with zeros as cp.async would
+    // (FlashAttention-3 / 4 load every tile by TMA); past a padded length or into the next packed sequence, cp.async
+    static constexpr bool TMA_TAILS = FRT_FWD_TMA_TAILS;
     // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each (Q: one per slot); then each Q
     // slot's work item (32 bytes: the item, an int, -1 when no work is left, and at 16 bytes its WorkItem,
     // decoded by the producer), then the producer's next claimed item (int). With id arrays, then each Q
@@ -120,8 +127,8 @@ FRT_DEVICE int key_tile(const Tile& tile, int it) {
 }
 
 // A producer's fill of one ROWS x D tile at s_tile, completing the mbarrier `full` (one arrival per producer):
-// by TMA from `map` at (head h, row, batch entry b) when by_tma (all its rows inside the sequence: thread 0
-// issues and announces the bytes, the others arrive), else by the zero-filling cp.async copy of its first
+// by TMA from `map` at (head h, row, batch entry b) when by_tma (all its rows inside the sequence, or the missing ones
+// past the tensor's end: TMA_TAILS; thread 0 issues and announces the whole box's bytes, the others arrive), else by the zero-filling cp.async copy of its first
 // `rows` rows and `cols` columns from g (row stride `stride`). (The map's bounds are the tensor's: TMA fills the
 // columns past a padded head_dim with zeros and counts their bytes.)
 template <int ROWS, int D, int PRODUCERS>
@@ -190,9 +197,13 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             }
             const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
             const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi, ptid, T::PRODUCERS, slot_keys(qs), true);
-            const int map_b = (T::MASK & MASK_LENGTHS) && p.cu_q ? 0 : tile.b;  // packed varlen: one batch entry
+            const bool packed = (T::MASK & MASK_LENGTHS) && p.cu_q;
+            const int map_b = packed ? 0 : tile.b;  // packed varlen: one batch entry
+            const bool q_tail = T::TMA_TAILS && !packed && tile.vis.Lq == p.Sq;  // (TMA_TAILS)
+            const bool kv_tail = T::TMA_TAILS && !packed && tile.vis.Lk == p.Sk;
             const u32 q_full = bar(T::Q_FULL, qs);
-            fill_tile<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES, q_full, p.use_tma && tile.rows == BM, &p.q_map, tile.h,
+            fill_tile<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES, q_full, p.use_tma && (tile.rows == BM || q_tail),
+                                           &p.q_map, tile.h,
                                            (int)tile.row0, map_b,
                                            p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
                                            tile.rows, p.head_dim, ptid);
@@ -208,15 +219,16 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                 const int j = key_tile(tile, it), rows = tile.vis.Lk - j * BN;
                 const u32 s = at.slot();
                 const int krow = (int)tile.vis.k_row0 + j * BN;
+                const bool by_tma = p.use_tma && (rows >= BN || kv_tail);
                 mbar_wait(bar(value ? T::V_EMPTY : T::K_EMPTY, s), at.free_parity());
                 if (value)
-                    fill_tile<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, bar(T::V_FULL, s), p.use_tma && rows >= BN,
-                                                   &p.v_map, tile.hk, krow, map_b, gv + (i64)j * BN * p.v_ss, p.v_ss,
-                                                   rows, p.head_dim_v, ptid);
+                    fill_tile<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, bar(T::V_FULL, s), by_tma, &p.v_map, tile.hk,
+                                                   krow, map_b, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, p.head_dim_v,
+                                                   ptid);
                 else
-                    fill_tile<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, bar(T::K_FULL, s), p.use_tma && rows >= BN,
-                                                   &p.k_map, tile.hk, krow, map_b, gk + (i64)j * BN * p.k_ss, p.k_ss,
-                                                   rows, p.head_dim, ptid);
+                    fill_tile<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, bar(T::K_FULL, s), by_tma, &p.k_map, tile.hk,
+                                                   krow, map_b, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, p.head_dim,
+                                                   ptid);
             };
             if constexpr (T::V_LAGS) {
                 for (int it = 0; it <= tile.n_blocks; ++it) {  // (one fill of each kind in the loop: fewer registers)
