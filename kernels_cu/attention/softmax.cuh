@@ -6,6 +6,10 @@
 #include "attention/score_mod.cuh"
 #include "common/common.cuh"
 
+#ifndef FRT_MAX_CHAINS  // (1: an A/B of online_row's one chain; a power of two)
+#define FRT_MAX_CHAINS 4
+#endif
+
 namespace frt {
 
 // One key tile's update of a row: its scores become P (unnormalised), row_max / row_sum take in the tile, and
@@ -19,11 +23,21 @@ namespace frt {
 // SLACK > 0: the row keeps its maximum while a tile's rises above it by at most SLACK (log2 units), so that alpha is
 // exactly 1 and the caller may skip O's rescale (FlashAttention-4's rescale threshold): P then reaches 2^SLACK, which
 // the fp32 sums and 16-bit P hold (bf16 / fp16 range), and the row's LSE stays exact (max and sum move together).
-template <int N8, int POLY = 0, bool OFF = false, int SLACK = 0, class Scores>
+// MAX_CHAINS: the thread's maximum in that many independent chains, merged at the end (a shorter dependent chain
+// before the first exponential; max is exact, so the result is the same bits in any order).
+template <int N8, int POLY = 0, bool OFF = false, int SLACK = 0, int MAX_CHAINS = FRT_MAX_CHAINS, class Scores>
 FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Scores x, float off = 0.f) {
-    float mx = -FRT_INF;
+    constexpr int CHAINS = N8 >= 2 * MAX_CHAINS ? MAX_CHAINS : 1;
+    float part[CHAINS];
 #pragma unroll
-    for (int jj = 0; jj < N8; ++jj) mx = fmaxf(mx, fmaxf(x(jj, 0), x(jj, 1)));
+    for (int c = 0; c < CHAINS; ++c) part[c] = -FRT_INF;  // (as one chain seeded with -inf: NaN scores alike)
+#pragma unroll
+    for (int jj = 0; jj < N8; ++jj) part[jj % CHAINS] = fmaxf(part[jj % CHAINS], fmaxf(x(jj, 0), x(jj, 1)));
+#pragma unroll
+    for (int w = CHAINS / 2; w > 0; w /= 2)
+#pragma unroll
+        for (int c = 0; c < w; ++c) part[c] = fmaxf(part[c], part[c + w]);
+    float mx = part[0];
     if constexpr (OFF) mx += off;
     float m_new = fmaxf(row_max, warp_max4(mx) * scale_log2);
     if constexpr (SLACK > 0) {

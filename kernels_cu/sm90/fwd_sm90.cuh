@@ -29,6 +29,8 @@ struct FwdRows {
     // A row keeps its maximum while a tile raises it by at most MAX_SLACK (log2 units; softmax.cuh: online_row), and a
     // warp whose rows all kept theirs skips O's rescale at the top of the next iteration (retire_pv)
     static constexpr int MAX_SLACK = SLACK;
+    // softmax.cuh: online_row's chains of the row maximum (16-bit dropout draws: one; four spilled 16-20 bytes)
+    static constexpr int MAX_CHAINS = FRT_DROPOUT == 16 ? 1 : FRT_MAX_CHAINS;
     float o[D / 2];
     float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
     // Across iterations: s holds the last tile's P (fp32) and alpha its rescale of O, until both are
@@ -201,7 +203,7 @@ struct FwdRows {
     FRT_DEVICE void online(float scale_log2, int row_base, int n0, int t) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            alpha[hh] = online_row<JHI, EXP_POLY, (bool)FRT_ALIBI, MAX_SLACK>(
+            alpha[hh] = online_row<JHI, EXP_POLY, (bool)FRT_ALIBI, MAX_SLACK, MAX_CHAINS>(
                 row_max[hh], row_sum[hh], ScoreMod::exp_scale(cap.scale_of(scale_log2)),
                 [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; }, alibi_off[hh]);
 #pragma unroll
