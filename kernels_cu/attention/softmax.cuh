@@ -6,10 +6,6 @@
 #include "attention/score_mod.cuh"
 #include "common/common.cuh"
 
-#ifndef FRT_MAX_CHAINS  // (1: an A/B of online_row's one chain; a power of two)
-#define FRT_MAX_CHAINS 4
-#endif
-
 namespace frt {
 
 // One key tile's update of a row: its scores become P (unnormalised), row_max / row_sum take in the tile, and
@@ -23,9 +19,9 @@ namespace frt {
 // SLACK > 0: the row keeps its maximum while a tile's rises above it by at most SLACK (log2 units), so that alpha is
 // exactly 1 and the caller may skip O's rescale (FlashAttention-4's rescale threshold): P then reaches 2^SLACK, which
 // the fp32 sums and 16-bit P hold (bf16 / fp16 range), and the row's LSE stays exact (max and sum move together).
-// MAX_CHAINS: the thread's maximum in that many independent chains, merged at the end (a shorter dependent chain
-// before the first exponential; max is exact, so the result is the same bits in any order).
-template <int N8, int POLY = 0, bool OFF = false, int SLACK = 0, int MAX_CHAINS = FRT_MAX_CHAINS, class Scores>
+// MAX_CHAINS: the thread's maximum in that many independent chains (a power of two), merged at the end (a shorter
+// dependent chain before the first exponential; max is exact, so the result is the same bits in any order).
+template <int N8, int POLY = 0, bool OFF = false, int SLACK = 0, int MAX_CHAINS = 1, class Scores>
 FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Scores x, float off = 0.f) {
     constexpr int CHAINS = N8 >= 2 * MAX_CHAINS ? MAX_CHAINS : 1;
     float part[CHAINS];

@@ -20,7 +20,8 @@ namespace sm90 {
 // MOD_FENCED: mask_mod's element mask is evaluated in fenced groups of columns (mod_mask), for a kernel whose
 // registers cannot hold the unrolled loop's verdicts and reads (fwd_sm90_ws).
 // SLACK: MAX_SLACK below (fwd_sm90_ws; fwd_sm90 at two blocks an SM has no registers for it: a score_mod spilled).
-template <int D, int BN, bool BF16, bool MOD_FENCED = false, int SLACK = 0>
+// CHAINS: MAX_CHAINS below (fwd_sm90_ws; the plain fwd_sm90 keeps one chain, never measured with more).
+template <int D, int BN, bool BF16, bool MOD_FENCED = false, int SLACK = 0, int CHAINS = 1>
 struct FwdRows {
     // Of every 8 key groups of a row, those whose exponentials run on the FMA units (softmax.cuh: online_row): 2 with
     // softcap (whose tanh is a second MUFU op per score), else none (docs/perf-notes.md: Exponentials on the FMA
@@ -30,7 +31,7 @@ struct FwdRows {
     // warp whose rows all kept theirs skips O's rescale at the top of the next iteration (retire_pv)
     static constexpr int MAX_SLACK = SLACK;
     // softmax.cuh: online_row's chains of the row maximum (16-bit dropout draws: one; four spilled 16-20 bytes)
-    static constexpr int MAX_CHAINS = FRT_DROPOUT == 16 ? 1 : FRT_MAX_CHAINS;
+    static constexpr int MAX_CHAINS = FRT_DROPOUT == 16 ? 1 : CHAINS;
     float o[D / 2];
     float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
     // Across iterations: s holds the last tile's P (fp32) and alpha its rescale of O, until both are

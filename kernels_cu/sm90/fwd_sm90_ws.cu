@@ -41,6 +41,9 @@
 #ifndef FRT_FWD_MAX_SLACK  // (0: an A/B of fwd_sm90.cuh's FwdRows::MAX_SLACK here)
 #define FRT_FWD_MAX_SLACK 8
 #endif
+#ifndef FRT_MAX_CHAINS  // (1: an A/B of fwd_sm90.cuh's FwdRows::MAX_CHAINS above head_dim 64, where it is 1)
+#define FRT_MAX_CHAINS 4
+#endif
 #ifndef FRT_FWD_TMA_TAILS  // (0: an A/B of FwdWsTraits::TMA_TAILS)
 #define FRT_FWD_TMA_TAILS 1
 #endif
@@ -301,7 +304,8 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         // This warpgroup's 64 query rows of the Q tile (fwd_sm90.cuh: which of them a thread holds).
         const u32 sQw = sQ + qs * T::Q_BYTES + wg * 64 * kSwizzleBytes;
         const int row_base = tile.m0 + 64 * wg + 16 * w + g;
-        FwdRows<D, BN, T::BF16, true, FRT_FWD_MAX_SLACK> r;
+        // (the row maximum in one chain at head_dim 64, where four measured 1-3% slower at 1k: docs/perf-notes.md)
+        FwdRows<D, BN, T::BF16, true, FRT_FWD_MAX_SLACK, D <= 64 ? 1 : FRT_MAX_CHAINS> r;
         if constexpr (FRT_SOFTCAP) r.cap = Softcap(p.softcap, p.scale_log2);
         if constexpr (FRT_ALIBI) r.alibi = Alibi(p, tile.b, tile.h, tile.vis.shift);
         if constexpr (FRT_SCORE_MOD) r.smod = ScoreMod(p, tile.b, tile.h, tile.vis);
