@@ -16,13 +16,29 @@ namespace frt {
 // (head_dim 64, softcap's tanh; docs/perf-notes.md: Exponentials on the FMA units).
 // OFF: the thread's scores of the row are x + off (off: one value for all of them, raw units; ALiBi off the
 // diagonal, score_mod.cuh: Alibi::add_split), the offset added to the row's maximum and exponent, not to each score.
-template <int N8, int POLY = 0, bool OFF = false, class Scores>
+// SLACK > 0: the row keeps its maximum while a tile's rises above it by at most SLACK (log2 units), so that alpha is
+// exactly 1 and the caller may skip O's rescale (FlashAttention-4's rescale threshold): P then reaches 2^SLACK, which
+// the fp32 sums and 16-bit P hold (bf16 / fp16 range), and the row's LSE stays exact (max and sum move together).
+// MAX_CHAINS: the thread's maximum in that many independent chains (a power of two), merged at the end (a shorter
+// dependent chain before the first exponential; max is exact, so the result is the same bits in any order).
+template <int N8, int POLY = 0, bool OFF = false, int SLACK = 0, int MAX_CHAINS = 1, class Scores>
 FRT_DEVICE float online_row(float& row_max, float& row_sum, float scale_log2, Scores x, float off = 0.f) {
-    float mx = -FRT_INF;
+    constexpr int CHAINS = N8 >= 2 * MAX_CHAINS ? MAX_CHAINS : 1;
+    float part[CHAINS];
 #pragma unroll
-    for (int jj = 0; jj < N8; ++jj) mx = fmaxf(mx, fmaxf(x(jj, 0), x(jj, 1)));
+    for (int c = 0; c < CHAINS; ++c) part[c] = -FRT_INF;  // (as one chain seeded with -inf: NaN scores alike)
+#pragma unroll
+    for (int jj = 0; jj < N8; ++jj) part[jj % CHAINS] = fmaxf(part[jj % CHAINS], fmaxf(x(jj, 0), x(jj, 1)));
+#pragma unroll
+    for (int w = CHAINS / 2; w > 0; w /= 2)
+#pragma unroll
+        for (int c = 0; c < w; ++c) part[c] = fmaxf(part[c], part[c + w]);
+    float mx = part[0];
     if constexpr (OFF) mx += off;
-    const float m_new = fmaxf(row_max, warp_max4(mx) * scale_log2);
+    float m_new = fmaxf(row_max, warp_max4(mx) * scale_log2);
+    if constexpr (SLACK > 0) {
+        if (m_new - row_max <= (float)SLACK) m_new = row_max;  // (-inf - -inf is NaN: a row with no key moves on)
+    }
     const float base = m_new == -FRT_INF ? 0.f : m_new;
     const float alpha = fast_exp2(row_max - base);
     row_max = m_new;

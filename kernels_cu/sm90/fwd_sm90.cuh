@@ -19,12 +19,19 @@ namespace sm90 {
 
 // MOD_FENCED: mask_mod's element mask is evaluated in fenced groups of columns (mod_mask), for a kernel whose
 // registers cannot hold the unrolled loop's verdicts and reads (fwd_sm90_ws).
-template <int D, int BN, bool BF16, bool MOD_FENCED = false>
+// SLACK: MAX_SLACK below (fwd_sm90_ws; fwd_sm90 at two blocks an SM has no registers for it: a score_mod spilled).
+// CHAINS: MAX_CHAINS below (fwd_sm90_ws; the plain fwd_sm90 keeps one chain, never measured with more).
+template <int D, int BN, bool BF16, bool MOD_FENCED = false, int SLACK = 0, int CHAINS = 1>
 struct FwdRows {
     // Of every 8 key groups of a row, those whose exponentials run on the FMA units (softmax.cuh: online_row): 2 with
     // softcap (whose tanh is a second MUFU op per score), else none (docs/perf-notes.md: Exponentials on the FMA
     // units).
     static constexpr int EXP_POLY = FRT_EXP_POLY >= 0 ? FRT_EXP_POLY : FRT_SOFTCAP ? 2 : 0;
+    // A row keeps its maximum while a tile raises it by at most MAX_SLACK (log2 units; softmax.cuh: online_row), and a
+    // warp whose rows all kept theirs skips O's rescale at the top of the next iteration (retire_pv)
+    static constexpr int MAX_SLACK = SLACK;
+    // softmax.cuh: online_row's chains of the row maximum (16-bit dropout draws: one; four spilled 16-20 bytes)
+    static constexpr int MAX_CHAINS = FRT_DROPOUT == 16 ? 1 : CHAINS;
     float o[D / 2];
     float row_max[2] = {-FRT_INF, -FRT_INF}, row_sum[2] = {0.f, 0.f};
     // Across iterations: s holds the last tile's P (fp32) and alpha its rescale of O, until both are
@@ -51,7 +58,9 @@ struct FwdRows {
     FRT_DEVICE void retire_pv() {
         wgmma_wait<0>();
         fence_operand(o);
-        if constexpr (RESCALE) rescale_o();
+        if constexpr (RESCALE) {
+            if (MAX_SLACK == 0 || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) rescale_o();
+        }
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, BF16>(s, kk, pa[kk]);
     }
@@ -195,7 +204,7 @@ struct FwdRows {
     FRT_DEVICE void online(float scale_log2, int row_base, int n0, int t) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            alpha[hh] = online_row<JHI, EXP_POLY, (bool)FRT_ALIBI>(
+            alpha[hh] = online_row<JHI, EXP_POLY, (bool)FRT_ALIBI, MAX_SLACK, MAX_CHAINS>(
                 row_max[hh], row_sum[hh], ScoreMod::exp_scale(cap.scale_of(scale_log2)),
                 [&](int jj, int e) -> float& { return s[4 * jj + 2 * hh + e]; }, alibi_off[hh]);
 #pragma unroll

@@ -35,6 +35,18 @@
 #ifndef FRT_FWD_RESCALE_UNDER_S  // (0: an A/B of FwdWsTraits::RESCALE_UNDER_S)
 #define FRT_FWD_RESCALE_UNDER_S 1
 #endif
+#ifndef FRT_FWD_V_LAGS  // (0: an A/B of FwdWsTraits::V_LAGS)
+#define FRT_FWD_V_LAGS 1
+#endif
+#ifndef FRT_FWD_MAX_SLACK  // (0: an A/B of fwd_sm90.cuh's FwdRows::MAX_SLACK here)
+#define FRT_FWD_MAX_SLACK 8
+#endif
+#ifndef FRT_MAX_CHAINS  // (1: an A/B of fwd_sm90.cuh's FwdRows::MAX_CHAINS above head_dim 64, where it is 1)
+#define FRT_MAX_CHAINS 4
+#endif
+#ifndef FRT_FWD_TMA_TAILS  // (0: an A/B of FwdWsTraits::TMA_TAILS)
+#define FRT_FWD_TMA_TAILS 1
+#endif
 #ifndef FRT_FWD_EARLY_Q  // (0: an A/B of FwdWsTraits::EARLY_Q)
 #define FRT_FWD_EARLY_Q 1
 #endif
@@ -77,6 +89,14 @@ struct FwdWsTraits {
     // Without the turns, O's rescale by the last softmax runs under the S wgmma, before P V is issued (FA3 / 4's
     // order above head_dim 128), not between the P V wait and the S issue
     static constexpr bool RESCALE_UNDER_S = !PINGPONG && FRT_FWD_RESCALE_UNDER_S;
+    // The producer fills K(it) before V(it - 1) (V a tile behind K), so that K, needed first in an iteration, does not
+    // queue behind a V stage the slower warpgroup still holds; the consumers wait for V(it - 1) after issuing S(it),
+    // right before P V (FlashAttention-3 / 4's order; docs/perf-notes.md: The producer, the ring and the epilogue)
+    static constexpr bool V_LAGS = FRT_FWD_V_LAGS;
+    // A ragged tile whose missing rows lie past the tensor's end (not packed varlen, the sequence running to the end of
+    // its tensor: 1k keys in 176-key tiles) loads by TMA too, which fills those rows with zeros as cp.async would
+    // (FlashAttention-3 / 4 load every tile by TMA); past a padded length or into the next packed sequence, cp.async
+    static constexpr bool TMA_TAILS = FRT_FWD_TMA_TAILS;
     // mbarriers (8 bytes each): Q full / empty, K full / empty, V full / empty, two of each (Q: one per slot); then each Q
     // slot's work item (32 bytes: the item, an int, -1 when no work is left, and at 16 bytes its WorkItem,
     // decoded by the producer), then the producer's next claimed item (int). With id arrays, then each Q
@@ -113,8 +133,8 @@ FRT_DEVICE int key_tile(const Tile& tile, int it) {
 }
 
 // A producer's fill of one ROWS x D tile at s_tile, completing the mbarrier `full` (one arrival per producer):
-// by TMA from `map` at (head h, row, batch entry b) when by_tma (all its rows inside the sequence: thread 0
-// issues and announces the bytes, the others arrive), else by the zero-filling cp.async copy of its first
+// by TMA from `map` at (head h, row, batch entry b) when by_tma (all its rows inside the sequence, or the missing ones
+// past the tensor's end: TMA_TAILS; thread 0 issues and announces the whole box's bytes, the others arrive), else by the zero-filling cp.async copy of its first
 // `rows` rows and `cols` columns from g (row stride `stride`). (The map's bounds are the tensor's: TMA fills the
 // columns past a padded head_dim with zeros and counts their bytes.)
 template <int ROWS, int D, int PRODUCERS>
@@ -183,9 +203,13 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             }
             const WorkItem wi = work_item<T::CAUSAL>(p, item, n_m);
             const QueryTile<BM, BN, T::CAUSAL, T::MASK, true> tile(p, wi, ptid, T::PRODUCERS, slot_keys(qs), true);
-            const int map_b = (T::MASK & MASK_LENGTHS) && p.cu_q ? 0 : tile.b;  // packed varlen: one batch entry
+            const bool packed = (T::MASK & MASK_LENGTHS) && p.cu_q;
+            const int map_b = packed ? 0 : tile.b;  // packed varlen: one batch entry
+            const bool q_tail = T::TMA_TAILS && !packed && tile.vis.Lq == p.Sq;  // (TMA_TAILS)
+            const bool kv_tail = T::TMA_TAILS && !packed && tile.vis.Lk == p.Sk;
             const u32 q_full = bar(T::Q_FULL, qs);
-            fill_tile<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES, q_full, p.use_tma && tile.rows == BM, &p.q_map, tile.h,
+            fill_tile<BM, D, T::PRODUCERS>(sQ + qs * T::Q_BYTES, q_full, p.use_tma && (tile.rows == BM || q_tail),
+                                           &p.q_map, tile.h,
                                            (int)tile.row0, map_b,
                                            p.q + tile.b * p.q_sb + tile.row0 * p.q_ss + tile.h * p.q_sh, p.q_ss,
                                            tile.rows, p.head_dim, ptid);
@@ -196,17 +220,33 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             }
             const u16* gk = p.k + tile.b * p.k_sb + tile.vis.k_row0 * p.k_ss + tile.hk * p.k_sh;
             const u16* gv = p.v + tile.b * p.v_sb + tile.vis.k_row0 * p.v_ss + tile.hk * p.v_sh;
-            for (int it = 0; it < tile.n_blocks; ++it, ++kr) {
+            // key tile it's K (value: V) into its ring stage (the count `at`: K and V tile it share stage it % 2)
+            auto fill_kv = [&](bool value, int it, Ring<2> at) {
                 const int j = key_tile(tile, it), rows = tile.vis.Lk - j * BN;
-                const u32 s = kr.slot(), empty = kr.free_parity(), k_full = bar(T::K_FULL, s), v_full = bar(T::V_FULL, s);
+                const u32 s = at.slot();
                 const int krow = (int)tile.vis.k_row0 + j * BN;
-                const bool by_tma = p.use_tma && rows >= BN;
-                mbar_wait(bar(T::K_EMPTY, s), empty);
-                fill_tile<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, k_full, by_tma, &p.k_map, tile.hk, krow, map_b,
-                                               gk + (i64)j * BN * p.k_ss, p.k_ss, rows, p.head_dim, ptid);
-                mbar_wait(bar(T::V_EMPTY, s), empty);
-                fill_tile<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, v_full, by_tma, &p.v_map, tile.hk, krow, map_b,
-                                               gv + (i64)j * BN * p.v_ss, p.v_ss, rows, p.head_dim_v, ptid);
+                const bool by_tma = p.use_tma && (rows >= BN || kv_tail);
+                mbar_wait(bar(value ? T::V_EMPTY : T::K_EMPTY, s), at.free_parity());
+                if (value)
+                    fill_tile<BN, D, T::PRODUCERS>(sV + s * T::KV_BYTES, bar(T::V_FULL, s), by_tma, &p.v_map, tile.hk,
+                                                   krow, map_b, gv + (i64)j * BN * p.v_ss, p.v_ss, rows, p.head_dim_v,
+                                                   ptid);
+                else
+                    fill_tile<BN, D, T::PRODUCERS>(sK + s * T::KV_BYTES, bar(T::K_FULL, s), by_tma, &p.k_map, tile.hk,
+                                                   krow, map_b, gk + (i64)j * BN * p.k_ss, p.k_ss, rows, p.head_dim,
+                                                   ptid);
+            };
+            if constexpr (T::V_LAGS) {
+                for (int it = 0; it <= tile.n_blocks; ++it) {  // (one fill of each kind in the loop: fewer registers)
+                    if (it < tile.n_blocks) fill_kv(false, it, kr);
+                    if (it > 0) fill_kv(true, it - 1, kr.prev());
+                    if (it < tile.n_blocks) ++kr;
+                }
+            } else {
+                for (int it = 0; it < tile.n_blocks; ++it, ++kr) {
+                    fill_kv(false, it, kr);
+                    fill_kv(true, it, kr);
+                }
             }
             // The next item, for all four warps: thread 0 claims it and writes it to shared memory
             // (after the Q slots' items), which none of them reads before the barrier below. (Named
@@ -264,7 +304,8 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         // This warpgroup's 64 query rows of the Q tile (fwd_sm90.cuh: which of them a thread holds).
         const u32 sQw = sQ + qs * T::Q_BYTES + wg * 64 * kSwizzleBytes;
         const int row_base = tile.m0 + 64 * wg + 16 * w + g;
-        FwdRows<D, BN, T::BF16, true> r;
+        // (the row maximum in one chain at head_dim 64, where four measured 1-3% slower at 1k: docs/perf-notes.md)
+        FwdRows<D, BN, T::BF16, true, FRT_FWD_MAX_SLACK, D <= 64 ? 1 : FRT_MAX_CHAINS> r;
         if constexpr (FRT_SOFTCAP) r.cap = Softcap(p.softcap, p.scale_log2);
         if constexpr (FRT_ALIBI) r.alibi = Alibi(p, tile.b, tile.h, tile.vis.shift);
         if constexpr (FRT_SCORE_MOD) r.smod = ScoreMod(p, tile.b, tile.h, tile.vis);
@@ -277,7 +318,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             r.template retire_pv<!T::RESCALE_UNDER_S>();
             if (it > 1) mbar_arrive(bar(T::V_EMPTY, st));
             mbar_wait(bar(T::K_FULL, st), full);
-            if (it > 0) mbar_wait(bar(T::V_FULL, st ^ 1), kr.prev().parity());
+            if (!T::V_LAGS && it > 0) mbar_wait(bar(T::V_FULL, st ^ 1), kr.prev().parity());
             fence_proxy_async();
 
             my_turn();
@@ -285,6 +326,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             wgmma_abt<BN, BM, D / 16, T::BF16>(r.s, sQw, sK + st * T::KV_BYTES);
             wgmma_commit();
             if (it > 0) {
+                if constexpr (T::V_LAGS) mbar_wait_for_wgmma(bar(T::V_FULL, st ^ 1), kr.prev().parity());
                 if constexpr (T::RESCALE_UNDER_S) {
                     r.rescale_o();
                     wgmma_fence();  // (O's rescaled registers before the P V wgmma reads them)
