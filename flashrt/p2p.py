@@ -66,7 +66,7 @@ class _StreamMemOps:
 
 
 _memops = None
-_transports: dict = {}  # group name -> _Transport, or None: NCCL
+_transports: dict = {}  # group name -> (the group, its _Transport or None: NCCL)
 why: dict = {}          # group name -> why this rank could not use the copy engines (where it could not)
 
 
@@ -80,8 +80,13 @@ def transport(g, device: torch.device):
     group's first pass: each rank's host and GPU (by PCI bus id) are gathered, each rank opens its neighbours'
     memory, and the copy engines are used only where every rank succeeded."""
     key = getattr(g, "group_name", None) or id(g)
-    if key in _transports:
-        return _transports[key]
+    known = _transports.get(key)
+    if known is not None and known[0] is g:
+        return known[1]
+    if known is not None and known[1] is not None:  # (a group destroyed and its name given to a new one)
+        torch.cuda.synchronize(known[1].device)
+        dist.barrier(group=g)  # (every rank's copies into and out of the old slots are done before they go)
+        known[1].close()
     global _memops
     cupy = _cupy()
     rt = cupy.cuda.runtime
@@ -110,8 +115,14 @@ def transport(g, device: torch.device):
             if t is not None:
                 t.close()
             t = None
-    _transports[key] = t
+    _transports[key] = (g, t)
     return t
+
+
+def uses_copy_engines(g) -> bool | None:
+    """Whether group g's ring passes go by the copy engines (None: no pass yet)."""
+    known = _transports.get(getattr(g, "group_name", None) or id(g))
+    return None if known is None else known[1] is not None
 
 
 def _everyone(g, ok: bool) -> bool:
