@@ -21,6 +21,7 @@ during CUDA graph capture (the sequence numbers would be baked into the graph).
 from __future__ import annotations
 
 import ctypes
+import logging
 import socket
 
 import torch
@@ -65,6 +66,7 @@ class _StreamMemOps:
             raise RuntimeError(f"{f.__name__} failed: CUresult {rc}")
 
 
+log = logging.getLogger("flashrt")
 _memops = None
 _transports: dict = {}  # group name -> (the group, its _Transport or None: NCCL)
 why: dict = {}          # group name -> why this rank could not use the copy engines (where it could not)
@@ -98,6 +100,9 @@ def transport(g, device: torch.device):
     everyone = [None] * world
     dist.all_gather_object(everyone, facts, group=g)
     ok = all(f[0] == facts[0] and f[2] for f in everyone)
+    if not ok:
+        why[key] = ("FLASHRT_NO_COPY_ENGINE=1 on a rank" if not all(f[2] for f in everyone) and
+                    all(f[0] == facts[0] for f in everyone) else "the ranks span hosts, or a GPU has no bus id")
     t = None
     if ok:
         try:
@@ -116,6 +121,8 @@ def transport(g, device: torch.device):
                 t.close()
             t = None
     _transports[key] = (g, t)
+    log.info("flashrt ring transfers of group %s (%d ranks): %s", key, world,
+             "copy engines" if t is not None else f"NCCL ({why.get(key, 'another rank could not map its neighbours')})")
     return t
 
 
