@@ -101,8 +101,9 @@ def transport(g, device: torch.device):
     dist.all_gather_object(everyone, facts, group=g)
     ok = all(f[0] == facts[0] and f[2] for f in everyone)
     if not ok:
-        why[key] = ("FLASHRT_NO_COPY_ENGINE=1 on a rank" if not all(f[2] for f in everyone) and
-                    all(f[0] == facts[0] for f in everyone) else "the ranks span hosts, or a GPU has no bus id")
+        why[key] = ("a rank's GPU has no PCI bus id" if any(f[1] is None for f in everyone) else
+                    "the ranks span hosts" if any(f[0] != facts[0] for f in everyone) else
+                    "FLASHRT_NO_COPY_ENGINE=1 on a rank")
     t = None
     if ok:
         try:
