@@ -20,6 +20,7 @@ during CUDA graph capture (the sequence numbers would be baked into the graph).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import socket
@@ -75,6 +76,18 @@ why: dict = {}          # group name -> why this rank could not use the copy eng
 def _cupy():
     import cupy
     return cupy
+
+
+@contextlib.contextmanager
+def _current(index: int):
+    """Device `index`'s context current on this thread for the runtime and driver calls inside (launch.make_current),
+    the previous device set back after."""
+    previous = launch.make_current(index)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            _cupy().cuda.runtime.setDevice(previous)
 
 
 def transport(g, device: torch.device):
@@ -171,14 +184,10 @@ class _Transport:
         self.peer_slots = [0, 0]     # the receiver's, mapped here
         self.opened: dict = {}       # rank -> {allocation name: mapped pointer}
         self.flags = 0
-        previous = launch.make_current(self.index)
-        try:
+        with _current(self.index):
             self.flags = rt.malloc(2 * 2 * 2 * 4)
             rt.memset(self.flags, 0, 2 * 2 * 2 * 4)
             rt.deviceSynchronize()
-        finally:
-            if previous is not None:
-                rt.setDevice(previous)
         self.peer_flags: dict = {}
 
     def open_peers(self) -> bool:
@@ -199,12 +208,8 @@ class _Transport:
 
     def _open(self, rank: int, name: str, handle: bytes) -> int:
         rt = _cupy().cuda.runtime
-        previous = launch.make_current(self.index)
-        try:
+        with _current(self.index):
             ptr = rt.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS)
-        finally:
-            if previous is not None:
-                rt.setDevice(previous)
         self.opened.setdefault(rank, {})[name] = ptr
         return ptr
 
@@ -227,14 +232,10 @@ class _Transport:
         if self.peer_slots[direction]:
             rt.ipcCloseMemHandle(self.opened[dst].pop(name))
         dist.barrier(group=self.g)  # (every mapping of the old slots closed before they are freed)
-        previous = launch.make_current(self.index)
-        try:
+        with _current(self.index):
             if self.slots[direction]:
                 rt.free(self.slots[direction])
             self.slots[direction] = rt.malloc(2 * need)
-        finally:
-            if previous is not None:
-                rt.setDevice(previous)
         handles = [None] * self.world
         dist.all_gather_object(handles, bytes(rt.ipcGetMemHandle(self.slots[direction])), group=self.g)
         self.peer_slots[direction] = self._open(dst, name, handles[dst])
@@ -265,8 +266,7 @@ class _Transport:
         into = self.peer_slots[d] + slot * self.capacity[d]
         out_of = self.slots[d] + slot * self.capacity[d]
         ops = _memops
-        previous = launch.make_current(self.index)
-        try:
+        with _current(self.index):
             ops.call(ops.wait, s, _flag(self.flags, _FREE, d, slot), n - 2, _WAIT_GEQ)
             for t, size, off in zip(tensors, sizes, offsets):
                 if size:
@@ -278,9 +278,6 @@ class _Transport:
                 if size:
                     rt.memcpyAsync(t.data_ptr(), out_of + off, size, _MEMCPY_DEFAULT, r)
             ops.call(ops.write, r, _flag(self.peer_flags[self.src[d]], _FREE, d, slot), n, _WRITE_FENCED)
-        finally:
-            if previous is not None:
-                rt.setDevice(previous)
         sent, done = torch.cuda.Event(), torch.cuda.Event()
         sent.record(send)
         recv.wait_event(sent)  # (as NCCL's: after the wait, what was sent may be written again)
