@@ -20,7 +20,9 @@ during CUDA graph capture (the sequence numbers would be baked into the graph).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import socket
 
 import torch
@@ -65,8 +67,9 @@ class _StreamMemOps:
             raise RuntimeError(f"{f.__name__} failed: CUresult {rc}")
 
 
+log = logging.getLogger("flashrt")
 _memops = None
-_transports: dict = {}  # group name -> _Transport, or None: NCCL
+_transports: dict = {}  # group name -> (the group, its _Transport or None: NCCL)
 why: dict = {}          # group name -> why this rank could not use the copy engines (where it could not)
 
 
@@ -75,13 +78,30 @@ def _cupy():
     return cupy
 
 
+@contextlib.contextmanager
+def _current(index: int):
+    """Device `index`'s context current on this thread for the runtime and driver calls inside (launch.make_current),
+    the previous device set back after."""
+    previous = launch.make_current(index)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            _cupy().cuda.runtime.setDevice(previous)
+
+
 def transport(g, device: torch.device):
     """The group's copy-engine transport, or None (NCCL). Decided once per group by every rank together, at the
     group's first pass: each rank's host and GPU (by PCI bus id) are gathered, each rank opens its neighbours'
     memory, and the copy engines are used only where every rank succeeded."""
     key = getattr(g, "group_name", None) or id(g)
-    if key in _transports:
-        return _transports[key]
+    known = _transports.get(key)
+    if known is not None and known[0] is g:
+        return known[1]
+    if known is not None and known[1] is not None:  # (a group destroyed and its name given to a new one)
+        torch.cuda.synchronize(known[1].device)
+        dist.barrier(group=g)  # (every rank's copies into and out of the old slots are done before they go)
+        known[1].close()
     global _memops
     cupy = _cupy()
     rt = cupy.cuda.runtime
@@ -93,6 +113,10 @@ def transport(g, device: torch.device):
     everyone = [None] * world
     dist.all_gather_object(everyone, facts, group=g)
     ok = all(f[0] == facts[0] and f[2] for f in everyone)
+    if not ok:
+        why[key] = ("a rank's GPU has no PCI bus id" if any(f[1] is None for f in everyone) else
+                    "the ranks span hosts" if any(f[0] != facts[0] for f in everyone) else
+                    "FLASHRT_NO_COPY_ENGINE=1 on a rank")
     t = None
     if ok:
         try:
@@ -110,8 +134,16 @@ def transport(g, device: torch.device):
             if t is not None:
                 t.close()
             t = None
-    _transports[key] = t
+    _transports[key] = (g, t)
+    log.info("flashrt ring transfers of group %s (%d ranks): %s", key, world,
+             "copy engines" if t is not None else f"NCCL ({why.get(key, 'another rank could not map its neighbours')})")
     return t
+
+
+def uses_copy_engines(g) -> bool | None:
+    """Whether group g's ring passes go by the copy engines (None: no pass yet)."""
+    known = _transports.get(getattr(g, "group_name", None) or id(g))
+    return None if known is None else known[1] is not None
 
 
 def _everyone(g, ok: bool) -> bool:
@@ -152,14 +184,10 @@ class _Transport:
         self.peer_slots = [0, 0]     # the receiver's, mapped here
         self.opened: dict = {}       # rank -> {allocation name: mapped pointer}
         self.flags = 0
-        previous = launch.make_current(self.index)
-        try:
+        with _current(self.index):
             self.flags = rt.malloc(2 * 2 * 2 * 4)
             rt.memset(self.flags, 0, 2 * 2 * 2 * 4)
             rt.deviceSynchronize()
-        finally:
-            if previous is not None:
-                rt.setDevice(previous)
         self.peer_flags: dict = {}
 
     def open_peers(self) -> bool:
@@ -180,12 +208,8 @@ class _Transport:
 
     def _open(self, rank: int, name: str, handle: bytes) -> int:
         rt = _cupy().cuda.runtime
-        previous = launch.make_current(self.index)
-        try:
+        with _current(self.index):
             ptr = rt.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS)
-        finally:
-            if previous is not None:
-                rt.setDevice(previous)
         self.opened.setdefault(rank, {})[name] = ptr
         return ptr
 
@@ -208,14 +232,10 @@ class _Transport:
         if self.peer_slots[direction]:
             rt.ipcCloseMemHandle(self.opened[dst].pop(name))
         dist.barrier(group=self.g)  # (every mapping of the old slots closed before they are freed)
-        previous = launch.make_current(self.index)
-        try:
+        with _current(self.index):
             if self.slots[direction]:
                 rt.free(self.slots[direction])
             self.slots[direction] = rt.malloc(2 * need)
-        finally:
-            if previous is not None:
-                rt.setDevice(previous)
         handles = [None] * self.world
         dist.all_gather_object(handles, bytes(rt.ipcGetMemHandle(self.slots[direction])), group=self.g)
         self.peer_slots[direction] = self._open(dst, name, handles[dst])
@@ -246,8 +266,7 @@ class _Transport:
         into = self.peer_slots[d] + slot * self.capacity[d]
         out_of = self.slots[d] + slot * self.capacity[d]
         ops = _memops
-        previous = launch.make_current(self.index)
-        try:
+        with _current(self.index):
             ops.call(ops.wait, s, _flag(self.flags, _FREE, d, slot), n - 2, _WAIT_GEQ)
             for t, size, off in zip(tensors, sizes, offsets):
                 if size:
@@ -259,9 +278,6 @@ class _Transport:
                 if size:
                     rt.memcpyAsync(t.data_ptr(), out_of + off, size, _MEMCPY_DEFAULT, r)
             ops.call(ops.write, r, _flag(self.peer_flags[self.src[d]], _FREE, d, slot), n, _WRITE_FENCED)
-        finally:
-            if previous is not None:
-                rt.setDevice(previous)
         sent, done = torch.cuda.Event(), torch.cuda.Event()
         sent.record(send)
         recv.wait_event(sent)  # (as NCCL's: after the wait, what was sent may be written again)

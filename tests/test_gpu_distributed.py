@@ -150,7 +150,7 @@ def _copy_engine_vs_nccl(rank):
     nccl = dist.new_group(list(range(WORLD)))
     fd.ring_attention(*(fd.shard_sequence(t) for t in _inputs(1, 256, 2, 2, 64, seed=1)[:3]), group=nccl)
     del os.environ["FLASHRT_NO_COPY_ENGINE"]
-    assert p2p._transports[nccl.group_name] is None
+    assert p2p.uses_copy_engines(nccl) is False
     cases = [(1, 1024, 4, 4, 64, True), (2, 2048, 8, 2, 128, True), (1, 1024, 4, 4, 64, False),
              (1, 4096, 4, 4, 128, True), (1, 1024, 4, 4, 64, True)]
     results = {}
@@ -161,9 +161,12 @@ def _copy_engine_vs_nccl(rank):
             local = [fd.shard_sequence(t).requires_grad_() for t in (q, k, v)]
             out = fd.ring_attention(*local, group=group, causal=causal, check=False)
             runs.append([out, *torch.autograd.grad(out, local, fd.shard_sequence(dout))])
+            if i == 0 and group is None:
+                first = p2p._transports[dist.group.WORLD.group_name][1]
         results[name] = runs
-    world = dist.group.WORLD.group_name
-    assert p2p._transports[world] is not None, f"the default group took NCCL: {p2p.why.get(world)}"
+    world = dist.group.WORLD
+    assert p2p.uses_copy_engines(world), f"the default group took NCCL: {p2p.why.get(world.group_name)}"
+    assert p2p._transports[world.group_name][1] is first, "the transport was made again (the group not recognised)"
     torch.cuda.synchronize()
     for i, (a, b) in enumerate(zip(results["copy engine"], results["nccl"])):
         for what, x, y in zip(("out", "dq", "dk", "dv"), a, b):
@@ -180,8 +183,8 @@ def _four_ranks_on_shared_gpus(rank):
     cases = [(1, 2048, 4, 2, 64, True, "zigzag", False), (2, 1024, 4, 4, 128, False, "contiguous", False),
              (1, 4096, 8, 2, 128, True, "zigzag", False)]
     _ring_vs_single(rank, cases, check=False)
-    world = dist.group.WORLD.group_name
-    assert p2p._transports[world] is not None, f"the ring took NCCL: {p2p.why.get(world)}"
+    world = dist.group.WORLD
+    assert p2p.uses_copy_engines(world), f"the ring took NCCL: {p2p.why.get(world.group_name)}"
 
 
 def test_ring_of_four_by_copy_engines_on_shared_gpus():
