@@ -304,7 +304,8 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         // This warpgroup's 64 query rows of the Q tile (fwd_sm90.cuh: which of them a thread holds).
         const u32 sQw = sQ + qs * T::Q_BYTES + wg * 64 * kSwizzleBytes;
         const int row_base = tile.m0 + 64 * wg + 16 * w + g;
-        // (the row maximum in one chain at head_dim 64, where four measured 1-3% slower at 1k: docs/perf-notes.md)
+        // (the row maximum in one chain at head_dim 64, where four measured 1-3% slower at 1k: docs/perf-notes.md: The
+        // producer, the ring and the epilogue)
         FwdRows<D, BN, T::BF16, true, FRT_FWD_MAX_SLACK, D <= 64 ? 1 : FRT_MAX_CHAINS> r;
         if constexpr (FRT_SOFTCAP) r.cap = Softcap(p.softcap, p.scale_log2);
         if constexpr (FRT_ALIBI) r.alibi = Alibi(p, tile.b, tile.h, tile.vis.shift);
