@@ -312,29 +312,23 @@ FRT_DEVICE void mbar_arrive_cp_async(u32 bar) {
 FRT_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
 }
+// (the spin on mbarrier `bar` (%0) until phase `parity` (%1) completes; inside braces, so its label is local)
+#define FRT_MBAR_SPIN                                                   \
+    ".reg .pred done;\n"                                                \
+    "WAIT:\n"                                                           \
+    "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"        \
+    "@!done bra WAIT;\n"
 FRT_DEVICE void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" :: "r"(bar), "r"(parity) : "memory");
+    asm volatile("{\n" FRT_MBAR_SPIN "}\n" :: "r"(bar), "r"(parity) : "memory");
 }
 
 // mbar_wait for a buffer that only wgmma (the async proxy) reads after it, placed between another wgmma's issue and
 // its wait: no memory clobber (beside the wgmmas one made ptxas serialise them; volatile asm keeps its place among
 // the wgmma asm), and the proxy fence that makes a cp.async fill of the buffer visible to wgmma, in the same asm.
 FRT_DEVICE void mbar_wait_for_wgmma(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "fence.proxy.async.shared::cta;\n"
-        "}\n" :: "r"(bar), "r"(parity));
+    asm volatile("{\n" FRT_MBAR_SPIN "fence.proxy.async.shared::cta;\n}\n" :: "r"(bar), "r"(parity));
 }
+#undef FRT_MBAR_SPIN
 
 // A position in a ring of STAGES buffers, each guarded by mbarriers (a "full" one the consumers wait on, an
 // "empty" one the producers wait on): fill n (n = count) uses slot n % STAGES, in phase n / STAGES of that

@@ -134,9 +134,9 @@ FRT_DEVICE int key_tile(const Tile& tile, int it) {
 
 // A producer's fill of one ROWS x D tile at s_tile, completing the mbarrier `full` (one arrival per producer):
 // by TMA from `map` at (head h, row, batch entry b) when by_tma (all its rows inside the sequence, or the missing ones
-// past the tensor's end: TMA_TAILS; thread 0 issues and announces the whole box's bytes, the others arrive), else by the zero-filling cp.async copy of its first
-// `rows` rows and `cols` columns from g (row stride `stride`). (The map's bounds are the tensor's: TMA fills the
-// columns past a padded head_dim with zeros and counts their bytes.)
+// past the tensor's end: TMA_TAILS; thread 0 issues and announces the whole box's bytes, the others arrive), else by
+// the zero-filling cp.async copy of its first `rows` rows and `cols` columns from g (row stride `stride`). (The map's
+// bounds are the tensor's: TMA fills the columns past a padded head_dim with zeros and counts their bytes.)
 template <int ROWS, int D, int PRODUCERS>
 FRT_DEVICE void fill_tile(u32 s_tile, u32 full, bool by_tma, const void* map, int h, int row, int b, const u16* g,
                           i64 stride, int rows, int cols, int ptid) {
