@@ -58,13 +58,13 @@ struct FwdRows {
     FRT_DEVICE void retire_pv() {
         wgmma_wait<0>();
         fence_operand(o);
-        if constexpr (RESCALE) {
-            if (MAX_SLACK == 0 || !__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) rescale_o();
-        }
+        if constexpr (RESCALE) rescale_o();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) acc_to_a_frag<BN / 2, BF16>(s, kk, pa[kk]);
     }
+    // O *= alpha, skipped by a warp whose rows all kept their maximum (MAX_SLACK: alpha exactly 1)
     FRT_DEVICE void rescale_o() {
+        if (MAX_SLACK > 0 && __all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
         for (int jj = 0; jj < D / 8; ++jj)
 #pragma unroll
