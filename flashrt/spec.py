@@ -100,8 +100,10 @@ SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192,
 # The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
 CLASSIFY = ("mask_map", "mask_rows", "mask_cols")
 # Families launched as programmatic dependents of the kernel before them on sm_90+ (KernelSpec.programmatic): each waits
-# for that kernel's grid (common.cuh: wait_previous_grid) before it reads what that kernel wrote.
-PROGRAMMATIC = ("mask_check", "decode_combine", "bwd_fused_sm90")
+# for that kernel's grid (common.cuh: wait_previous_grid) before it reads what that kernel wrote, and ends no sooner.
+# -> the family that must come right before it (launch.Sequence checks), or None: any. (The fused wgmma backward reads
+# the caller's K and V before its wait: bwd_preprocess, an ordinary launch, has seen every earlier kernel end.)
+PROGRAMMATIC = {"mask_check": None, "decode_combine": None, "bwd_fused_sm90": "bwd_preprocess"}
 # Families that read no q, k or v: one compiled kernel serves every head_dim and dtype (fixed at 64 and bf16,
 # not in the name; tiles.check_spec, tiles.classifier_spec).
 NO_INPUTS = CLASSIFY + ("mask_check",)

@@ -592,6 +592,18 @@ def test_programmatic_families_from_sm_90():
     assert combine.programmatic and not dataclasses.replace(combine, arch="sm_80").programmatic
 
 
+def test_a_programmatic_launch_follows_the_kernel_it_must():
+    """launch.Sequence refuses a fused wgmma backward launched after anything but bwd_preprocess (it reads K and V
+    before it waits for the kernel ahead of it: spec.PROGRAMMATIC)."""
+    fused = KernelSpec("bwd_fused_sm90", 128, "bf16", 64, 128, 12, False, "sm_90a")
+    pre = KernelSpec("bwd_preprocess", 128, "bf16", 0, 0, 8, False, "sm_90a")
+    convert = dataclasses.replace(pre, family="bwd_dq_convert")
+    launch.Sequence(None, [(pre, (1, 1, 1), 0), (fused, (1, 1, 1), 1), (convert, (1, 1, 1), 2)], [b"", b"", b""])
+    for launches in ([(fused, (1, 1, 1), 0)], [(convert, (1, 1, 1), 0), (fused, (1, 1, 1), 1)]):
+        with pytest.raises(launch.LaunchError, match="must follow bwd_preprocess"):
+            launch.Sequence(None, launches, [b""] * len(launches))
+
+
 def test_cluster_launches_carry_their_attribute():
     """launch._launch_config: the cluster dimension (and the programmatic attribute) as cuLaunchKernelEx reads them;
     a cluster over 8 or not dividing the grid's x is refused."""

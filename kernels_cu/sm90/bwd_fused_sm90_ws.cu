@@ -121,7 +121,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                                                 : key_block<T::CAUSAL>(p.sched_key_pairs),
         tid, T::NTHREADS);
     if (ordered) tile.rotate_if_asked(p);
-    if (tile.rows <= 0) return;
+    if (tile.rows <= 0) {  // (a programmatic dependent ends after the grid before it: spec.PROGRAMMATIC)
+        wait_previous_grid();
+        return;
+    }
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
 
     const int wg = block_uniform(tid >> 7);

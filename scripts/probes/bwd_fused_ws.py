@@ -50,7 +50,8 @@ def use_defines(name: str) -> None:
     the fused kernel launched the ordinary way, not as bwd_preprocess's programmatic dependent."""
     opts = tuple(o for o in DEFINES[name] if not o.startswith(("bm64=", "rotate=", "pdl=")))
     pdl = [o != "pdl=0" for o in DEFINES[name] if o.startswith("pdl=")] or [True]
-    programmatic = BASE_PROGRAMMATIC if pdl[0] else tuple(f for f in BASE_PROGRAMMATIC if f != "bwd_fused_sm90")
+    programmatic = BASE_PROGRAMMATIC if pdl[0] else {f: a for f, a in BASE_PROGRAMMATIC.items()
+                                                   if f != "bwd_fused_sm90"}
     bm64 = [int(o[5:]) for o in DEFINES[name] if o.startswith("bm64=")]
     rotate = [float(o[7:]) for o in DEFINES[name] if o.startswith("rotate=")] or [BASE_ROTATION]
     prefs = BASE_TILES if not bm64 else [(64, [(bm64[0], 128, 12)]), *BASE_TILES[1:]]
