@@ -726,6 +726,8 @@ def _backward_plan(tensors, causal, softmax_scale, impl: str, deterministic: boo
             allocs.append(_Alloc(("dq_sem",), (m.B, H, -(-m.Sq // main.block_m)), "i32", 0))
             p["dq_rotate"] = int(rotated(main, splits))
             p["dq_first_store"] = int(main.family == "bwd_fused_sm90" and _first_turn_stores(m))
+        # (bwd_preprocess right before the fused kernel: bwd_fused_sm90, its programmatic dependent, reads the
+        # caller's K and V before it waits for the kernel ahead of it: spec.KernelSpec.programmatic)
         families = ["bwd_preprocess", fused_family, "bwd_dq_convert"]
     elif dq_family == "bwd_dq_sm90":  # it computes delta and lse2 (bwd_preprocess's work) for the dK/dV pass
         families = [dq_family, dkdv_family]

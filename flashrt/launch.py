@@ -14,7 +14,7 @@ import threading
 from functools import lru_cache
 
 from . import cache, nvrtc, params, tiles
-from .spec import CLASSIFY, ELEMENTWISE, KEY_PARALLEL, QUERY_PARALLEL, KernelSpec
+from .spec import CLASSIFY, ELEMENTWISE, KEY_PARALLEL, PROGRAMMATIC, QUERY_PARALLEL, KernelSpec
 
 _DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 _MAX_GRID_YZ = 65535
@@ -214,6 +214,11 @@ class Sequence:
     """
 
     def __init__(self, dev: Device, launches: list, templates: list):
+        for before, (spec, *_) in zip([None, *launches], launches):
+            after = PROGRAMMATIC.get(spec.family) if spec.programmatic else None
+            if after and (before is None or before[0].family != after):
+                raise LaunchError(f"{spec.name} is a programmatic dependent launch that must follow {after}, not "
+                                  f"{before[0].name if before else 'nothing'} (spec.PROGRAMMATIC)")
         self.dev, self.launches, self.templates = dev, launches, templates
         self._local = threading.local()
 

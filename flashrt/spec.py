@@ -99,6 +99,11 @@ SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192,
 # (tiles.classifier_spec); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
 # The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
 CLASSIFY = ("mask_map", "mask_rows", "mask_cols")
+# Families launched as programmatic dependents of the kernel before them on sm_90+ (KernelSpec.programmatic): each waits
+# for that kernel's grid (common.cuh: wait_previous_grid) before it reads what that kernel wrote, and ends no sooner.
+# -> the family that must come right before it (launch.Sequence checks), or None: any. (The fused wgmma backward reads
+# the caller's K and V before its wait: bwd_preprocess, an ordinary launch, has seen every earlier kernel end.)
+PROGRAMMATIC = {"mask_check": None, "decode_combine": None, "bwd_fused_sm90": "bwd_preprocess"}
 # Families that read no q, k or v: one compiled kernel serves every head_dim and dtype (fixed at 64 and bf16,
 # not in the name; tiles.check_spec, tiles.classifier_spec).
 NO_INPUTS = CLASSIFY + ("mask_check",)
@@ -292,8 +297,9 @@ class KernelSpec:
     def programmatic(self) -> bool:
         """Launched as a programmatic dependent of the kernel before it (launch.Sequence): it may start while that
         kernel runs, and waits for it where it must (kernels_cu/common/common.cuh: wait_previous_grid). The device
-        check and decode's combine, from sm_90 on (docs/perf-notes.md: Device check of mask arrays; Decode)."""
-        return self.family in ("mask_check", "decode_combine") and int(ARCH_RE.fullmatch(self.arch).group(1)) >= 90
+        check, decode's combine and the fused wgmma backward (after bwd_preprocess), from sm_90 on (docs/perf-notes.md:
+        Device check of mask arrays; Decode; Per-block fixed cost)."""
+        return self.family in PROGRAMMATIC and int(ARCH_RE.fullmatch(self.arch).group(1)) >= 90
 
     # -- geometry: the traits structs' rules in kernels_cu/ -----------------------------
     def layout_problem(self) -> str | None:

@@ -580,6 +580,30 @@ def test_decode_splits_merge_in_a_cluster_where_measured_faster():
         tiles.DECODE_CLUSTER_SPLITS = 8
 
 
+def test_programmatic_families_from_sm_90():
+    """The fused wgmma backward (after bwd_preprocess) and decode's combine start under the kernel before them on
+    sm_90+ (programmatic dependents); not the kernels ahead of them, nor anything before sm_90."""
+    fused = KernelSpec("bwd_fused_sm90", 128, "bf16", 64, 128, 12, False, "sm_90a")
+    assert fused.programmatic and not dataclasses.replace(fused, family="bwd_dkdv_sm90", warps=8).programmatic
+    assert not KernelSpec("bwd_preprocess", 128, "bf16", 0, 0, 8, False, "sm_90a").programmatic
+    decode = tiles.decode_spec(128, "bf16", 4, "sm_90a", SMEM_OPTIN[90])
+    assert not decode.programmatic  # (decode.cu itself: its combine is the dependent)
+    combine = dataclasses.replace(decode, family="decode_combine", head_dim=256)
+    assert combine.programmatic and not dataclasses.replace(combine, arch="sm_80").programmatic
+
+
+def test_a_programmatic_launch_follows_the_kernel_it_must():
+    """launch.Sequence refuses a fused wgmma backward launched after anything but bwd_preprocess (it reads K and V
+    before it waits for the kernel ahead of it: spec.PROGRAMMATIC)."""
+    fused = KernelSpec("bwd_fused_sm90", 128, "bf16", 64, 128, 12, False, "sm_90a")
+    pre = KernelSpec("bwd_preprocess", 128, "bf16", 0, 0, 8, False, "sm_90a")
+    convert = dataclasses.replace(pre, family="bwd_dq_convert")
+    launch.Sequence(None, [(pre, (1, 1, 1), 0), (fused, (1, 1, 1), 1), (convert, (1, 1, 1), 2)], [b"", b"", b""])
+    for launches in ([(fused, (1, 1, 1), 0)], [(convert, (1, 1, 1), 0), (fused, (1, 1, 1), 1)]):
+        with pytest.raises(launch.LaunchError, match="must follow bwd_preprocess"):
+            launch.Sequence(None, launches, [b""] * len(launches))
+
+
 def test_cluster_launches_carry_their_attribute():
     """launch._launch_config: the cluster dimension (and the programmatic attribute) as cuLaunchKernelEx reads them;
     a cluster over 8 or not dividing the grid's x is refused."""

@@ -153,6 +153,12 @@ FRT_DEVICE void load_tile_tma(u32 s_tile, const void* map, u32 bar, int h, int r
             : "memory");
 }
 
+// Brings `map` (a CUtensorMap, the address of a __grid_constant__ kernel parameter) into the TMA unit's descriptor
+// cache ahead of its first load, as FlashAttention-3 / 4 do at a kernel's start.
+FRT_DEVICE void prefetch_tensormap(const void* map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(map) : "memory");
+}
+
 // ---------------------------------------------------------------------------------------
 // Matrix descriptor (PTX ISA 9.7.15.5.1.2.2), a 64-bit register operand of wgmma:
 //   bits  0-13  start address:                 (addr & 0x3FFFF) >> 4

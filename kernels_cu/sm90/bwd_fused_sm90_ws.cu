@@ -121,7 +121,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                                                 : key_block<T::CAUSAL>(p.sched_key_pairs),
         tid, T::NTHREADS);
     if (ordered) tile.rotate_if_asked(p);
-    if (tile.rows <= 0) return;
+    if (tile.rows <= 0) {  // (a programmatic dependent ends after the grid before it: spec.PROGRAMMATIC)
+        wait_previous_grid();
+        return;
+    }
     const int it_begin = block_uniform(tile.it_begin), it_end = block_uniform(tile.it_end);
 
     const int wg = block_uniform(tid >> 7);
@@ -132,6 +135,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             // K and V by TMA where all of the tile's keys exist, else by loads and stores
             const u32 kv_full = bar(T::KV_FULL, 0);
             const i64 krow0 = tile.vis.k_row0 + tile.n0;
+            if (p.use_tma && lane == 0) {
+                prefetch_tensormap(&p.q_map);
+                prefetch_tensormap(&p.do_map);
+            }
             if (p.use_tma && tile.live == BN) {
                 if (lane == 0) {
                     const int kb = (T::MASK & MASK_LENGTHS) && p.cu_k ? 0 : tile.b;  // packed varlen: one entry
@@ -148,6 +155,10 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
                                             tile.live, p.head_dim_v, lane);
                 mbar_arrive(kv_full);
             }
+            // Launched as bwd_preprocess's programmatic dependent (spec.KernelSpec.programmatic), this block may have
+            // started while the preprocess runs: K and V (the caller's) are on their way, lse2 and delta (its) are
+            // read once it has finished, its writes visible (docs/perf-notes.md: Per-block fixed cost).
+            wait_previous_grid();
             Ring<S> r;
             for (int it = it_begin; it < it_end; ++it, ++r) {
                 const int s = (int)r.slot();
@@ -162,6 +173,7 @@ __device__ void bwd_fused_sm90_ws(const BwdParams& p) {
             }
         } else if (warp == 1 && lane == 0) {  // ---- the dQ writer ----
             const int* job = reinterpret_cast<const int*>(smem + (sJob - smem_base));
+            wait_previous_grid();  // (dq_accum zeroed by bwd_preprocess: above)
             Ring<1> staged;  // the dQ stage's fills so far (one slot)
             for (int it = it_begin; it < it_end; ++it, ++staged) {
                 mbar_wait(bar(T::DQ_FULL, 0), staged.parity());  // both warpgroups have staged the pair's dQ and job

@@ -10,7 +10,8 @@ H = 2048 // head_dim), or with --gqa at GQA prefill shapes (head_dim 128). TFLOP
 4 B H S^2 D, halved when causal. Prints a table last.
 --defines: an A/B of compile-time switches in one process: the fused variants are checked and timed once per named
 set of NVRTC defines (the kernels reloaded at each switch), the split pair once; an item "bm64=64" sets the fused
-kernel's query tile at head_dim 64, "rotate=0" turns the ordered non-causal rotation off (tiles.rotate_ordered_dq).
+kernel's query tile at head_dim 64, "rotate=0" turns the ordered non-causal rotation off (tiles.rotate_ordered_dq),
+"pdl=0" launches the fused kernel the ordinary way (spec.PROGRAMMATIC).
 --no-sm90: the same for the mma.sync fused kernel and split pair (FLASHRT_NO_SM90=1).
 --softcap C / --alibi: every call (forward, backward, reference) with softcap=C / ALiBi's geometric (H,) slopes.
 """
@@ -30,6 +31,7 @@ BASE_TILES = list(tiles._PREFERENCES["bwd_fused_sm90"])
 BASE_MOD_TILES = list(tiles._SCORE_MOD_PREFERENCES["bwd_fused_sm90"])
 BASE_ALIBI_TILES = list(tiles._ALIBI_PREFERENCES["bwd_fused_sm90"])
 BASE_ROTATION = tiles.ORDERED_ROTATION_SM_SHARE
+BASE_PROGRAMMATIC = spec.PROGRAMMATIC
 DEFINES: dict[str, tuple] = {"": ()}  # name -> NVRTC options added, and "bm64=M" (--defines)
 MODS: dict = {}  # --softcap's cap, --alibi
 
@@ -44,8 +46,12 @@ def mods(H: int) -> dict:
 def use_defines(name: str) -> None:
     """Compile and load the kernels with the named set of defines from here on (a separate cache entry each); a
     "bm64=M" item: the fused kernel's query tile of M rows at head_dim 64 (with a score modification too);
-    "rotate=X": tiles.ORDERED_ROTATION_SM_SHARE (0: the ordered non-causal kernel's query tiles in order)."""
-    opts = tuple(o for o in DEFINES[name] if not o.startswith(("bm64=", "rotate=")))
+    "rotate=X": tiles.ORDERED_ROTATION_SM_SHARE (0: the ordered non-causal kernel's query tiles in order); "pdl=0":
+    the fused kernel launched the ordinary way, not as bwd_preprocess's programmatic dependent."""
+    opts = tuple(o for o in DEFINES[name] if not o.startswith(("bm64=", "rotate=", "pdl=")))
+    pdl = [o != "pdl=0" for o in DEFINES[name] if o.startswith("pdl=")] or [True]
+    programmatic = BASE_PROGRAMMATIC if pdl[0] else {f: a for f, a in BASE_PROGRAMMATIC.items()
+                                                   if f != "bwd_fused_sm90"}
     bm64 = [int(o[5:]) for o in DEFINES[name] if o.startswith("bm64=")]
     rotate = [float(o[7:]) for o in DEFINES[name] if o.startswith("rotate=")] or [BASE_ROTATION]
     prefs = BASE_TILES if not bm64 else [(64, [(bm64[0], 128, 12)]), *BASE_TILES[1:]]
@@ -54,8 +60,9 @@ def use_defines(name: str) -> None:
     if (spec.NVRTC_OPTIONS != BASE_OPTIONS + opts or tiles._PREFERENCES["bwd_fused_sm90"] != prefs
             or tiles._SCORE_MOD_PREFERENCES["bwd_fused_sm90"] != mod_prefs
             or tiles._ALIBI_PREFERENCES["bwd_fused_sm90"] != alibi_prefs
-            or tiles.ORDERED_ROTATION_SM_SHARE != rotate[0]):
+            or tiles.ORDERED_ROTATION_SM_SHARE != rotate[0] or spec.PROGRAMMATIC != programmatic):
         spec.NVRTC_OPTIONS = BASE_OPTIONS + opts
+        spec.PROGRAMMATIC = programmatic
         tiles._PREFERENCES["bwd_fused_sm90"] = prefs
         tiles._SCORE_MOD_PREFERENCES["bwd_fused_sm90"] = mod_prefs
         tiles._ALIBI_PREFERENCES["bwd_fused_sm90"] = alibi_prefs
