@@ -47,6 +47,9 @@
 #ifndef FRT_FWD_TMA_TAILS  // (0: an A/B of FwdWsTraits::TMA_TAILS)
 #define FRT_FWD_TMA_TAILS 1
 #endif
+#ifndef FRT_FWD_FREE_LOOP  // (0: an A/B of the causal loop below the diagonal where key and query tiles differ)
+#define FRT_FWD_FREE_LOOP 1
+#endif
 #ifndef FRT_FWD_EARLY_Q  // (0: an A/B of FwdWsTraits::EARLY_Q)
 #define FRT_FWD_EARLY_Q 1
 #endif
@@ -366,6 +369,19 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                 else
                     r.template softmax_diagonal<BN / 16, BN / 8>(tile, j, row_base, t, p.scale_log2);
                 ++it, ++kr;
+            }
+        }
+        // Causal without mask bits where key and query tiles differ (head_dim 192 / 256, 192-row tiles at 64): the
+        // key tiles wholly below the diagonal for every row (all of the first row's keys, inside both sequences:
+        // Visibility::all_visible), visited first, take a loop of their own without the mask test; the tiles of the
+        // diagonal the loop below, as before (docs/perf-notes.md: Causal work items).
+        if constexpr (T::CAUSAL && T::MASK == 0 && BN != BM && FRT_FWD_FREE_LOOP) {
+            const int below = tile.m0 + BM <= tile.vis.Lq ? min(tile.vis.Lk, tile.m0 + tile.vis.shift + 1) : 0;
+            const int n_free = min(max(0, below) / BN - tile.n_first, n_blocks);
+            for (; it < n_free; ++it, ++kr) {
+                const int n0 = key_step(it) * BN;
+                r.mod_scores(row_base, n0, t);
+                r.online(p.scale_log2, row_base, n0, t);
             }
         }
         for (; it < n_blocks; ++it, ++kr) {
