@@ -371,12 +371,12 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                 ++it, ++kr;
             }
         }
-        // Causal without mask bits where key and query tiles differ (head_dim 192 / 256, 192-row tiles at 64): the
-        // key tiles wholly below the diagonal for every row (all of the first row's keys, inside both sequences:
-        // Visibility::all_visible), visited first, take a loop of their own without the mask test; the tiles of the
-        // diagonal the loop below, as before (docs/perf-notes.md: Causal work items). Not with 16-bit dropout draws:
-        // its second copy of online spilled 12 bytes at head_dim 64's 192-row tiles (128 registers; NVRTC 12.9, 13.0).
-        if constexpr (T::CAUSAL && T::MASK == 0 && BN != BM && FRT_DROPOUT != 16 && FRT_FWD_FREE_LOOP) {
+        // Causal without mask bits where key and query tiles differ (head_dim 192 / 256): the key tiles wholly below
+        // the diagonal for every row (all of the first row's keys, inside both sequences: Visibility::all_visible),
+        // visited first, take a loop of their own without the mask test; the tiles of the diagonal the loop below, as
+        // before. Not at head_dim 64's 192-row tiles: 1-2% slower there, and 12 bytes spilled with 16-bit dropout
+        // draws (docs/perf-notes.md: Causal work items).
+        if constexpr (T::CAUSAL && T::MASK == 0 && BN != BM && BM != 192 && FRT_FWD_FREE_LOOP) {
             const int below = tile.m0 + BM <= tile.vis.Lq ? min(tile.vis.Lk, tile.m0 + tile.vis.shift + 1) : 0;
             const int n_free = min(max(0, below) / BN - tile.n_first, n_blocks);
             for (; it < n_free; ++it, ++kr) {
