@@ -25,6 +25,10 @@ CASES = [
     (2, 600, 500, 16, 4, 64, False, torch.float16),
     # whole tiles on the diagonal: fwd_sm90_ws's diagonal loop (head_dim 64 here; 128 in the case above)
     (2, 256, 256, 4, 2, 64, True, torch.bfloat16),
+    # key tiles wholly below the diagonal where key and query tiles differ: fwd_sm90_ws's unmasked causal loop at 192
+    # (112-key tiles) and 256 (80), ragged last tiles
+    (1, 390, 380, 2, 1, 192, True, torch.float16),
+    (1, 384, 400, 2, 2, 256, True, torch.bfloat16),
     # long query sequences: fwd_sm90_ws's 192-row tiles and three consumer warpgroups at head_dim 64 (tiles.long_rows)
     (1, 4200, 4200, 2, 1, 64, True, torch.bfloat16),
     (1, 4160, 4300, 2, 2, 64, False, torch.float16),
