@@ -126,7 +126,7 @@ def _variants():
                             out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask,
                                                  dropout=bits))
                             if family == "fwd_sm90_ws" and tiles.long_rows(family, d, 1 << 30):  # (192-row tiles)
-                                for m in {mask, 0}:  # (causal without masks: the loop below the diagonal, 16 bytes)
+                                for m in {mask, 0}:  # (causal without masks too: the unmasked loops spilled there)
                                     out.add(tiles.tiling(family, d, "bf16", causal, arch, SMEM_OPTIN[90], m, long=True,
                                                          dropout=bits))
     # v with a head_dim of its own (spec.KernelSpec.head_dims: the mma.sync kernels' columns at compile time), both
