@@ -349,40 +349,36 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             return j;
         };
         int it = 0;
-        // Causal without mask bits, where the last key tile's diagonal is the query tile's (the shift between
-        // queries and keys is a whole number of tiles, as with Sq = Sk or top-left) and its rows and keys lie
-        // inside the sequence: the tiles before it take the softmax without a mask test, and on it each
-        // warpgroup compares only its 64 keys of the diagonal (warpgroup 0's rows, the first 64, see none of the
-        // last 64 keys). A loop of its own: the same tests as branches inside one loop cost 1% at S=1k
-        // (docs/perf-notes.md: Causal work items).
-        if constexpr (T::CAUSAL && T::MASK == 0 && BN == BM) {
-            if (n_blocks > 0 && tile.m0 + BM <= tile.vis.Lq && (tile.n_first + n_blocks) * BN <= tile.vis.Lk &&
-                tile.m0 + tile.vis.shift == (tile.n_first + n_blocks - 1) * BN) {
-                for (; it + 1 < n_blocks; ++it, ++kr) {
+        // Causal without mask bits: the key tiles visible to every row, visited first, take the softmax without a
+        // mask test, in a loop of their own (the same tests as branches inside one loop cost 1% at S=1k;
+        // docs/perf-notes.md: Causal work items).
+        // - BN == BM, where the last key tile's diagonal is the query tile's (the shift between queries and keys a
+        //   whole number of tiles, as with Sq = Sk or top-left) and its rows and keys lie inside the sequence: every
+        //   tile but that last one; on it each warpgroup compares only its 64 keys of the diagonal (warpgroup 0's
+        //   rows, the first 64, see none of the last 64 keys).
+        // - BN != BM (head_dim 192 / 256): the tiles wholly below the diagonal (all of the first row's keys, inside
+        //   both sequences: Visibility::all_visible in closed form); the diagonal's the loop below. Not at head_dim
+        //   64's 192-row tiles: 1-2% slower there, and 12 bytes spilled with 16-bit dropout draws.
+        if constexpr (T::CAUSAL && T::MASK == 0 && (BN == BM || (BM != 192 && FRT_FWD_FREE_LOOP))) {
+            const bool diagonal = BN == BM && n_blocks > 0 && tile.m0 + BM <= tile.vis.Lq &&
+                                  (tile.n_first + n_blocks) * BN <= tile.vis.Lk &&
+                                  tile.m0 + tile.vis.shift == (tile.n_first + n_blocks - 1) * BN;
+            if (BN != BM || diagonal) {
+                const int below = tile.m0 + BM <= tile.vis.Lq ? min(tile.vis.Lk, tile.m0 + tile.vis.shift + 1) : 0;
+                const int n_free = diagonal ? n_blocks - 1 : min(max(0, below) / BN - tile.n_first, n_blocks);
+                for (; it < n_free; ++it, ++kr) {
                     const int n0 = key_step(it) * BN;
                     r.mod_scores(row_base, n0, t);
                     r.online(p.scale_log2, row_base, n0, t);
                 }
-                const int j = key_step(it);
-                if (wg == 0)
-                    r.template softmax_diagonal<0, BN / 16>(tile, j, row_base, t, p.scale_log2);
-                else
-                    r.template softmax_diagonal<BN / 16, BN / 8>(tile, j, row_base, t, p.scale_log2);
-                ++it, ++kr;
-            }
-        }
-        // Causal without mask bits where key and query tiles differ (head_dim 192 / 256): the key tiles wholly below
-        // the diagonal for every row (all of the first row's keys, inside both sequences: Visibility::all_visible),
-        // visited first, take a loop of their own without the mask test; the tiles of the diagonal the loop below, as
-        // before. Not at head_dim 64's 192-row tiles: 1-2% slower there, and 12 bytes spilled with 16-bit dropout
-        // draws (docs/perf-notes.md: Causal work items).
-        if constexpr (T::CAUSAL && T::MASK == 0 && BN != BM && BM != 192 && FRT_FWD_FREE_LOOP) {
-            const int below = tile.m0 + BM <= tile.vis.Lq ? min(tile.vis.Lk, tile.m0 + tile.vis.shift + 1) : 0;
-            const int n_free = min(max(0, below) / BN - tile.n_first, n_blocks);
-            for (; it < n_free; ++it, ++kr) {
-                const int n0 = key_step(it) * BN;
-                r.mod_scores(row_base, n0, t);
-                r.online(p.scale_log2, row_base, n0, t);
+                if (diagonal) {
+                    const int j = key_step(it);
+                    if (wg == 0)
+                        r.template softmax_diagonal<0, BN / 16>(tile, j, row_base, t, p.scale_log2);
+                    else
+                        r.template softmax_diagonal<BN / 16, BN / 8>(tile, j, row_base, t, p.scale_log2);
+                    ++it, ++kr;
+                }
             }
         }
         for (; it < n_blocks; ++it, ++kr) {
