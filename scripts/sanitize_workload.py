@@ -167,6 +167,8 @@ def decode_cases():
     decode_case(2, 2, 8, 2, 128, 300, 32, 3, [0, 250], softcap=20.0)  # softcap and ALiBi ((H,) and (B, H)
     decode_case(2, 3, 8, 2, 64, 200, 0, 2, [7, 190], alibi_slopes=torch.rand(8, device="cuda"))  # slopes): decode.cu
     decode_case(2, 1, 16, 4, 128, 300, 16, 0, [0, 280], alibi_slopes=torch.rand(2, 16, device="cuda"))
+    decode_case(2, 1, 16, 2, 192, 400, 0, 2, [130, 399])  # rows whose chunks do not divide the threads: in order,
+    decode_case(2, 4, 16, 2, 240, 300, 16, 0, [64, 290])  # paged, and a last partial round (32-key tiles)
     q, kc, vc, kn, vn, table = decode_case(2, 2, 8, 2, 128, 256, 64, 2, [10, 20])
     flat_k, flat_v = (torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     table[1, 1] = 1 << 20

@@ -35,7 +35,9 @@ def _variants():
                 for dtype in ("bf16", "fp16"):
                     for causal in (False, True):
                         out.add(tiles.tiling(family, d, dtype, causal, arch, limit))
-        for d in (8, 72, 128, 256):  # kernels_cu/sm80/decode.cu, one per block_m: off the 16-byte grid, 128, 256
+        # kernels_cu/sm80/decode.cu, one per block_m: off the 16-byte grid, 128, 256, and rows whose 16-byte chunks do not
+        # divide the threads (its loader's second form; at 240 a last partial round at 32 and 16-key tiles)
+        for d in (8, 72, 128, 192, 240, 256):
             out.update(tiles.decode_variants(d, "bf16" if d % 16 else "fp16", arch, limit))  # (all: the GPU run)
     out.update(tiles.decode_variants(128, "bf16", "sm_86", SMEM_OPTIN[86]))  # (smaller tiles, fewer warps: 99 KB)
     # the backward with 99 KB (sm_86, sm_89) where its fallback tiles take over (2 warps spilled 16-540 bytes there)

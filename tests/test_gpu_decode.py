@@ -143,6 +143,13 @@ CASES = [  # B, Sq, H, Hkv, D, capacity, page_size, new, num_splits, dtype
     (2, 3, 8, 2, 64, 900, 64, True, 2, "bf16"),
     (2, 8, 8, 8, 128, 600, 256, True, 0, "fp16"),
     (1, 1, 8, 1, 128, 20000, 0, True, 0, "bf16"),  # one sequence over many splits
+    # rows whose 16-byte chunks do not divide the threads (decode.cu's loader takes a tile's chunks in order):
+    # contiguous, pages of 16 and 64 keys, and at 240 / 208 a last partial round (32-key tiles)
+    (3, 1, 16, 2, 192, 1500, 0, True, 0, "bf16"),
+    (2, 2, 12, 4, 96, 1100, 16, True, 0, "bf16"),
+    (2, 1, 8, 2, 160, 900, 64, True, 3, "fp16"),
+    (2, 4, 16, 2, 240, 700, 0, True, 2, "bf16"),
+    (2, 8, 16, 2, 208, 600, 16, True, 0, "bf16"),
 ]
 
 

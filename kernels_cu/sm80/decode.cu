@@ -185,12 +185,19 @@ __device__ void decode(const DecodeParams& p) {
     const u16* nbase = p.k_new + b * p.kn_sb + hk * p.kn_sh;  // (unused without k_new)
     const i64 nv_gap = p.v_new - p.k_new;
     auto page_of = [&](int key) { return p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size; };
-    // The fast path: a tile of cached keys only (all but a split's first and the sequence's last), a thread on one
-    // 16-byte column of every RS-th row.
-    constexpr bool FAST = T::NTHREADS % CPR == 0 && T::D % 16 == 0;
+    // The fast path: a tile of cached keys only (all but a split's first and the sequence's last). A thread's u-th of
+    // its LOADS 16-byte chunks is (chunk_row(u), chunk_col(u)): where a row's CPR chunks divide the threads, one column
+    // of every RS-th row; else (rows of 48, 80, 96, ..., 240 elements) the tile's chunks in order, NTHREADS apart, any
+    // past the tile's end skipped. (Those head_dims took the general path before: head_dim 192 at about half head_dim
+    // 256's bandwidth; docs/perf-notes.md, Decode: the loader.)
+    constexpr bool FAST = T::D % 16 == 0, COLUMNS = T::NTHREADS % CPR == 0;
     constexpr int RS = T::NTHREADS / CPR;
-    static_assert(!FAST || BN % RS == 0, "the fast path's rows tile the key tile");
-    const int r0 = tid / CPR, c0 = tid % CPR;
+    static_assert(!COLUMNS || BN % RS == 0, "the fast path's rows tile the key tile");
+    const int r0 = tid / CPR, c0 = tid % CPR, tr = COLUMNS ? r0 : 0, tc = COLUMNS ? c0 : 0;
+    auto chunk_row = [&](int u) { return COLUMNS ? r0 + u * RS : (tid + u * T::NTHREADS) / CPR; };
+    auto chunk_col = [&](int u) { return COLUMNS ? c0 : (tid + u * T::NTHREADS) % CPR; };
+    auto chunk_in = [&](int u) { return COLUMNS || BN * CPR % T::NTHREADS == 0 || tid + u * T::NTHREADS < BN * CPR; };
+    auto chunk_key = [&](int k0, int u) { return COLUMNS ? k0 + r0 + u * RS : k0 + chunk_row(u); };  // (its key)
     auto load_kv = [&](u32 stage, int j) {
         const u32 sK = stage, sV = stage + BN * LD;
         const int k0 = j * BN;
@@ -199,32 +206,36 @@ __device__ void decode(const DecodeParams& p) {
             // more, a power of two): a base pointer and a constant row step.
             const bool one_page = pages && p.page_shift >= 0 && ((BN - 1) >> p.page_shift) == 0;
             if (!pages || one_page) {
-                const u16* ks = kbase + (i64)(k0 + r0) * p.kc_ss + c0 * 8;
+                // (ks: this thread's first chunk in columns, else the tile's start)
+                const u16* ks = kbase + (i64)(k0 + tr) * p.kc_ss + tc * 8;
                 bool ok = true;
                 if (one_page) {
                     const int pg = pages[k0 >> p.page_shift];
                     ok = page_ok(pg);
-                    ks = kbase + (i64)pg * p.kc_sb + (i64)((k0 & (p.page_size - 1)) + r0) * p.kc_ss + c0 * 8;
+                    ks = kbase + (i64)pg * p.kc_sb + (i64)((k0 & (p.page_size - 1)) + tr) * p.kc_ss + tc * 8;
                 }
 #pragma unroll
                 for (int u = 0; u < LOADS; ++u) {
-                    const u16* at = ok ? ks + u * RS * p.kc_ss : p.q;
-                    cp_async16(sK + chunk_at<SWZ>(r0 + u * RS, c0, LD), at, ok);
-                    cp_async16(sV + chunk_at<SWZ>(r0 + u * RS, c0, LD), ok ? at + kv_gap : p.q, ok);
+                    if (!chunk_in(u)) continue;
+                    const int r = chunk_row(u), c = chunk_col(u);
+                    const u16* at = ok ? ks + (COLUMNS ? u * RS * p.kc_ss : r * p.kc_ss + c * 8) : p.q;
+                    cp_async16(sK + chunk_at<SWZ>(r, c, LD), at, ok);
+                    cp_async16(sV + chunk_at<SWZ>(r, c, LD), ok ? at + kv_gap : p.q, ok);
                 }
                 return;
             }
             int pg[LOADS];
 #pragma unroll
-            for (int u = 0; u < LOADS; ++u) pg[u] = pages[page_of(k0 + r0 + u * RS)];
+            for (int u = 0; u < LOADS; ++u) pg[u] = chunk_in(u) ? pages[page_of(chunk_key(k0, u))] : 0;
 #pragma unroll
             for (int u = 0; u < LOADS; ++u) {
-                const int key = k0 + r0 + u * RS;
+                if (!chunk_in(u)) continue;
+                const int r = chunk_row(u), c = chunk_col(u), key = chunk_key(k0, u);
                 const bool ok = page_ok(pg[u]);
-                const u16* at = ok ? kbase + (pg[u] * p.kc_sb + (key - page_of(key) * p.page_size) * p.kc_ss) + c0 * 8
+                const u16* at = ok ? kbase + (pg[u] * p.kc_sb + (key - page_of(key) * p.page_size) * p.kc_ss) + c * 8
                                    : p.q;
-                cp_async16(sK + chunk_at<SWZ>(r0 + u * RS, c0, LD), at, ok);
-                cp_async16(sV + chunk_at<SWZ>(r0 + u * RS, c0, LD), ok ? at + kv_gap : p.q, ok);
+                cp_async16(sK + chunk_at<SWZ>(r, c, LD), at, ok);
+                cp_async16(sV + chunk_at<SWZ>(r, c, LD), ok ? at + kv_gap : p.q, ok);
             }
             return;
         }
