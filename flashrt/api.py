@@ -125,11 +125,14 @@ def _kernel_for(family: str, D: int, Q: Array, m: masks.Masking, dev, softcap: b
                 dropout: int = 0, head_dims: tuple = ()):
     """tiles.kernel_for with this call's dtype, mask, softcap, ALiBi, score_mod, dropout (its bits: _drop_bits) and
     query length (tiles.long_rows); `head_dims`: q's and v's head_dims, which a spec.V_DIM_FAMILIES kernel takes
-    where they differ."""
+    where they differ, and fwd_sm90_ws where its instance pads them (tiles.qk_width, v_width)."""
     spec = tiles.kernel_for(family, D, Q.dtype, m.causal, dev, m.bits, m.mask_mod, m.mod_tensors, softcap, alibi,
                             tiles.long_rows(family, D, m.Sq, m.causal), m.score_mod, dropout)
     if family in V_DIM_FAMILIES and head_dims and head_dims[0] != head_dims[1]:
         spec = dataclasses.replace(spec, head_dims=tuple(head_dims))
+    if head_dims and family == "fwd_sm90_ws":  # (at a head_dim its instance pads: S and O over its own columns)
+        spec = dataclasses.replace(spec, qk_width=tiles.qk_width(family, D, head_dims[0]),
+                                   v_width=tiles.v_width(family, D, head_dims[1]))
     return spec
 
 

@@ -40,7 +40,7 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
-from . import _env, nvrtc, params
+from . import _env, nvrtc, params, tiles
 from ._version import __version__
 from .spec import MASK_BITS, KernelSpec
 
@@ -206,15 +206,17 @@ def mask_names(spec: KernelSpec) -> list[str]:
 def prewarm_command(spec: KernelSpec) -> str:
     """The `flashrt prewarm` command (by kind) whose variants include `spec` (not for a mask_mod: a manifest)."""
     masked = [n for n in mask_names(spec) if n != "causal"]  # the base matrix has causal and not
-    return (f"flashrt prewarm --arch {spec.arch} --head-dims {spec.head_dim} --dtypes {spec.dtype}"
+    return (f"flashrt prewarm --arch {spec.arch} --head-dims {spec.qk_width or spec.head_dim} --dtypes {spec.dtype}"
             + (f" --masks {','.join(mask_names(spec))}" if masked else ""))
 
 
 def miss_message(spec: KernelSpec) -> str:
     expression = "mask_mod" if spec.mask_mod else "score_mod" if spec.score_mod else ""
+    # (fwd_sm90_ws at a padded head_dim: the kinds' matrix holds its widths where v's head_dim is q's, cli.matrix)
+    own_v = spec.head_dims or spec.v_width != tiles.v_width(spec.family, spec.head_dim, spec.qk_width or spec.head_dim)
     by_kind = (f"its {expression} expression is part of the variant, so only a manifest prewarms it"
                if expression else "its v head_dim of its own is part of the variant, so only a manifest prewarms it"
-               if spec.head_dims else f"or fill the cache by kind: {prewarm_command(spec)}")
+               if own_v else f"or fill the cache by kind: {prewarm_command(spec)}")
     return (f"flashrt: kernel {spec.name} is not in the cache ({cache_dir()}) and FLASHRT_NO_COMPILE=1 forbids "
             f"compiling it; record a manifest with FLASHRT_RECORD=/path/manifest.json on a machine that runs the "
             f"workload, then run: flashrt prewarm --manifest /path/manifest.json --arch {spec.arch} "

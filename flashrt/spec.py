@@ -103,6 +103,9 @@ CLASSIFY = ("mask_map", "mask_rows", "mask_cols")
 # for that kernel's grid (common.cuh: wait_previous_grid) before it reads what that kernel wrote, and ends no sooner.
 # -> the family that must come right before it (launch.Sequence checks), or None: any. (The fused wgmma backward reads
 # the caller's K and V before its wait: bwd_preprocess, an ordinary launch, has seen every earlier kernel end.)
+# The widths of O (wgmma N) fwd_sm90_ws takes below its instance (KernelSpec.v_width; kernels_cu/common/wgmma.cuh:
+# wgmma_rs)
+V_WIDTHS = (64, 96, 128, 160, 192, 224)
 PROGRAMMATIC = {"mask_check": None, "decode_combine": None, "bwd_fused_sm90": "bwd_preprocess"}
 # Families that read no q, k or v: one compiled kernel serves every head_dim and dtype (fixed at 64 and bf16,
 # not in the name; tiles.check_spec, tiles.classifier_spec).
@@ -198,6 +201,10 @@ class KernelSpec:
                                     # p and the seed are run-time arguments), 0 for none
     # (q's and k's head_dim, v's) where they differ (V_DIM_FAMILIES; the larger is head_dim), or () for both head_dim
     head_dims: tuple = ()
+    # fwd_sm90_ws at a head_dim it pads (tiles.qk_width, tiles.v_width): the columns S = Q K^T covers (a multiple of 16
+    # under head_dim), and those O = P V does (one of wgmma's widths, V_WIDTHS, under head_dim); 0 for head_dim
+    qk_width: int = 0
+    v_width: int = 0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -239,6 +246,14 @@ class KernelSpec:
                                or any(d not in HEAD_DIMS for d in self.head_dims)):
             raise ValueError(f"head_dims (q's and k's, v's) must differ, their larger being head_dim "
                              f"({self.head_dim}), for {V_DIM_FAMILIES}; got {self.head_dims!r} for {self.family}")
+        if self.qk_width and (self.family != "fwd_sm90_ws" or self.qk_width % 16 or not 0 < self.qk_width
+                              < self.head_dim):
+            raise ValueError(f"qk_width (the columns S covers, a multiple of 16 under head_dim, {self.head_dim}) is "
+                             f"fwd_sm90_ws's; got {self.qk_width!r} for {self.family}")
+        if self.v_width and (self.family != "fwd_sm90_ws" or self.v_width not in V_WIDTHS
+                             or not self.v_width < self.head_dim):
+            raise ValueError(f"v_width (the columns O covers, one of {V_WIDTHS} under head_dim, {self.head_dim}) is "
+                             f"fwd_sm90_ws's; got {self.v_width!r} for {self.family}")
         if len(self.mod_tensors) > MAX_MOD_TENSORS:
             raise ValueError(f"a mask_mod expression reads at most {MAX_MOD_TENSORS} tensors")
         if self.score_mod:
@@ -285,6 +300,10 @@ class KernelSpec:
             mask += f"_drop{self.dropout}"
         if self.head_dims:
             mask += f"_qk{self.head_dims[0]}v{self.head_dims[1]}"
+        if self.qk_width:
+            mask += f"_s{self.qk_width}"
+        if self.v_width:
+            mask += f"_o{self.v_width}"
         what = self.family if self.family in CLASSIFY else f"{self.family}_hd{self.head_dim}_{self.dtype}"
         occupancy = f"b{self.min_blocks}" if self.min_blocks > 1 else ""
         return f"flashrt_{what}_{mask}_m{self.block_m}n{self.block_n}w{self.warps}{occupancy}_{self.arch}"
@@ -511,6 +530,10 @@ class KernelSpec:
         }
         if self.family == "fwd_sm90_ws":
             defines["FRT_Q_SLOTS"] = self.q_slots
+            if self.qk_width:
+                defines["FRT_QK_WIDTH"] = self.qk_width
+            if self.v_width:
+                defines["FRT_V_WIDTH"] = self.v_width
         if self.family == "decode":
             defines["FRT_DECODE_STAGES"] = self.decode_stages
         if self.family in SWIZZLED_FAMILIES:

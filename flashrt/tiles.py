@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from . import _env
 from .spec import (ANY_HEAD_DIM, DROPOUT_FAMILIES, ELEMENTWISE, FWD_WS_NO_MASKS, MASK_BITS, SCORE_MOD_FAMILIES,
-                   SM90_HEAD_DIMS, SOFTCAP_FAMILIES, KernelSpec)
+                   SM90_HEAD_DIMS, SOFTCAP_FAMILIES, V_WIDTHS, KernelSpec)
 
 if TYPE_CHECKING:
     from .launch import Device
@@ -84,6 +84,21 @@ def sm90_head_dim(family: str, head_dim: int) -> int:
     if family not in PADDED_FAMILIES or head_dim < PADDED_FROM:
         return head_dim
     return next((d for d in SM90_HEAD_DIMS[family] if d >= head_dim), head_dim)
+
+
+def qk_width(family: str, instance: int, qk_dim: int) -> int:
+    """The columns fwd_sm90_ws's S = Q K^T covers for q's and k's head_dim `qk_dim` in its `instance` (sm90_head_dim):
+    qk_dim rounded up to 16 where that is under the instance (its tiles, zero past qk_dim, skip the k-steps that would
+    add only zeros: kernels_cu/sm90/fwd_sm90_ws.cu, FwdWsTraits::QK_STEPS), else 0 (all of them)."""
+    width = -(-qk_dim // 16) * 16
+    return width if family == "fwd_sm90_ws" and width < instance else 0
+
+
+def v_width(family: str, instance: int, v_dim: int) -> int:
+    """The columns fwd_sm90_ws's O = P V covers for v's head_dim `v_dim` in its `instance`: the narrowest of
+    spec.V_WIDTHS that holds v_dim, where that is under the instance (FwdWsTraits::DV), else 0 (all of them)."""
+    width = next((w for w in V_WIDTHS if w >= v_dim), instance)
+    return width if family == "fwd_sm90_ws" and width < instance else 0
 
 
 def applies(family: str, head_dim: int, arch: str, mask: int = 0, softcap: bool = False, alibi: bool = False,
@@ -571,7 +586,8 @@ def classifier_spec(consumer: KernelSpec, family: str) -> KernelSpec:
     reads its map or lists: head_dim and dtype fixed (it reads no q/k/v), CLASSIFY_WARPS; the list makers read
     only the map, so they take no mask bits and no expression (one compile serves every mask_mod)."""
     fixed = {"family": family, "head_dim": 64, "dtype": "bf16", "warps": CLASSIFY_WARPS[family], "min_blocks": 1,
-             "softcap": False, "alibi": False, "score_mod": (), "dropout": 0, "head_dims": ()}
+             "softcap": False, "alibi": False, "score_mod": (), "dropout": 0, "head_dims": (), "qk_width": 0,
+             "v_width": 0}
     if family != "mask_map":
         fixed.update(causal=False, mask=0, mask_mod="", mod_tensors=())
     return dataclasses.replace(consumer, **fixed)

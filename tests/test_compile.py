@@ -139,6 +139,17 @@ def _variants():
                 for causal, mask in ((False, 0), (True, sum(MASK_BITS.values()) & ~MASK_BITS["mod"])):
                     spec = tiles.tiling(family, max(dims), "bf16", causal, arch, SMEM_OPTIN[int(arch[3:5])], mask)
                     out.add(dataclasses.replace(spec, head_dims=dims))
+    # fwd_sm90_ws at head_dims it pads (spec.KernelSpec.qk_width, v_width: S and O over their own columns): 48 at 64
+    # (O at 64: all of it), 80 and 96 at 128, 160 at 192, 224 at 256; dense, causal with every built-in mask feature,
+    # the long-row tiling, dropout, softcap
+    for d, width in ((64, 48), (128, 80), (128, 96), (192, 160), (256, 224)):
+        for causal, mask, mod in ((False, 0, {}), (True, sum(MASK_BITS.values()) & ~MASK_BITS["mod"], {}),
+                                  (True, 0, {"dropout": 8}), (False, 0, {"softcap": True})):
+            if tiles.applies("fwd_sm90_ws", d, "sm_90a", mask, **mod):
+                for long in (False, True)[:1 + tiles.long_rows("fwd_sm90_ws", d, 1 << 30)]:
+                    spec = tiles.tiling("fwd_sm90_ws", d, "bf16", causal, "sm_90a", SMEM_OPTIN[90], mask, long=long,
+                                        **mod)
+                    out.add(dataclasses.replace(spec, qk_width=width, v_width=tiles.v_width(spec.family, d, width)))
     # the mma.sync backward with swizzled tiles (_Swizzled), both archs, dense and with every built-in mask feature
     for arch in ARCHS:
         for family in ("bwd_dq", "bwd_dkdv", "bwd_fused"):

@@ -804,3 +804,34 @@ def test_prewarm_matrix_holds_the_kernels_of_padded_head_dims():
     assert not any("_hd128_" in n for n in (s.name for s in cli.matrix("sm_80", SMEM_OPTIN[80], [72], ["bf16"])))
     spec = dataclasses.replace(tiles.tiling("fwd", 192, "bf16", True, "sm_80", SMEM_OPTIN[80]), head_dims=(192, 128))
     assert "only a manifest prewarms it" in cache.miss_message(spec)
+
+
+def test_padded_forward_covers_only_its_own_columns():
+    """fwd_sm90_ws at a head_dim its instance pads: S = Q K^T over q's head_dim rounded up to 16 (tiles.qk_width) and
+    O = P V over the narrowest of V_WIDTHS that holds v's (tiles.v_width): variants of their own (name, defines),
+    refused elsewhere or out of range; the prewarm matrix holds what api._kernel_for picks, the classification kernels
+    drop them, and a cache miss names the prewarm that makes them."""
+    from flashrt import cli
+    from flashrt.spec import V_WIDTHS
+    assert [tiles.qk_width("fwd_sm90_ws", 128, d) for d in (72, 80, 96, 120, 128)] == [80, 80, 96, 0, 0]
+    assert [tiles.v_width("fwd_sm90_ws", 128, d) for d in (40, 72, 96, 112, 128)] == [64, 96, 96, 0, 0]
+    assert tiles.v_width("fwd_sm90_ws", 256, 200) == 224 and tiles.v_width("fwd_sm90_ws", 192, 128) == 128
+    assert tiles.qk_width("fwd_sm90", 128, 96) == tiles.v_width("bwd_dq_sm90", 128, 96) == 0  # (fwd_sm90_ws only)
+    assert all(w % 32 == 0 for w in V_WIDTHS)  # (acc_to_global: whole quads of 8-column groups)
+    base = tiles.tiling("fwd_sm90_ws", 128, "bf16", True, "sm_90a", SMEM_OPTIN[90])
+    spec = dataclasses.replace(base, qk_width=80, v_width=96)
+    assert "_s80_o96_" in spec.name and spec.name != base.name
+    assert {"-DFRT_QK_WIDTH=80", "-DFRT_V_WIDTH=96"} <= set(spec.options())
+    assert not any("WIDTH" in o for o in base.options())
+    for bad in ({"qk_width": 72}, {"qk_width": 128}, {"v_width": 80}, {"v_width": 128}):
+        with pytest.raises(ValueError, match="width"):
+            dataclasses.replace(base, **bad)
+    with pytest.raises(ValueError, match="fwd_sm90_ws's"):
+        dataclasses.replace(tiles.tiling("fwd_sm90", 128, "bf16", True, "sm_90a", SMEM_OPTIN[90]), qk_width=96)
+    rows = tiles.classifier_spec(spec, "mask_rows")
+    assert rows.qk_width == rows.v_width == 0
+    names = {s.name for s in cli.matrix("sm_90a", SMEM_OPTIN[90], [72, 128], ["bf16"])}
+    assert any(n.startswith("flashrt_fwd_sm90_ws_hd128_bf16_full_s80_o96_") for n in names)
+    assert any(n.startswith("flashrt_fwd_sm90_ws_hd128_bf16_full_m") for n in names)  # (128 itself: all columns)
+    assert "--head-dims 80 " in cache.miss_message(spec)  # (72 and 80 make it: v_width 96 from either)
+    assert "only a manifest" in cache.miss_message(dataclasses.replace(base, qk_width=96, v_width=64))  # (v's own)

@@ -413,6 +413,22 @@ struct Ring {
     "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "   \
     "%62, %63}"
 
+#define FRT_WG_D80 FRT_WG_D64, FRT_WG_D8(64), FRT_WG_D8(72)
+#define FRT_WG_D112 FRT_WG_D96, FRT_WG_D8(96), FRT_WG_D8(104)
+#define FRT_WG_R80    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
+    "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, " \
+    "%78, %79}"
+#define FRT_WG_R112    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
+    "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, " \
+    "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, " \
+    "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}"
+
 // One wgmma m64nNk16 with f32 accumulators; TY is the operand type (bf16 or f16), A from
 // shared memory (descriptor) or registers (four 16x2-bit registers, layout above).
 #define FRT_WG_TY(BF16) ((BF16) ? "bf16" : "f16")
@@ -476,26 +492,32 @@ FRT_DEVICE void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d)
 // A from registers (four 16x2-bit registers, layout above), B from shared memory (descriptor).
 template <int N, int TRANS_B, bool BF16 = true>
 FRT_DEVICE void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, int scale_d) {
-    static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma_rs: N = 64, 128, 192 or 256");
+    static_assert(N == 64 || N == 96 || N == 128 || N == 160 || N == 192 || N == 224 || N == 256,
+                  "wgmma_rs: N = 64, 96, 128, 160, 192, 224 or 256");
     static_assert(TRANS_B == 0 || TRANS_B == 1, "wgmma_rs: TRANS_B is 0 or 1");
-    if constexpr (N == 64 && BF16)
-        FRT_WG_RS("m64n64k16", "bf16", FRT_WG_R32, FRT_WG_D32, "{%32, %33, %34, %35}", "%36", "%37", "%38");
-    else if constexpr (N == 64)
-        FRT_WG_RS("m64n64k16", "f16", FRT_WG_R32, FRT_WG_D32, "{%32, %33, %34, %35}", "%36", "%37", "%38");
-    else if constexpr (N == 128 && BF16)
-        FRT_WG_RS("m64n128k16", "bf16", FRT_WG_R64, FRT_WG_D64, "{%64, %65, %66, %67}", "%68", "%69", "%70");
+    // (FRT_WG_RS_N: the bf16 or f16 form of one shape; H = N / 2 accumulator registers, then the operands' indices)
+#define FRT_WG_RS_N(SHAPE, H, IA, IB, IP, IT)                                    \
+    do {                                                                         \
+        if constexpr (BF16)                                                      \
+            FRT_WG_RS(SHAPE, "bf16", FRT_WG_R##H, FRT_WG_D##H, IA, IB, IP, IT); \
+        else                                                                     \
+            FRT_WG_RS(SHAPE, "f16", FRT_WG_R##H, FRT_WG_D##H, IA, IB, IP, IT);  \
+    } while (0)
+    if constexpr (N == 64)
+        FRT_WG_RS_N("m64n64k16", 32, "{%32, %33, %34, %35}", "%36", "%37", "%38");
+    else if constexpr (N == 96)
+        FRT_WG_RS_N("m64n96k16", 48, "{%48, %49, %50, %51}", "%52", "%53", "%54");
     else if constexpr (N == 128)
-        FRT_WG_RS("m64n128k16", "f16", FRT_WG_R64, FRT_WG_D64, "{%64, %65, %66, %67}", "%68", "%69", "%70");
-    else if constexpr (N == 192 && BF16)
-        FRT_WG_RS("m64n192k16", "bf16", FRT_WG_R96, FRT_WG_D96, "{%96, %97, %98, %99}", "%100", "%101", "%102");
+        FRT_WG_RS_N("m64n128k16", 64, "{%64, %65, %66, %67}", "%68", "%69", "%70");
+    else if constexpr (N == 160)
+        FRT_WG_RS_N("m64n160k16", 80, "{%80, %81, %82, %83}", "%84", "%85", "%86");
     else if constexpr (N == 192)
-        FRT_WG_RS("m64n192k16", "f16", FRT_WG_R96, FRT_WG_D96, "{%96, %97, %98, %99}", "%100", "%101", "%102");
-    else if constexpr (BF16)
-        FRT_WG_RS("m64n256k16", "bf16", FRT_WG_R128, FRT_WG_D128, "{%128, %129, %130, %131}", "%132", "%133",
-                  "%134");
+        FRT_WG_RS_N("m64n192k16", 96, "{%96, %97, %98, %99}", "%100", "%101", "%102");
+    else if constexpr (N == 224)
+        FRT_WG_RS_N("m64n224k16", 112, "{%112, %113, %114, %115}", "%116", "%117", "%118");
     else
-        FRT_WG_RS("m64n256k16", "f16", FRT_WG_R128, FRT_WG_D128, "{%128, %129, %130, %131}", "%132", "%133",
-                  "%134");
+        FRT_WG_RS_N("m64n256k16", 128, "{%128, %129, %130, %131}", "%132", "%133", "%134");
+#undef FRT_WG_RS_N
 }
 
 // acc (N columns) = A B^T over 16 KSTEPS columns of k, in k-steps issued back to back, the first overwriting
@@ -526,8 +548,10 @@ FRT_DEVICE void wgmma_abt(float (&acc)[N / 2], const u32 (&a)[KSTEPS][4], u32 s_
 #undef FRT_WG_D48
 #undef FRT_WG_D56
 #undef FRT_WG_D64
+#undef FRT_WG_D80
 #undef FRT_WG_D88
 #undef FRT_WG_D96
+#undef FRT_WG_D112
 #undef FRT_WG_D128
 #undef FRT_WG_R96
 #undef FRT_WG_R128
@@ -537,7 +561,9 @@ FRT_DEVICE void wgmma_abt(float (&acc)[N / 2], const u32 (&a)[KSTEPS][4], u32 s_
 #undef FRT_WG_R48
 #undef FRT_WG_R56
 #undef FRT_WG_R64
+#undef FRT_WG_R80
 #undef FRT_WG_R88
+#undef FRT_WG_R112
 
 // d += A B, issued (not committed): A the K_ROWS / 16 register fragments `a` (acc_to_a_frag), B the
 // MN-major K_ROWS x N shared tile at s_b (desc_mn_major).

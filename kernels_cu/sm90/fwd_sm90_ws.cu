@@ -53,6 +53,12 @@
 #ifndef FRT_FWD_EARLY_Q  // (0: an A/B of FwdWsTraits::EARLY_Q)
 #define FRT_FWD_EARLY_Q 1
 #endif
+#ifndef FRT_QK_WIDTH  // (spec.KernelSpec.qk_width: FwdWsTraits::QK_STEPS)
+#define FRT_QK_WIDTH FRT_HEAD_DIM
+#endif
+#ifndef FRT_V_WIDTH  // (spec.KernelSpec.v_width: FwdWsTraits::DV)
+#define FRT_V_WIDTH FRT_HEAD_DIM
+#endif
 
 namespace frt {
 
@@ -86,6 +92,13 @@ struct FwdWsTraits {
     // tile's softmax, P V and epilogue (docs/perf-notes.md: head_dim 192 and 256).
     static constexpr bool EARLY_Q = Q_SLOTS == 1 && !IDS && FRT_FWD_EARLY_Q;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+    // S = Q K^T over the first FRT_QK_WIDTH columns, O = P V over the first FRT_V_WIDTH (spec.KernelSpec.qk_width,
+    // v_width): a head_dim between the instances (72 .. 120 at 128, 136 .. 184 at 192, ...) loads and keeps its tiles
+    // at the instance's width, zero past its own columns, and skips the k-steps of S and the columns of O that would
+    // hold only those zeros (docs/perf-notes.md: Padded head_dims).
+    static_assert(FRT_QK_WIDTH % 16 == 0 && 0 < FRT_QK_WIDTH && FRT_QK_WIDTH <= D, "fwd_sm90_ws: qk width");
+    static_assert(FRT_V_WIDTH % 16 == 0 && 0 < FRT_V_WIDTH && FRT_V_WIDTH <= D, "fwd_sm90_ws: v width");
+    static constexpr int QK_STEPS = FRT_QK_WIDTH / 16, DV = FRT_V_WIDTH;
     // The consumer warpgroups take turns at the wgmmas (named barriers 4, 5, 7) up to head_dim 128; above it each
     // issues when its operands are there (FlashAttention-3 / 4's choice; docs/perf-notes.md: head_dim 192 and 256)
     static constexpr bool PINGPONG = D <= FRT_FWD_PINGPONG_MAX_D;
@@ -309,7 +322,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
         const int row_base = tile.m0 + 64 * wg + 16 * w + g;
         // (the row maximum in one chain at head_dim 64, where four measured 1-3% slower at 1k: docs/perf-notes.md: The
         // producer, the ring and the epilogue)
-        FwdRows<D, BN, T::BF16, true, FRT_FWD_MAX_SLACK, D <= 64 ? 1 : FRT_MAX_CHAINS> r;
+        FwdRows<T::DV, BN, T::BF16, true, FRT_FWD_MAX_SLACK, D <= 64 ? 1 : FRT_MAX_CHAINS> r;
         if constexpr (FRT_SOFTCAP) r.cap = Softcap(p.softcap, p.scale_log2);
         if constexpr (FRT_ALIBI) r.alibi = Alibi(p, tile.b, tile.h, tile.vis.shift);
         if constexpr (FRT_SCORE_MOD) r.smod = ScoreMod(p, tile.b, tile.h, tile.vis);
@@ -327,7 +340,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
 
             my_turn();
             wgmma_fence();
-            wgmma_abt<BN, BM, D / 16, T::BF16>(r.s, sQw, sK + st * T::KV_BYTES);
+            wgmma_abt<BN, BM, T::QK_STEPS, T::BF16>(r.s, sQw, sK + st * T::KV_BYTES);
             wgmma_commit();
             if (it > 0) {
                 if constexpr (T::V_LAGS) mbar_wait_for_wgmma(bar(T::V_FULL, st ^ 1), kr.prev().parity());
@@ -335,7 +348,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
                     r.rescale_o();
                     wgmma_fence();  // (O's rescaled registers before the P V wgmma reads them)
                 }
-                wgmma_rs_mn<D, BN, T::BF16>(r.o, r.pa, sV + (st ^ 1) * T::KV_BYTES);
+                wgmma_rs_mn<T::DV, BN, T::BF16>(r.o, r.pa, sV + (st ^ 1) * T::KV_BYTES);
                 wgmma_commit();
                 their_turn();
                 wgmma_wait<1>();  // S is complete; P V may still run
@@ -395,7 +408,7 @@ __device__ void fwd_sm90_ws(const FwdParams& p) {
             mbar_wait(bar(T::V_FULL, sl), kr.prev().parity());
             fence_proxy_async();
             wgmma_fence();
-            wgmma_rs_mn<D, BN, T::BF16>(r.o, r.pa, sV + sl * T::KV_BYTES);
+            wgmma_rs_mn<T::DV, BN, T::BF16>(r.o, r.pa, sV + sl * T::KV_BYTES);
             wgmma_commit();
         }
         r.finish_rows(p, tile, wg, w, g, t);
