@@ -182,11 +182,13 @@ def matrix(arch: str, smem_limit: int, head_dims, dtypes, masks=(), softcap: boo
              if tiles.applies(f, d, arch, mask, cap, ali, dropout=drop) and not (mask and f in ELEMENTWISE)
              and f not in ("combine_f32", "combine_rows_f32")}
     # (fwd_sm90_ws at a head_dim it pads: S and O over that head_dim's columns, tiles.qk_width and v_width, as
-    # api._kernel_for)
-    specs = {dataclasses.replace(s, qk_width=tiles.qk_width(s.family, s.head_dim, d),
-                                 v_width=tiles.v_width(s.family, s.head_dim, d)) if s.family == "fwd_sm90_ws"
-             else s for s in specs for d in head_dims if s.family != "fwd_sm90_ws"
-             or tiles.sm90_head_dim(s.family, d) == s.head_dim}
+    # api._kernel_for picks it)
+    def widths(s, d):
+        return dataclasses.replace(s, qk_width=tiles.qk_width(s.family, s.head_dim, d),
+                                   v_width=tiles.v_width(s.family, s.head_dim, d))
+    specs = {s for s in specs if s.family != "fwd_sm90_ws"} | {
+        widths(s, d) for s in specs if s.family == "fwd_sm90_ws" for d in head_dims
+        if tiles.sm90_head_dim(s.family, d) == s.head_dim}
     # (flashrt.combine of fp32 parts: no 16-bit dtype, compiled as bf16 whatever the dtypes)
     specs.update(tiles.tiling(f, 256, "bf16", False, arch, smem_limit) for f in ("combine_f32", "combine_rows_f32"))
     specs.update(s for d in head_dims for t in dtypes for cap, ali, drop in mods if not drop

@@ -95,6 +95,9 @@ V_DIM_FAMILIES = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_fused")
 # rejects the others; tiles.applies chooses among them).
 SM90_HEAD_DIMS = {"fwd_sm90": (64, 128, 192, 256), "fwd_sm90_ws": (64, 128, 192, 256),
                   "bwd_dq_sm90": (64, 128, 192, 256), "bwd_dkdv_sm90": (64, 128, 192, 256), "bwd_fused_sm90": (64, 128)}
+# The widths of O (wgmma's N) fwd_sm90_ws takes under its instance at a head_dim it pads (KernelSpec.v_width;
+# kernels_cu/common/wgmma.cuh: wgmma_rs)
+V_WIDTHS = (64, 96, 128, 160, 192, 224)
 # mask_mod's classification kernels: launched with the tiles of the kernel that reads their lists
 # (tiles.classifier_spec); they read no q/k/v, so head_dim and dtype are fixed and not in the name.
 # The list makers read only the map: no mask bits, no expression (one compile serves every mask_mod).
@@ -103,9 +106,6 @@ CLASSIFY = ("mask_map", "mask_rows", "mask_cols")
 # for that kernel's grid (common.cuh: wait_previous_grid) before it reads what that kernel wrote, and ends no sooner.
 # -> the family that must come right before it (launch.Sequence checks), or None: any. (The fused wgmma backward reads
 # the caller's K and V before its wait: bwd_preprocess, an ordinary launch, has seen every earlier kernel end.)
-# The widths of O (wgmma N) fwd_sm90_ws takes below its instance (KernelSpec.v_width; kernels_cu/common/wgmma.cuh:
-# wgmma_rs)
-V_WIDTHS = (64, 96, 128, 160, 192, 224)
 PROGRAMMATIC = {"mask_check": None, "decode_combine": None, "bwd_fused_sm90": "bwd_preprocess"}
 # Families that read no q, k or v: one compiled kernel serves every head_dim and dtype (fixed at 64 and bf16,
 # not in the name; tiles.check_spec, tiles.classifier_spec).
